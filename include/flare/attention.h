@@ -1,0 +1,84 @@
+// flare/attention.h — exact attention, forward and backward.
+//
+//   O = softmax(mask(bias(softcap(scale · Q Kᵀ)))) · V      (dropout applied to the probabilities)
+//   LSE = log Σ_j exp(score_ij)                             (natural log, before dropout)
+//
+// Shapes (FlashAttention conventions):
+//   fixed length:  q (b, s_q, h_q, d)   k, v (b, s_k, h_kv, d)   o like q   lse (b, h_q, s_q) fp32
+//   varlen:        q (total_q, h_q, d)  k, v (total_k, h_kv, d)  o like q   lse (h_q, total_q) fp32
+//                  with cu_seqlens_q / cu_seqlens_k: int32 (batch + 1), non-decreasing, from 0 to
+//                  the total token count.
+// Semantics:
+//   - GQA/MQA: h_q is a multiple of h_kv; query head i reads kv head i / (h_q / h_kv).
+//   - Masks are aligned to the bottom-right corner when s_q != s_k: query row i sits at key
+//     position i + s_k − s_q. Causal keeps keys j ≤ that position; a sliding window (left, right)
+//     keeps position − left ≤ j ≤ position + right; −1 means unbounded on that side. Causal is the
+//     window (left, 0).
+//   - softcap > 0 replaces a score s by softcap · tanh(s / softcap) (after scaling).
+//   - ALiBi adds −slope_h · |position − j| to the score; slopes are fp32 (h_q) or (b, h_q).
+//   - Dropout zeroes probabilities with probability p and scales survivors by 1/(1−p). The mask is
+//     a pure function of (seed, offset, batch, head, row, column) via Philox 4x32-10, identical on
+//     CPU and GPU, so the backward pass regenerates it.
+//   - A query row that sees no key gets O = 0 and LSE = −inf; its gradients are 0.
+// Every entry point validates all arguments first and writes nothing if it rejects the call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flare/status.h"
+#include "flare/tensor.h"
+
+namespace flare {
+
+// Which implementation runs. kAuto picks the fastest for the tensors' device (CPU flash, or the
+// CUDA kernels). kReference runs the float64 ground truth (CPU tensors only; slow, O(s²) memory).
+enum class Backend : int { kAuto = 0, kReference = 1, kFlash = 2 };
+
+struct AttentionOptions {
+  float softmax_scale = 0.0f;  // 0 → 1/sqrt(head_dim); otherwise finite and > 0
+  bool causal = false;
+  int window_left = -1;        // −1 = unbounded
+  int window_right = -1;       // −1 = unbounded
+  float softcap = 0.0f;        // 0 disables; otherwise finite and > 0
+  TensorView alibi_slopes;     // undefined → none; fp32 (h_q) or (b, h_q), same device as q
+  float dropout_p = 0.0f;      // in [0, 1)
+  uint64_t dropout_seed = 0;
+  uint64_t dropout_offset = 0;
+  bool deterministic = false;  // bitwise-reproducible backward (CPU is always deterministic)
+  Backend backend = Backend::kAuto;
+};
+
+// Packed variable-length batch description. Leave undefined (the default) for fixed length.
+struct VarlenArgs {
+  TensorView cu_seqlens_q;  // int32 (batch + 1)
+  TensorView cu_seqlens_k;  // int32 (batch + 1)
+  int max_seqlen_q = 0;     // ≥ every sequence length; sizes GPU grids
+  int max_seqlen_k = 0;
+  bool defined() const { return cu_seqlens_q.defined() || cu_seqlens_k.defined(); }
+};
+
+// Stream for GPU calls: a cudaStream_t passed as void* so this header needs no CUDA headers.
+// nullptr is the legacy default stream. Ignored for CPU tensors. No entry point synchronises.
+using Stream = void*;
+
+// Forward pass. Writes o and lse.
+Status attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const TensorView& o, const TensorView& lse,
+                         const AttentionOptions& options = {}, const VarlenArgs& varlen = {},
+                         Stream stream = nullptr);
+
+// Backward pass. Given dO and the forward's O and LSE (same options), writes dq, dk, dv
+// (same dtype and shape as q, k, v).
+Status attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                          const TensorView& v, const TensorView& o, const TensorView& lse,
+                          const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                          const AttentionOptions& options = {}, const VarlenArgs& varlen = {},
+                          Stream stream = nullptr);
+
+// Library version string, e.g. "0.1.0".
+const char* version();
+// True when this build carries the CUDA kernels.
+bool cuda_built();
+
+}  // namespace flare

@@ -1,0 +1,64 @@
+// backends.h — the entry points each backend offers to the dispatcher in attention.cpp.
+// Every backend receives a validated AttentionParams and may assume its invariants.
+#pragma once
+
+#include <vector>
+
+#include "core/params.h"
+#include "flare/attention.h"
+
+namespace flare {
+
+// Validate public arguments and fill params (src/core/attention.cpp). Exposed for tests and
+// tools that drive a backend directly.
+Status make_forward_params(const TensorView& q, const TensorView& k, const TensorView& v,
+                           const TensorView& o, const TensorView& lse,
+                           const AttentionOptions& options, const VarlenArgs& varlen,
+                           AttentionParams* p);
+Status make_backward_params(const TensorView& dout, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const TensorView& o, const TensorView& lse,
+                            const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                            const AttentionOptions& options, const VarlenArgs& varlen,
+                            AttentionParams* p);
+
+namespace cpu {
+
+// How the reference computes: float64 throughout (the ground truth), or "naive low precision":
+// scores and softmax in fp32, P rounded to the input dtype before P·V (and dS before dS·K, dSᵀ·Q
+// in the backward). The second gives the error budget of DESIGN.md's tolerance rule.
+enum class RefPrecision { kFloat64, kLowPrecision };
+
+// Dense reference outputs in packed logical order, whatever the input strides:
+// o (total_q, h_q, d), lse (h_q, total_q), dq like o, dk / dv (total_k, h_kv, d).
+// For fixed-length batches row b·s_q + i is sequence b, row i.
+struct RefForward {
+  std::vector<double> o;
+  std::vector<double> lse;
+};
+struct RefBackward {
+  std::vector<double> dq, dk, dv;
+};
+
+// Materialises scores; O(s_q·s_k) memory per (batch, head). Never fails on valid params.
+RefForward reference_forward(const AttentionParams& p, RefPrecision precision);
+// Recomputes the forward internally (does not read p.o / p.lse); reads p.dout.
+RefBackward reference_backward(const AttentionParams& p, RefPrecision precision);
+
+// Writes reference results into the params' output tensors (o/lse or dq/dk/dv), rounding to the
+// output dtype. Used by Backend::kReference.
+void store_forward(const AttentionParams& p, const RefForward& r);
+void store_backward(const AttentionParams& p, const RefBackward& r);
+
+// The tiled online-softmax backend (fp32 accumulation, threads, O(s) extra memory).
+Status flash_forward(const AttentionParams& p);
+Status flash_backward(const AttentionParams& p);
+
+}  // namespace cpu
+
+namespace cuda {
+// Implemented in src/cuda when FLARE_WITH_CUDA, else stubs that return kUnsupported.
+Status forward(const AttentionParams& p, Stream stream);
+Status backward(const AttentionParams& p, Stream stream);
+}  // namespace cuda
+
+}  // namespace flare

@@ -1,0 +1,97 @@
+// numeric.h — fp16 / bf16 <-> fp32 conversions (round to nearest even), host and device, and
+// loads/stores of any supported element type as float. The CPU backends read user tensors with
+// these; the rounding matches the hardware conversions the CUDA kernels use.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "core/host_device.h"
+#include "flare/tensor.h"
+
+namespace flare {
+
+FLARE_HD uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+FLARE_HD float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+FLARE_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+FLARE_HD uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+  const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>((u + rounding) >> 16);
+}
+
+FLARE_HD float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man · 2^-24
+    const float mag = static_cast<float>(man) * (1.0f / 16777216.0f);
+    return sign ? -mag : mag;
+  }
+  if (exp == 31) return bits_float(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+FLARE_HD uint16_t float_to_half(float f) {
+  const uint32_t u = float_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;            // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;           // rounds to >= 65520 → inf
+  if (abs < 0x38800000u) {                                 // below 2^-14: subnormal half
+    // Scale into units of 2^-24 and round to nearest even using float arithmetic.
+    const float mag = bits_float(abs) * 16777216.0f;       // exact (power-of-two scale)
+    const uint32_t m = static_cast<uint32_t>(mag);
+    const float frac = mag - static_cast<float>(m);
+    uint32_t r = m;
+    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++r;
+    return sign | static_cast<uint16_t>(r);
+  }
+  const uint32_t rounding = 0xfffu + ((abs >> 13) & 1u);
+  return sign | static_cast<uint16_t>(((abs + rounding) >> 13) - (112u << 10));
+}
+
+// Round a float to the precision of `dtype` (identity for fp32).
+FLARE_HD float round_to(DType dtype, float x) {
+  if (dtype == DType::kFloat16) return half_to_float(float_to_half(x));
+  if (dtype == DType::kBFloat16) return bf16_to_float(float_to_bf16(x));
+  return x;
+}
+
+FLARE_HD float load_as_float(const void* base, int64_t index, DType dtype) {
+  if (dtype == DType::kFloat16) return half_to_float(static_cast<const uint16_t*>(base)[index]);
+  if (dtype == DType::kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
+  return static_cast<const float*>(base)[index];
+}
+
+FLARE_HD void store_from_float(void* base, int64_t index, DType dtype, float x) {
+  if (dtype == DType::kFloat16) {
+    static_cast<uint16_t*>(base)[index] = float_to_half(x);
+  } else if (dtype == DType::kBFloat16) {
+    static_cast<uint16_t*>(base)[index] = float_to_bf16(x);
+  } else {
+    static_cast<float*>(base)[index] = x;
+  }
+}
+
+// Unit roundoff of a dtype: 2^-11 (fp16), 2^-8 (bf16), 2^-24 (fp32).
+inline double unit_roundoff(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: return 1.0 / 2048.0;
+    case DType::kBFloat16: return 1.0 / 256.0;
+    default: return 1.0 / 16777216.0;
+  }
+}
+
+}  // namespace flare

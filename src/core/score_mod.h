@@ -1,0 +1,44 @@
+// score_mod.h — the definition of which keys a query sees and how its scores are modified.
+//
+// Written once for host and device so the CPU reference, the CPU flash backend and the CUDA
+// kernels cannot disagree. Convention (FlashAttention ≥ 2.1): with s_q != s_k the mask is aligned
+// to the bottom-right corner, i.e. query row i sits at key position i + s_k − s_q.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/host_device.h"
+#include "core/params.h"
+
+namespace flare {
+
+// Key range [lo, hi) that query row `row` may see, clamped to [0, len_k). Empty when lo >= hi.
+struct KeyRange {
+  int lo;
+  int hi;
+};
+
+FLARE_HD KeyRange visible_keys(int row, int len_q, int len_k, int window_left, int window_right) {
+  const int64_t pos = static_cast<int64_t>(row) + len_k - len_q;  // aligned key position
+  int64_t lo = 0, hi = len_k;
+  if (window_left >= 0) lo = pos - window_left > 0 ? pos - window_left : 0;
+  if (window_right >= 0) hi = pos + window_right + 1 < len_k ? pos + window_right + 1 : len_k;
+  if (hi < lo) hi = lo;
+  if (lo > len_k) lo = hi = len_k;
+  if (hi < 0) lo = hi = 0;
+  return {static_cast<int>(lo), static_cast<int>(hi)};
+}
+
+// The ALiBi bias for (row, col): −slope · |row + len_k − len_q − col|.
+FLARE_HD float alibi_bias(float slope, int row, int col, int len_q, int len_k) {
+  const int64_t dist = static_cast<int64_t>(row) + len_k - len_q - col;
+  return -slope * static_cast<float>(dist < 0 ? -dist : dist);
+}
+
+// Slope for (batch b, query head h), or 0 when ALiBi is off.
+FLARE_HD float alibi_slope(const AttentionParams& p, int b, int h) {
+  return p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.0f;
+}
+
+}  // namespace flare

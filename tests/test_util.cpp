@@ -1,0 +1,218 @@
+// test_util.cpp — see test_util.h.
+#include "test_util.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <sstream>
+
+namespace flare::test {
+
+std::string ProblemSpec::describe() const {
+  std::ostringstream s;
+  s << "b=" << batch << " s_q=" << seqlen_q << " s_k=" << seqlen_k << " h=" << heads_q << "/"
+    << heads_kv << " d=" << head_dim << " dtype=" << dtype_name(dtype);
+  if (!varlen_q.empty()) {
+    s << " varlen_q=[";
+    for (size_t i = 0; i < varlen_q.size(); ++i) s << (i ? "," : "") << varlen_q[i];
+    s << "] varlen_k=[";
+    for (size_t i = 0; i < varlen_k.size(); ++i) s << (i ? "," : "") << varlen_k[i];
+    s << "]";
+  }
+  s << " causal=" << options.causal << " window=(" << options.window_left << ","
+    << options.window_right << ") softcap=" << options.softcap << " alibi=" << alibi
+    << " dropout=" << options.dropout_p << " pad=" << pad << " magnitude=" << magnitude
+    << " seed=" << seed;
+  return s.str();
+}
+
+uint64_t test_seed() {
+  static const uint64_t seed = [] {
+    if (const char* env = std::getenv("FLARE_TEST_SEED"))
+      return static_cast<uint64_t>(std::strtoull(env, nullptr, 10));
+    return static_cast<uint64_t>(
+        std::chrono::high_resolution_clock::now().time_since_epoch().count());
+  }();
+  return seed;
+}
+
+Problem make_problem(const ProblemSpec& spec) {
+  Problem pr;
+  pr.spec = spec;
+  std::mt19937_64 rng(spec.seed);
+  const bool varlen = !spec.varlen_q.empty();
+  const int b = varlen ? static_cast<int>(spec.varlen_q.size()) : spec.batch;
+  int64_t total_q = 0, total_k = 0;
+  if (varlen) {
+    pr.cu_q = HostTensor::make(DType::kInt32, {b + 1});
+    pr.cu_k = HostTensor::make(DType::kInt32, {b + 1});
+    auto* cq = reinterpret_cast<int32_t*>(pr.cu_q.bytes.data());
+    auto* ck = reinterpret_cast<int32_t*>(pr.cu_k.bytes.data());
+    cq[0] = ck[0] = 0;
+    int max_q = 0, max_k = 0;
+    for (int i = 0; i < b; ++i) {
+      cq[i + 1] = cq[i] + spec.varlen_q[i];
+      ck[i + 1] = ck[i] + spec.varlen_k[i];
+      max_q = std::max(max_q, spec.varlen_q[i]);
+      max_k = std::max(max_k, spec.varlen_k[i]);
+    }
+    total_q = cq[b];
+    total_k = ck[b];
+    pr.varlen.cu_seqlens_q = pr.cu_q.view;
+    pr.varlen.cu_seqlens_k = pr.cu_k.view;
+    pr.varlen.max_seqlen_q = max_q;
+    pr.varlen.max_seqlen_k = max_k;
+  }
+  auto shape_q = [&](int heads) -> std::vector<int64_t> {
+    if (varlen) return {total_q, heads, spec.head_dim};
+    return {b, spec.seqlen_q, heads, spec.head_dim};
+  };
+  auto shape_k = [&]() -> std::vector<int64_t> {
+    if (varlen) return {total_k, spec.heads_kv, spec.head_dim};
+    return {b, spec.seqlen_k, spec.heads_kv, spec.head_dim};
+  };
+  auto tensor = [&](std::vector<int64_t> shape) {
+    return spec.pad > 0 ? HostTensor::make_padded(spec.dtype, shape, spec.pad)
+                        : HostTensor::make(spec.dtype, shape);
+  };
+  pr.q = tensor(shape_q(spec.heads_q));
+  pr.k = tensor(shape_k());
+  pr.v = tensor(shape_k());
+  pr.o = tensor(shape_q(spec.heads_q));
+  pr.dout = tensor(shape_q(spec.heads_q));
+  pr.dq = tensor(shape_q(spec.heads_q));
+  pr.dk = tensor(shape_k());
+  pr.dv = tensor(shape_k());
+  if (varlen) {
+    pr.lse = HostTensor::make(DType::kFloat32, {spec.heads_q, total_q});
+  } else {
+    pr.lse = HostTensor::make(DType::kFloat32, {b, spec.heads_q, spec.seqlen_q});
+  }
+  pr.q.fill_normal(rng, spec.magnitude);
+  pr.k.fill_normal(rng, spec.magnitude);
+  pr.v.fill_normal(rng);
+  pr.dout.fill_normal(rng);
+  pr.o.poison();
+  pr.lse.poison();
+  pr.dq.poison();
+  pr.dk.poison();
+  pr.dv.poison();
+  pr.options = spec.options;
+  if (spec.alibi) {
+    pr.alibi = spec.alibi_per_batch ? HostTensor::make(DType::kFloat32, {b, spec.heads_q})
+                                    : HostTensor::make(DType::kFloat32, {spec.heads_q});
+    std::uniform_real_distribution<float> slope(0.01f, 1.0f);
+    auto* a = reinterpret_cast<float*>(pr.alibi.bytes.data());
+    for (int64_t i = 0; i < pr.alibi.view.numel(); ++i) a[i] = slope(rng);
+    pr.options.alibi_slopes = pr.alibi.view;
+  }
+  return pr;
+}
+
+AttentionParams Problem::forward_params() const {
+  AttentionParams p;
+  const Status s = make_forward_params(q.view, k.view, v.view, o.view, lse.view, options, varlen, &p);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return p;
+}
+
+AttentionParams Problem::backward_params() const {
+  AttentionParams p;
+  const Status s = make_backward_params(dout.view, q.view, k.view, v.view, o.view, lse.view, dq.view,
+                                        dk.view, dv.view, options, varlen, &p);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return p;
+}
+
+std::vector<double> Problem::read_packed(const HostTensor& t) const {
+  const TensorView& tv = t.view;
+  std::vector<double> out;
+  if (is_varlen()) {
+    out.reserve(static_cast<size_t>(tv.shape[0] * tv.shape[1] * tv.shape[2]));
+    for (int64_t r = 0; r < tv.shape[0]; ++r)
+      for (int64_t h = 0; h < tv.shape[1]; ++h)
+        for (int64_t c = 0; c < tv.shape[2]; ++c) out.push_back(t.get({r, h, c}));
+  } else {
+    out.reserve(static_cast<size_t>(tv.numel()));
+    for (int64_t b = 0; b < tv.shape[0]; ++b)
+      for (int64_t r = 0; r < tv.shape[1]; ++r)
+        for (int64_t h = 0; h < tv.shape[2]; ++h)
+          for (int64_t c = 0; c < tv.shape[3]; ++c) out.push_back(t.get({b, r, h, c}));
+  }
+  return out;
+}
+
+std::vector<double> Problem::read_lse() const {
+  const TensorView& lv = lse.view;
+  std::vector<double> out;
+  if (is_varlen()) {
+    for (int64_t h = 0; h < lv.shape[0]; ++h)
+      for (int64_t r = 0; r < lv.shape[1]; ++r) out.push_back(lse.get({h, r}));
+  } else {
+    // (b, h, s) → (h, b·s + i)
+    for (int64_t h = 0; h < lv.shape[1]; ++h)
+      for (int64_t b = 0; b < lv.shape[0]; ++b)
+        for (int64_t r = 0; r < lv.shape[2]; ++r) out.push_back(lse.get({b, h, r}));
+  }
+  return out;
+}
+
+::testing::AssertionResult within_tolerance(const std::string& name, const std::vector<double>& fast,
+                                            const std::vector<double>& ref,
+                                            const std::vector<double>& naive, DType dtype) {
+  if (fast.size() != ref.size() || naive.size() != ref.size())
+    return ::testing::AssertionFailure() << name << ": size mismatch " << fast.size() << " vs "
+                                         << ref.size() << " vs " << naive.size();
+  double err = 0, naive_err = 0, ref_max = 0;
+  size_t worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(fast[i]))
+      return ::testing::AssertionFailure() << name << "[" << i << "] is NaN (unwritten or invalid)"
+                                           << " seed=" << test_seed();
+    if (std::isinf(ref[i])) {
+      if (fast[i] != ref[i])
+        return ::testing::AssertionFailure() << name << "[" << i << "] = " << fast[i]
+                                             << ", expected " << ref[i];
+      continue;
+    }
+    const double e = std::fabs(fast[i] - ref[i]);
+    if (!(e <= err)) {
+      err = e;
+      worst = i;
+    }
+    naive_err = std::max(naive_err, std::fabs(naive[i] - ref[i]));
+    ref_max = std::max(ref_max, std::fabs(ref[i]));
+  }
+  const double floor = unit_roundoff(dtype) * ref_max;
+  const double bound = 2.0 * naive_err + floor;
+  if (err <= bound) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << name << ": max|fast-ref| = " << err << " at [" << worst << "] (fast " << fast[worst]
+         << ", ref " << ref[worst] << ") exceeds 2*naive_err + floor = 2*" << naive_err << " + "
+         << floor << " = " << bound << " (seed " << test_seed() << ")";
+}
+
+void check_against_reference(const ProblemSpec& spec, bool backward) {
+  SCOPED_TRACE(spec.describe());
+  Problem pr = make_problem(spec);
+  Status s = attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view, pr.options,
+                               pr.varlen);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  const AttentionParams fp = pr.forward_params();
+  const cpu::RefForward ref = cpu::reference_forward(fp, cpu::RefPrecision::kFloat64);
+  const cpu::RefForward naive = cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision);
+  EXPECT_TRUE(within_tolerance("O", pr.read_o(), ref.o, naive.o, spec.dtype));
+  EXPECT_TRUE(within_tolerance("LSE", pr.read_lse(), ref.lse, naive.lse, DType::kFloat32));
+  if (!backward) return;
+  s = attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view,
+                         pr.dq.view, pr.dk.view, pr.dv.view, pr.options, pr.varlen);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  const AttentionParams bp = pr.backward_params();
+  const cpu::RefBackward rb = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
+  const cpu::RefBackward nb = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
+  EXPECT_TRUE(within_tolerance("dQ", pr.read_dq(), rb.dq, nb.dq, spec.dtype));
+  EXPECT_TRUE(within_tolerance("dK", pr.read_dk(), rb.dk, nb.dk, spec.dtype));
+  EXPECT_TRUE(within_tolerance("dV", pr.read_dv(), rb.dv, nb.dv, spec.dtype));
+}
+
+}  // namespace flare::test

@@ -1,0 +1,142 @@
+// test_util.h — shared machinery for flare's tests: host tensors with random contents, NaN
+// poisoning, problem construction (fixed length or varlen, any layout), and DESIGN.md's tolerance
+// rule.
+//
+// Tolerance rule: for each output separately,
+//   max|fast − ref| ≤ 2 · max|naive − ref| + floor,
+// where ref is the float64 reference, naive is the reference computed in the fast path's precision
+// (cpu::RefPrecision::kLowPrecision) and floor = unit_roundoff(dtype) · max|ref| is the rounding
+// noise of storing the result in that dtype. Nothing here is tuned per test.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/backends.h"
+#include "core/numeric.h"
+#include "core/params.h"
+#include "flare/attention.h"
+
+namespace flare::test {
+
+// A dense host tensor that owns its bytes; view() may describe a strided sub-view of it.
+struct HostTensor {
+  std::vector<unsigned char> bytes;
+  TensorView view;
+
+  // Contiguous tensor of `shape`.
+  static HostTensor make(DType dtype, std::vector<int64_t> shape) {
+    HostTensor t;
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    t.bytes.assign(static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_size(dtype), 0);
+    t.view.data = t.bytes.data();
+    t.view.dtype = dtype;
+    t.view.ndim = static_cast<int>(shape.size());
+    int64_t st = 1;
+    for (int i = t.view.ndim - 1; i >= 0; --i) {
+      t.view.shape[i] = shape[i];
+      t.view.stride[i] = st;
+      st *= shape[i];
+    }
+    return t;
+  }
+  // Padded layout: the row (token) dimension gets `pad` extra elements of stride, so strides are
+  // not those of a contiguous tensor (exercises the stride handling of every backend).
+  static HostTensor make_padded(DType dtype, std::vector<int64_t> shape, int64_t pad) {
+    const int nd = static_cast<int>(shape.size());
+    std::vector<int64_t> alloc = shape;
+    alloc[nd - 1] += pad;  // pad the innermost row; last stride stays 1
+    HostTensor t = make(dtype, alloc);
+    t.view.shape[nd - 1] = shape[nd - 1];
+    return t;
+  }
+
+  int64_t offset(const int64_t* idx) const {
+    int64_t o = 0;
+    for (int i = 0; i < view.ndim; ++i) o += idx[i] * view.stride[i];
+    return o;
+  }
+  float get(std::initializer_list<int64_t> idx) const {
+    return load_as_float(view.data, offset(idx.begin()), view.dtype);
+  }
+  void set(std::initializer_list<int64_t> idx, float x) {
+    store_from_float(view.data, offset(idx.begin()), view.dtype, x);
+  }
+  // Fill the whole allocation (padding too) with N(0, sigma²) values rounded to the dtype.
+  void fill_normal(std::mt19937_64& rng, float sigma = 1.0f) {
+    std::normal_distribution<float> dist(0.0f, sigma);
+    const int64_t n = static_cast<int64_t>(bytes.size() / dtype_size(view.dtype));
+    for (int64_t i = 0; i < n; ++i) store_from_float(bytes.data(), i, view.dtype, dist(rng));
+  }
+  void poison() {
+    const int64_t n = static_cast<int64_t>(bytes.size() / dtype_size(view.dtype));
+    for (int64_t i = 0; i < n; ++i)
+      store_from_float(bytes.data(), i, view.dtype, std::numeric_limits<float>::quiet_NaN());
+  }
+};
+
+// One attention problem: sizes, options and all host tensors.
+struct ProblemSpec {
+  int batch = 1;
+  int seqlen_q = 16;
+  int seqlen_k = 16;
+  int heads_q = 2;
+  int heads_kv = 2;
+  int head_dim = 32;
+  DType dtype = DType::kFloat32;
+  std::vector<int> varlen_q;  // non-empty → varlen with these per-sequence lengths
+  std::vector<int> varlen_k;
+  bool alibi = false;
+  bool alibi_per_batch = false;
+  int64_t pad = 0;            // extra row stride (non-contiguous layouts)
+  float magnitude = 1.0f;     // std-dev of q and k entries
+  AttentionOptions options;
+  uint64_t seed = 1;
+  std::string describe() const;
+};
+
+struct Problem {
+  ProblemSpec spec;
+  HostTensor q, k, v, o, lse, dout, dq, dk, dv;
+  HostTensor cu_q, cu_k, alibi;
+  AttentionOptions options;  // spec.options with alibi_slopes set
+  VarlenArgs varlen;
+  bool is_varlen() const { return !spec.varlen_q.empty(); }
+
+  // Validated params for the forward or backward pass (fails the test if rejected).
+  AttentionParams forward_params() const;
+  AttentionParams backward_params() const;
+  // Outputs read back in packed logical order (matching cpu::RefForward / RefBackward).
+  std::vector<double> read_o() const { return read_packed(o); }
+  std::vector<double> read_lse() const;
+  std::vector<double> read_dq() const { return read_packed(dq); }
+  std::vector<double> read_dk() const { return read_packed(dk); }
+  std::vector<double> read_dv() const { return read_packed(dv); }
+  std::vector<double> read_packed(const HostTensor& t) const;
+};
+
+Problem make_problem(const ProblemSpec& spec);
+
+// Seed for this run: FLARE_TEST_SEED from the environment, else a fresh one. Printed by the
+// checks on failure so any failure can be replayed.
+uint64_t test_seed();
+
+// DESIGN.md's rule for one output; adds a gtest failure naming the output and the numbers.
+// Positions where ref is −inf (LSE of fully masked rows) must be exactly −inf in `fast`.
+::testing::AssertionResult within_tolerance(const std::string& name, const std::vector<double>& fast,
+                                            const std::vector<double>& ref,
+                                            const std::vector<double>& naive, DType dtype);
+
+// Runs forward (and backward if `backward`) with the given backend on freshly poisoned outputs and
+// checks every output against the float64 reference under the tolerance rule.
+void check_against_reference(const ProblemSpec& spec, bool backward);
+
+}  // namespace flare::test
