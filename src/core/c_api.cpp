@@ -1,0 +1,149 @@
+// c_api.cpp — the extern "C" mirror: converts C structs to flare types, calls the C++ entry
+// points, and turns a Status into a code plus a thread-local message. Nothing crosses the ABI as
+// an exception: allocation failures while converting are reported as FLARE_OUT_OF_MEMORY.
+#include "flare/c_api.h"
+
+#include <initializer_list>
+#include <new>
+#include <string>
+
+#include "flare/attention.h"
+
+namespace {
+
+thread_local std::string g_last_error;
+
+// A flare_tensor's ndim indexes fixed arrays of kMaxDims, so it is checked (by rank_error) before
+// the tensor is converted.
+flare::TensorView to_view(const flare_tensor* t) {
+  flare::TensorView v;
+  if (t == nullptr) return v;
+  v.data = t->data;
+  v.dtype = static_cast<flare::DType>(t->dtype);
+  v.device = static_cast<flare::DeviceType>(t->device);
+  v.device_index = t->device_index;
+  v.ndim = t->ndim;
+  for (int i = 0; i < flare::kMaxDims; ++i) {
+    v.shape[i] = t->shape[i];
+    v.stride[i] = t->stride[i];
+  }
+  return v;
+}
+
+flare::AttentionOptions to_options(const flare_attention_options* o) {
+  flare::AttentionOptions r;
+  if (o == nullptr) return r;
+  r.softmax_scale = o->softmax_scale;
+  r.causal = o->causal != 0;
+  r.window_left = o->window_left;
+  r.window_right = o->window_right;
+  r.softcap = o->softcap;
+  r.alibi_slopes = to_view(&o->alibi_slopes);
+  r.dropout_p = o->dropout_p;
+  r.dropout_seed = o->dropout_seed;
+  r.dropout_offset = o->dropout_offset;
+  r.deterministic = o->deterministic != 0;
+  r.backend = static_cast<flare::Backend>(o->backend);
+  return r;
+}
+
+flare::VarlenArgs to_varlen(const flare_varlen* v) {
+  flare::VarlenArgs r;
+  if (v == nullptr) return r;
+  r.cu_seqlens_q = to_view(&v->cu_seqlens_q);
+  r.cu_seqlens_k = to_view(&v->cu_seqlens_k);
+  r.max_seqlen_q = v->max_seqlen_q;
+  r.max_seqlen_k = v->max_seqlen_k;
+  return r;
+}
+
+// Records the message without letting an allocation failure escape: the code still reaches the
+// caller, with an empty message.
+int fail(int code, const char* message) {
+  try {
+    g_last_error = message;
+  } catch (...) {
+    g_last_error.clear();
+  }
+  return code;
+}
+
+template <typename F>
+int guarded(F&& f) {
+  try {
+    const flare::Status s = f();
+    return s.ok() ? FLARE_OK : fail(static_cast<int>(s.code()), s.message().c_str());
+  } catch (const std::bad_alloc&) {
+    return fail(FLARE_OUT_OF_MEMORY, "host allocation failed");
+  } catch (...) {
+    return fail(FLARE_INTERNAL, "unexpected exception inside flare");
+  }
+}
+
+// Each tensor argument with its name, so a bad rank is reported against the argument it belongs to.
+struct NamedTensor {
+  const char* name;
+  const flare_tensor* tensor;
+};
+
+flare::Status rank_error(std::initializer_list<NamedTensor> tensors,
+                         const flare_attention_options* options, const flare_varlen* varlen) {
+  auto check = [](const char* name, const flare_tensor* t) {
+    if (t == nullptr || (t->ndim >= 0 && t->ndim <= flare::kMaxDims)) return flare::Status();
+    return flare::Status::invalid_argument(std::string(name) + ": ndim = " +
+                                           std::to_string(t->ndim) + " must be in [0, " +
+                                           std::to_string(flare::kMaxDims) + "]");
+  };
+  for (const NamedTensor& n : tensors) FLARE_RETURN_IF_ERROR(check(n.name, n.tensor));
+  if (options != nullptr) FLARE_RETURN_IF_ERROR(check("alibi_slopes", &options->alibi_slopes));
+  if (varlen != nullptr) {
+    FLARE_RETURN_IF_ERROR(check("cu_seqlens_q", &varlen->cu_seqlens_q));
+    FLARE_RETURN_IF_ERROR(check("cu_seqlens_k", &varlen->cu_seqlens_k));
+  }
+  return {};
+}
+
+}  // namespace
+
+extern "C" {
+
+flare_attention_options flare_default_options(void) {
+  flare_attention_options o{};
+  o.window_left = -1;
+  o.window_right = -1;
+  return o;
+}
+
+int flare_attention_forward(const flare_tensor* q, const flare_tensor* k, const flare_tensor* v,
+                            const flare_tensor* o, const flare_tensor* lse,
+                            const flare_attention_options* options, const flare_varlen* varlen,
+                            void* stream) {
+  return guarded([&] {
+    FLARE_RETURN_IF_ERROR(
+        rank_error({{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"lse", lse}}, options, varlen));
+    return flare::attention_forward(to_view(q), to_view(k), to_view(v), to_view(o), to_view(lse),
+                                    to_options(options), to_varlen(varlen), stream);
+  });
+}
+
+int flare_attention_backward(const flare_tensor* dout, const flare_tensor* q,
+                             const flare_tensor* k, const flare_tensor* v, const flare_tensor* o,
+                             const flare_tensor* lse, const flare_tensor* dq,
+                             const flare_tensor* dk, const flare_tensor* dv,
+                             const flare_attention_options* options, const flare_varlen* varlen,
+                             void* stream) {
+  return guarded([&] {
+    FLARE_RETURN_IF_ERROR(rank_error({{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"o", o},
+                                      {"lse", lse}, {"dq", dq}, {"dk", dk}, {"dv", dv}},
+                                     options, varlen));
+    return flare::attention_backward(to_view(dout), to_view(q), to_view(k), to_view(v), to_view(o),
+                                     to_view(lse), to_view(dq), to_view(dk), to_view(dv),
+                                     to_options(options), to_varlen(varlen), stream);
+  });
+}
+
+const char* flare_last_error(void) { return g_last_error.c_str(); }
+const char* flare_version(void) { return flare::version(); }
+int flare_cuda_built(void) { return flare::cuda_built() ? 1 : 0; }
+
+}  // extern "C"
