@@ -21,6 +21,11 @@
 //     CPU and GPU, so the backward pass regenerates it.
 //   - A query row that sees no key gets O = 0 and LSE = −inf; its gradients are 0.
 // Every entry point validates all arguments first and writes nothing if it rejects the call.
+// Beyond shapes, dtypes and devices it requires: data pointers aligned to the element size,
+// element offsets that fit int64, outputs (o, dq, dk, dv) that do not overlap themselves (no
+// broadcast strides), and, for CPU tensors, cu_seqlens that start at 0, never decrease, end at the
+// packed token count and stay within max_seqlen. cu_seqlens on the GPU are not read by the host
+// (that would need a synchronisation): wrong values there are undefined behaviour.
 #pragma once
 
 #include <cstddef>
