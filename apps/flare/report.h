@@ -1,0 +1,45 @@
+// report.h — the facts a benchmark result carries, and the result file of DESIGN.md.
+//
+// A result file is {"card", "date", "commit", "software", "rows": [...]}, one row per (case,
+// pass), in the schema shared by every file under bench/results/ so that runs of flare and of its
+// peers can be compared and plotted side by side.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "workload.h"
+
+namespace flare::cli {
+
+struct ResultRow {
+  Pass pass = Pass::kForward;
+  Shape shape;
+  double ms = 0;                // median over the timed iterations
+  double tflops = 0;            // attention_flops / time, in TFLOP/s
+  int64_t peak_mem_bytes = 0;
+};
+
+struct ResultFile {
+  std::string card;
+  std::string date;    // ISO-8601, UTC
+  std::string commit;  // short hash or "unknown"
+  std::vector<std::pair<std::string, std::string>> software;
+  std::vector<ResultRow> rows;
+};
+
+// Now, as 2026-01-31T12:34:56Z.
+std::string iso_date_utc();
+// The commit measured: `flag` if given, else $FLARE_COMMIT, else `git rev-parse --short HEAD` in
+// the source tree this program was built from, else "unknown".
+std::string source_commit(const std::optional<std::string>& flag);
+// flare's version and the compiler, followed by the device's entries.
+std::vector<std::pair<std::string, std::string>> software_versions(
+    const std::vector<std::pair<std::string, std::string>>& device_software);
+// Writes the file; throws RunError if it cannot.
+void write_result_file(const std::string& path, const ResultFile& file);
+
+}  // namespace flare::cli
