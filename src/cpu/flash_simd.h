@@ -1,0 +1,159 @@
+// flash_simd.h — the handful of SIMD operations the CPU flash backend is written in.
+//
+// One vector type, Vec, as wide as the widest float registers the compiler targets (16 lanes
+// with AVX-512, 8 with AVX, 4 otherwise), written with the GCC/Clang vector extension so that
+// +, −, ·, comparisons and lane access read like scalar code. Fused multiply-add goes through
+// the intrinsic where the ISA has one: in ISO C++ mode GCC does not contract a·b + c on its own
+// (-ffp-contract=off), and the matrix-product loops live on FMA.
+//
+// exp and tanh are our own because std::exp in a loop does not vectorise. Both are accurate to
+// about one ulp (tests/test_cpu_flash.cpp measures them against double precision):
+//   exp:  x = n·ln2 + r with n = round(x·log2 e), r by Cody–Waite reduction with FMA; e^r by
+//         its Taylor polynomial to degree 7, 2^n by building exponent bits. A natural-base exp
+//         (rather than exp2 of x·log2 e) avoids rounding the product, so softmax weights are as
+//         accurate as those of a plain fp32 softmax. Inputs are clamped to [−104, 88]: results
+//         underflow gradually through the subnormals to exp(−inf) = 0, as std::exp does.
+//   tanh: |x| < 0.625 by the Cephes odd polynomial (no cancellation near 0), otherwise
+//         1 − 2/(e^{2|x|} + 1) with the sign restored.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace flare::cpu::simd {
+
+#if defined(__AVX512F__)
+inline constexpr int kLanes = 16;
+inline constexpr int kRegisters = 32;
+#elif defined(__AVX__)
+inline constexpr int kLanes = 8;
+inline constexpr int kRegisters = 16;
+#else
+inline constexpr int kLanes = 4;
+inline constexpr int kRegisters = 16;
+#endif
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// A broadcast (Vec{} + x would cost an add, since 0 + x is not x for x = −0).
+inline Vec splat(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(x);
+#else
+  return Vec{x, x, x, x};
+#endif
+}
+
+inline IVec splat_int(int32_t x) { return IVec{} + x; }
+
+// Lane indices 0, 1, …, kLanes − 1.
+inline IVec lane_index() {
+  IVec v{};
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
+}
+
+// a·b + c, rounded once where the ISA allows.
+inline Vec fma(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// The scalar twin of fma(Vec, Vec, Vec): fused exactly when the vector one is, so a scalar
+// dot product can reproduce a lane of a vector one bit for bit.
+inline float fma(float a, float b, float c) {
+#if defined(__AVX512F__) || defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// Lanes of a where mask is set (all ones), else lanes of b.
+inline Vec select(IVec mask, Vec a, Vec b) {
+  return reinterpret_cast<Vec>((mask & reinterpret_cast<IVec>(a)) |
+                               (~mask & reinterpret_cast<IVec>(b)));
+}
+
+// The forms vmaxps / vminps implement (GCC 12 warns spuriously inside _mm512_max_ps).
+inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
+
+inline Vec min(Vec a, Vec b) { return a < b ? a : b; }
+
+inline Vec abs(Vec a) { return reinterpret_cast<Vec>(reinterpret_cast<IVec>(a) & 0x7fffffff); }
+
+inline float reduce_max(Vec v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+inline float reduce_sum(Vec v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+inline Vec exp(Vec x) {
+  x = min(max(x, splat(-104.0f)), splat(88.0f));
+  // n = round(x·log2 e) via truncation of a positive number (halves rounded up).
+  const Vec shifted = fma(x, splat(1.44269504088896341f), splat(151.5f));  // x·log2 e + 151.5
+  const IVec n = __builtin_convertvector(shifted, IVec) - 151;
+  const Vec nf = __builtin_convertvector(n, Vec);
+  // r = x − n·ln 2 in two FMA steps (Cody–Waite): |r| ≤ ln2/2 plus rounding, almost exact.
+  Vec r = fma(nf, splat(-0.693145751953125f), x);
+  r = fma(nf, splat(-1.428606820309417e-6f), r);
+  Vec p = splat(1.0f / 5040.0f);  // Taylor to degree 7: truncation < 0.1 ulp for |r| ≤ ln2/2
+  p = fma(p, r, splat(1.0f / 720.0f));
+  p = fma(p, r, splat(1.0f / 120.0f));
+  p = fma(p, r, splat(1.0f / 24.0f));
+  p = fma(p, r, splat(1.0f / 6.0f));
+  p = fma(p, r, splat(0.5f));
+  p = fma(p, r, splat(1.0f));
+  p = fma(p, r, splat(1.0f));
+  // 2^n as 2^n1 · 2^n2, both normal for n ≥ −150, so results underflow gradually into the
+  // subnormals as std::exp does, down to exp(−inf) = +0.
+  const IVec n1 = n >> 1;
+  const Vec two_n1 = reinterpret_cast<Vec>((n1 + 127) << 23);
+  const Vec two_n2 = reinterpret_cast<Vec>((n - n1 + 127) << 23);
+  return p * two_n1 * two_n2;
+}
+
+inline Vec tanh(Vec x) {
+  const Vec ax = abs(x);
+  const Vec z = x * x;
+  Vec poly = splat(-5.70498872745e-3f);
+  poly = fma(poly, z, splat(2.06390887954e-2f));
+  poly = fma(poly, z, splat(-5.37397155531e-2f));
+  poly = fma(poly, z, splat(1.33314422036e-1f));
+  poly = fma(poly, z, splat(-3.33332819422e-1f));
+  const Vec small = fma(poly * z, x, x);
+  const Vec e = exp(ax + ax);
+  const Vec large_abs = 1.0f - 2.0f / (e + 1.0f);
+  const IVec sign = reinterpret_cast<IVec>(x) & static_cast<int32_t>(0x80000000u);
+  const Vec large = reinterpret_cast<Vec>(reinterpret_cast<IVec>(large_abs) | sign);
+  return select(ax < 0.625f, small, large);
+}
+
+}  // namespace flare::cpu::simd
