@@ -41,7 +41,8 @@ struct RefBackward {
 
 // Materialises scores; O(s_q·s_k) memory per (batch, head). Never fails on valid params.
 RefForward reference_forward(const AttentionParams& p, RefPrecision precision);
-// Recomputes the forward internally (does not read p.o / p.lse); reads p.dout.
+// Reads p.dout. kFloat64 recomputes the forward internally; kLowPrecision reads the forward's
+// stored p.o and p.lse, as a fast backward does.
 RefBackward reference_backward(const AttentionParams& p, RefPrecision precision);
 
 // Writes reference results into the params' output tensors (o/lse or dq/dk/dv), rounding to the

@@ -15,6 +15,7 @@
 // rule: scores and softmax in float, P (and dS) rounded to the input dtype before the products
 // with V (and K, Q), as a tensor-core kernel does. Its distance from kFloat64 is the error budget.
 // Memory is O(s_k) per query row, time O(s_q·s_k·d): meant for tests and small demos.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -75,7 +76,9 @@ struct Head {
     slope = alibi_slope(p, b, h);
   }
 
-  RowScores<T> scores(int i) const {
+  // `stored_lse`, when given, replaces the row's own log-sum-exp in P = exp(s − LSE): the
+  // low-precision backward takes P from the forward's saved LSE, as every fast backward must.
+  RowScores<T> scores(int i, const T* stored_lse = nullptr) const {
     RowScores<T> r;
     const KeyRange range = visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
     r.lo = range.lo;
@@ -103,7 +106,7 @@ struct Head {
     }
     T sum = 0;
     for (int jj = 0; jj < n; ++jj) sum += std::exp(s[jj] - m);
-    r.lse = m + std::log(sum);
+    r.lse = stored_lse ? *stored_lse : m + std::log(sum);
     const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
     for (int jj = 0; jj < n; ++jj) {
       r.prob[jj] = std::exp(s[jj] - r.lse);
@@ -168,15 +171,29 @@ RefBackward backward_impl(const AttentionParams& p, bool low) {
       const int64_t krow0 = p.is_varlen() ? seq.k_row0 : int64_t{b} * p.seqlen_k;
       std::vector<T> dk(static_cast<size_t>(seq.len_k) * d, T(0));
       std::vector<T> dv(static_cast<size_t>(seq.len_k) * d, T(0));
+      // The float64 truth recomputes O and LSE itself. The low-precision twin is a naive kernel
+      // for the same function a fast backward computes, whose inputs include the forward's
+      // stored O (for D_i = dO_i·O_i) and LSE (for P): it reads them too, so its error budget
+      // measures the backward alone, not the forward's rounding a second time.
+      std::vector<T> stored_o, stored_lse;
+      if (low) {
+        stored_o = load_rows<T>(p.o, p.dtype,
+                                b * p.o_batch_stride + seq.q_row0 * p.o_row_stride + h * p.o_head_stride,
+                                p.o_row_stride, seq.len_q, d);
+        stored_lse.resize(seq.len_q);
+        for (int i = 0; i < seq.len_q; ++i)
+          stored_lse[i] = static_cast<T>(p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i]);
+      }
       for (int i = 0; i < seq.len_q; ++i) {
-        const RowScores<T> r = hd.scores(i);
+        const RowScores<T> r = hd.scores(i, low ? &stored_lse[i] : nullptr);
         const int n = r.hi - r.lo;
         const T* doi = &dout[i * d];
-        // O_i recomputed in this precision, for D_i = dO_i · O_i.
         std::vector<T> o(d, T(0));
-        for (int jj = 0; jj < n; ++jj) {
-          const T w = hd.operand(r.prob[jj] * r.drop[jj], low);
-          for (int c = 0; c < d; ++c) o[c] += w * hd.v[(r.lo + jj) * d + c];
+        if (low) {
+          std::copy(&stored_o[i * d], &stored_o[i * d] + d, o.begin());
+        } else {
+          for (int jj = 0; jj < n; ++jj)
+            for (int c = 0; c < d; ++c) o[c] += r.prob[jj] * r.drop[jj] * hd.v[(r.lo + jj) * d + c];
         }
         const T D = dot(doi, o.data(), d);
         std::vector<T> dq(d, T(0));
