@@ -1,0 +1,52 @@
+"""flare: FlashAttention in C++/CUDA, from Python.
+
+Drop-in for flash_attn 2.x's functions (flare/interface.py) over any DLPack framework, with
+autograd for PyTorch; attention_forward / attention_backward are the plain calls for
+frameworks without autograd (NumPy). Errors from the library are raised as ValueError (invalid
+argument), NotImplementedError (valid but unsupported by this build or device), MemoryError or
+RuntimeError (device errors), carrying the library's message, which names the argument.
+"""
+
+import os as _os
+
+from . import _ext
+from ._core import attention_backward, attention_forward
+from .interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+
+__version__ = _ext.version()
+
+# Register the torch custom ops (torch.ops.flare.fwd / bwd) at import when torch is installed,
+# so torch.compile never meets a first-time import inside a traced function. FLARE_NO_TORCH=1
+# skips it (NumPy-only use on a machine that has torch).
+if _os.environ.get("FLARE_NO_TORCH", "") in ("", "0"):
+    try:
+        import torch as _torch_module  # noqa: F401
+    except (ImportError, OSError):  # not installed, or its shared libraries fail to load
+        pass
+    else:
+        from . import _torch  # noqa: F401
+
+
+def cuda_built():
+    """True when this build of flare carries the CUDA kernels."""
+    return _ext.cuda_built()
+
+
+__all__ = [
+    "attention_backward",
+    "attention_forward",
+    "cuda_built",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]

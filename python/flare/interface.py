@@ -1,0 +1,136 @@
+"""flash_attn 2.x's functions, with its names, arguments, shapes and return values.
+
+    from flare import flash_attn_func          # instead of: from flash_attn import ...
+    out = flash_attn_func(q, k, v, causal=True)
+
+q (batch, seqlen_q, nheads, headdim), k / v (batch, seqlen_k, nheads_k, headdim); the varlen
+functions take packed (total, nheads, headdim) tensors with int32 cu_seqlens (batch + 1).
+With return_attn_probs=True they return (out, softmax_lse, None): flare never materialises the
+attention probabilities, so the third element, flash_attn's S_dmask, is None.
+
+PyTorch tensors get autograd through flare's backward kernels (torch custom ops, so
+torch.compile keeps the graph whole). Other DLPack arrays (NumPy, CuPy, JAX on CPU) get the
+forward; their gradients come from flare.attention_backward. Beyond flash_attn's arguments each
+function takes keyword-only extras:
+    seed     dropout seed for non-torch arrays (torch draws [seed, offset] from its default
+             generator); None draws one from numpy.random.
+    backend  "auto" (default), "flash" or "reference" (CPU float64 ground truth).
+    stream   non-torch CUDA arrays: the cudaStream_t as an integer (default: CuPy's current).
+"""
+
+from . import _core
+
+
+def _numpy_seed(dropout_p, seed):
+    if seed is not None or dropout_p <= 0.0:
+        return 0 if seed is None else seed
+    import numpy
+    return int(numpy.random.randint(0, 2**62, dtype=numpy.int64))
+
+
+def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+               return_attn_probs, seed, backend, stream):
+    if _core.is_torch(q):
+        from . import _torch
+        out, lse = _torch.attention(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+            backend=backend)
+    else:
+        out, lse = _core.attention_forward(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+            seed=_numpy_seed(float(dropout_p), seed), cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            backend=backend, stream=stream)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _unpack(packed, n, name, axis):
+    """Views of qkv (…, 3, h, d) or kv (…, 2, h, d) along `axis`."""
+    if packed.ndim <= axis or packed.shape[axis] != n:
+        raise ValueError(f"{name}: expected dimension {axis} of size {n}, got shape "
+                         f"{tuple(packed.shape)}")
+    index = (slice(None),) * axis
+    return tuple(packed[index + (i,)] for i in range(n))
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, seed=None, backend="auto", stream=None):
+    """Attention over q (b, s_q, h, d), k / v (b, s_k, h_kv, d); returns out like q."""
+    return _attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                      max_seqlen_k=None, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                      causal=causal, window_size=window_size, softcap=softcap,
+                      alibi_slopes=alibi_slopes, deterministic=deterministic,
+                      return_attn_probs=return_attn_probs, seed=seed, backend=backend,
+                      stream=stream)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *, seed=None,
+                              backend="auto", stream=None):
+    """qkv (b, s, 3, h, d)."""
+    q, k, v = _unpack(qkv, 3, "qkv", 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, seed=seed,
+                           backend=backend, stream=stream)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *, seed=None,
+                             backend="auto", stream=None):
+    """q (b, s_q, h, d), kv (b, s_k, 2, h_kv, d)."""
+    k, v = _unpack(kv, 2, "kv", 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, seed=seed,
+                           backend=backend, stream=stream)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           seed=None, backend="auto", stream=None):
+    """Packed q (total_q, h, d), k / v (total_k, h_kv, d); cu_seqlens int32 (batch + 1).
+    softmax_lse is (h, total_q)."""
+    if block_table is not None:
+        raise NotImplementedError("block_table: paged KV is not supported yet")
+    return _attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                      return_attn_probs=return_attn_probs, seed=seed, backend=backend,
+                      stream=stream)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, seed=None, backend="auto",
+                                     stream=None):
+    """qkv (total, 3, h, d)."""
+    q, k, v = _unpack(qkv, 3, "qkv", 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs, seed=seed,
+                                  backend=backend, stream=stream)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, *, seed=None, backend="auto",
+                                    stream=None):
+    """q (total_q, h, d), kv (total_k, 2, h_kv, d)."""
+    k, v = _unpack(kv, 2, "kv", 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  seed=seed, backend=backend, stream=stream)
