@@ -1,0 +1,140 @@
+// backward.cpp — flare::cuda::backward: the FlashAttention-2 backward on CUDA tensors.
+//
+// Three stream-ordered launches over one scratch allocation:
+//   preprocess  D = rowsum(dO∘O) (fp32); zero the fp32 dQ accumulator      (bwd_prepost.cu)
+//   main        per (key block, kv head, batch): dK, dV written; dQ added    (bwd_kernel.cuh)
+//   convert     dq = scale · accumulator, rounded to the dtype              (bwd_prepost.cu)
+// The scratch comes from cudaMallocAsync and goes back with cudaFreeAsync on the caller's stream,
+// so nothing here waits for the device.
+//
+// Runtime values become template arguments in exactly one place, the switch below. The compiled
+// (dtype, head-dim bucket) variants are listed once, in src/cuda/kernels.cmake, which writes them
+// to flare/cuda_bwd_variants.inc; a head_dim runs in the smallest bucket that holds it (64, 128,
+// 256) with the columns past it zero-filled. Anything else is answered kUnsupported by name.
+//
+// Deterministic mode trades parallelism for a fixed summation order: the key blocks of a
+// (batch, kv head) are cut into runs, one CTA per run with its own dQ slice, the number of runs
+// chosen to give about two CTAs per SM (as FlashAttention-2's deterministic backward does).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "core/backends.h"
+#include "cuda/sm80/bwd_launch.h"
+#include "cuda/sm80/bwd_tiles.h"
+
+namespace flare {
+namespace cuda {
+namespace {
+
+constexpr int bwd_variant_key(DType dtype, int head_dim) {
+  return static_cast<int>(dtype) * 1024 + head_dim;
+}
+
+Status cuda_failure(const char* what, cudaError_t err) {
+  const std::string msg = std::string("backward: ") + what + ": " + cudaGetErrorString(err);
+  return err == cudaErrorMemoryAllocation ? Status::out_of_memory(msg) : Status::device_error(msg);
+}
+
+Status launch_main(const AttentionParams& p, const sm80::BwdWorkspace& w, int key_blocks,
+                   cudaStream_t stream) {
+  switch (bwd_variant_key(p.dtype, w.bucket)) {
+#define FLARE_CUDA_BWD_VARIANT(DT, HD) \
+  case bwd_variant_key(DType::DT, HD): \
+    return sm80::launch_backward_main<DType::DT, HD>(p, w, key_blocks, stream);
+#include "flare/cuda_bwd_variants.inc"
+#undef FLARE_CUDA_BWD_VARIANT
+    default:
+      return Status::unsupported("q: no CUDA backward kernel for dtype " +
+                                 std::string(dtype_name(p.dtype)) + ", head_dim " +
+                                 std::to_string(p.head_dim));
+  }
+}
+
+bool aligned(const void* ptr, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
+}
+
+// Everything after the device is current: workspace, the three launches, the free.
+Status run_backward(const AttentionParams& p, cudaStream_t stream) {
+  int device = 0, sms = 0, smem_optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return cuda_failure("device query", err);
+
+  sm80::BwdWorkspace w;
+  w.bucket = sm80::bwd_head_dim_bucket(p.head_dim);
+  const sm80::BwdTile tile = sm80::bwd_tile(w.bucket);
+  if (w.bucket == 0)
+    return Status::unsupported("q: no CUDA backward kernel for head_dim " +
+                               std::to_string(p.head_dim));
+  if (sm80::bwd_smem_bytes(w.bucket) > smem_optin)
+    return Status::unsupported("q: the CUDA backward for head_dim " + std::to_string(p.head_dim) +
+                               " needs " + std::to_string(sm80::bwd_smem_bytes(w.bucket)) +
+                               " bytes of shared memory per block; this device allows " +
+                               std::to_string(smem_optin));
+  const int64_t strides = p.q_batch_stride | p.q_row_stride | p.q_head_stride | p.k_batch_stride |
+                          p.k_row_stride | p.k_head_stride | p.v_batch_stride | p.v_row_stride |
+                          p.v_head_stride | p.do_batch_stride | p.do_row_stride | p.do_head_stride;
+  // 16-byte copies need whole chunks per row and 16-byte-aligned rows.
+  w.vec = p.head_dim % 8 == 0 && strides % 8 == 0 && aligned(p.q, 16) && aligned(p.k, 16) &&
+          aligned(p.v, 16) && aligned(p.dout, 16);
+  const int64_t out_strides = p.dk_batch_stride | p.dk_row_stride | p.dk_head_stride |
+                              p.dv_batch_stride | p.dv_row_stride | p.dv_head_stride;
+  w.pair_store = out_strides % 2 == 0 && aligned(p.dk, 4) && aligned(p.dv, 4);
+
+  const int key_blocks = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
+  if (p.deterministic && key_blocks > 0 && p.batch > 0) {
+    const int64_t units = static_cast<int64_t>(p.batch) * p.heads_kv;
+    const int64_t runs = std::clamp<int64_t>((2 * sms + units - 1) / units, 1, key_blocks);
+    w.kv_blocks_per_cta = static_cast<int>((key_blocks + runs - 1) / runs);
+    w.num_splits = (key_blocks + w.kv_blocks_per_cta - 1) / w.kv_blocks_per_cta;
+    w.dq_split_stride = static_cast<int64_t>(p.heads_q) * p.total_q * w.bucket;
+  }
+
+  const int64_t rows = static_cast<int64_t>(p.heads_q) * p.total_q;
+  const size_t dsum_bytes = static_cast<size_t>(rows) * sizeof(float);
+  const size_t accum_bytes = static_cast<size_t>(rows) * w.bucket * w.num_splits * sizeof(float);
+  void* scratch = nullptr;
+  if (rows > 0) {
+    err = cudaMallocAsync(&scratch, dsum_bytes + accum_bytes, stream);
+    if (err != cudaSuccess) return cuda_failure("cudaMallocAsync of the workspace", err);
+    // The accumulator first: its rows are read as float4 and must stay 16-byte aligned.
+    w.dq_accum = static_cast<float*>(scratch);
+    w.dsum = w.dq_accum + static_cast<size_t>(rows) * w.bucket * w.num_splits;
+  }
+
+  Status status = sm80::launch_backward_preprocess(p, w, stream);
+  if (status.ok() && key_blocks > 0 && p.batch > 0) status = launch_main(p, w, key_blocks, stream);
+  if (status.ok()) status = sm80::launch_backward_convert(p, w, stream);
+  if (scratch != nullptr) {
+    err = cudaFreeAsync(scratch, stream);
+    if (status.ok() && err != cudaSuccess) status = cuda_failure("cudaFreeAsync", err);
+  }
+  return status;
+}
+
+}  // namespace
+
+Status backward(const AttentionParams& p, Stream stream) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16)
+    return Status::unsupported(
+        "q: the CUDA backward takes float16 or bfloat16 tensors (as FlashAttention does), got " +
+        std::string(dtype_name(p.dtype)) + "; convert the inputs, or use CPU tensors");
+  int current = 0;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess) return cuda_failure("cudaGetDevice", err);
+  if (current != p.device_index && (err = cudaSetDevice(p.device_index)) != cudaSuccess)
+    return cuda_failure("cudaSetDevice", err);
+  const Status status = run_backward(p, static_cast<cudaStream_t>(stream));
+  if (current != p.device_index) cudaSetDevice(current);
+  return status;
+}
+
+}  // namespace cuda
+}  // namespace flare

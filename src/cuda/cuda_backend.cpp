@@ -1,0 +1,76 @@
+// cuda_backend.cpp — flare::cuda::forward and cuda_built(): runtime values become template arguments
+// here and nowhere else.
+//
+// The compiled variants are listed once, in src/cuda/kernels.cmake, which writes them to
+// flare/cuda_fwd_variants.inc as FLARE_CUDA_FWD_VARIANT(dtype, head_dim_bucket) lines; the same
+// list instantiates the kernels and drives the GPU tests. A head_dim runs in the smallest bucket
+// that holds it. Anything outside the table is answered kUnsupported by name, never a fallthrough.
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "core/backends.h"
+#include "cuda/sm80/fwd_launch.h"
+
+namespace flare {
+namespace cuda {
+namespace {
+
+constexpr int variant_key(DType dtype, int head_dim) {
+  return static_cast<int>(dtype) * 1024 + head_dim;
+}
+
+// Smallest compiled bucket ≥ head_dim for this dtype, 0 if none.
+int forward_bucket(DType dtype, int head_dim) {
+  int best = 0;
+#define FLARE_CUDA_FWD_VARIANT(DT, HD)                                          \
+  if (DType::DT == dtype && head_dim <= (HD) && (best == 0 || (HD) < best)) best = (HD);
+#include "flare/cuda_fwd_variants.inc"
+#undef FLARE_CUDA_FWD_VARIANT
+  return best;
+}
+
+// Runs `launch` on the tensors' device, restoring the caller's current device afterwards.
+template <typename Launch>
+Status on_device(int device_index, Launch launch) {
+  int current = 0;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess)
+    return Status::device_error(std::string("cudaGetDevice: ") + cudaGetErrorString(err));
+  if (current != device_index && (err = cudaSetDevice(device_index)) != cudaSuccess)
+    return Status::device_error("cudaSetDevice(" + std::to_string(device_index) +
+                                "): " + cudaGetErrorString(err));
+  const Status status = launch();
+  if (current != device_index) cudaSetDevice(current);
+  return status;
+}
+
+}  // namespace
+
+Status forward(const AttentionParams& p, Stream stream) {
+  if (p.dtype == DType::kFloat32)
+    return Status::unsupported(
+        "q: float32 tensors on CUDA are not supported; the CUDA kernels take float16 or bfloat16 "
+        "(as FlashAttention does) — convert the inputs, or use CPU tensors");
+  const int bucket = forward_bucket(p.dtype, p.head_dim);
+  const auto s = static_cast<cudaStream_t>(stream);
+  return on_device(p.device_index, [&]() -> Status {
+    switch (variant_key(p.dtype, bucket)) {
+#define FLARE_CUDA_FWD_VARIANT(DT, HD) \
+  case variant_key(DType::DT, HD):     \
+    return sm80::launch_forward<DType::DT, HD>(p, s);
+#include "flare/cuda_fwd_variants.inc"
+#undef FLARE_CUDA_FWD_VARIANT
+      default:
+        return Status::unsupported("q: no CUDA forward kernel for dtype " +
+                                   std::string(dtype_name(p.dtype)) + ", head_dim " +
+                                   std::to_string(p.head_dim));
+    }
+  });
+}
+
+}  // namespace cuda
+
+bool cuda_built() { return true; }
+
+}  // namespace flare

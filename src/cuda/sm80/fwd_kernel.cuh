@@ -1,0 +1,454 @@
+// fwd_kernel.cuh — the FlashAttention-2 forward kernel for sm_80 and later (mma.sync, ldmatrix,
+// cp.async), fp16 and bf16, and its launcher.
+//
+// Work partitioning (FlashAttention-2, Dao 2023). One CTA owns kBlockM query rows of one
+// (batch, head) and walks the keys that any of its rows may see in steps of kBlockN. Its warps
+// split the rows (kBlockM / warps each) and never exchange data: every warp keeps its own running
+// row max m, row sum l and output accumulator O in registers, so the only CTA-wide barriers are
+// the ones that hand shared-memory tiles from the copy engine to the warps and back.
+//
+// Per key step j, for each warp (S, P in registers, fp32):
+//   S  = Q·K_jᵀ                         ldmatrix Q and K fragments, mma m16n8k16
+//   S  → base-2 scores                  scale·log2(e) folded into one FFMA (after the score
+//                                       modifiers softcap, ALiBi: a runtime branch)
+//   mask                                only on boundary steps: ragged key tail, causal diagonal,
+//                                       window edges; every other step skips it
+//   m' = max(m, rowmax S); P = 2^(S − m'); l = 2^(m − m')·l + rowsum P; O = 2^(m − m')·O
+//                                       (O's rescale skipped when no row of the warp moved m)
+//   P  → dropout (Philox, the mask the CPU draws), rounded to fp16/bf16 in the A layout
+//   O += P·V_j                          ldmatrix.trans V fragments
+// and at the end O /= l, LSE = m·ln2 + ln l (natural log). A row that saw no key keeps m = −inf,
+// l = 0 and is written O = 0, LSE = −inf: the subtraction base is clamped to 0 so −inf − −inf never
+// happens and no NaN is produced.
+//
+// Pipeline. Shared memory holds Q (kBlockM rows), one K tile and one V tile, rows padded by 16
+// bytes so ldmatrix's eight row addresses fall in distinct banks. K and V ping-pong through
+// cp.async: V_j is fetched while S = Q·K_jᵀ and the softmax run, K_{j+1} while O += P·V_j runs;
+// each copy hides behind the other operand's product, with a second CTA per SM (d ≤ 128) covering
+// what remains. Tiles hanging past the sequence end or past head_dim are zero-filled by the copy.
+// Tensors whose rows are not 16-byte aligned (odd head_dim, odd strides) take a scalar-load path
+// that fills the same tiles; the branch is uniform and costs the aligned path nothing.
+//
+// Scheduling. The grid is (query blocks, heads, batch) with the query-block index reversed, so
+// under causal masking the blocks with the most keys start first and the short ones fill the tail.
+// Keys are walked front to back so that concurrent CTAs of one head stream the same K/V tiles
+// through L2. Masks use visible_keys() from core/score_mod.h — the CPU backends' definition.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "core/params.h"
+#include "core/philox.h"
+#include "core/score_mod.h"
+#include "cuda/ptx/cp_async.cuh"
+#include "cuda/ptx/fast_math.cuh"
+#include "cuda/ptx/ldmatrix.cuh"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/sm80/fwd_launch.h"
+#include "cuda/sm80/fwd_tiles.h"
+
+namespace flare::cuda::sm80 {
+
+template <DType kDType>
+using ElementOf = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
+
+template <DType kDType, int kHeadDim>
+struct FwdConfig {
+  using Element = ElementOf<kDType>;
+  static constexpr FwdTile kTile = fwd_tile(kHeadDim);
+  static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kFwdTiles");
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kWarps = kTile.warps;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kWarpRows = kBlockM / kWarps;    // query rows per warp
+  static constexpr int kMFrags = kWarpRows / 16;        // m16 fragments per warp
+  static constexpr int kNFrags = kBlockN / 8;           // n8 fragments of S
+  static constexpr int kDFrags = kHeadDim / 8;          // n8 fragments of O
+  static constexpr int kChunksPerRow = kHeadDim / 8;    // 16-byte chunks per tile row
+  static constexpr int kSmemStride = kHeadDim + 8;      // elements; +16 bytes: no bank conflicts
+  static constexpr int kSmemBytes =
+      (kBlockM + 2 * kBlockN) * kSmemStride * static_cast<int>(sizeof(Element));
+  static_assert(kWarpRows % 16 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tile shape");
+  static_assert(kBlockN * kChunksPerRow % kThreads == 0 && kBlockM * kChunksPerRow % kThreads == 0,
+                "tile copies must split evenly over the threads");
+};
+
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// Copies a (rows_valid ≤ kRows, d_valid ≤ kHeadDim) tile of a row-major global tensor into
+// shared memory as (kRows, kHeadDim), zero-filling the rest. `vec`: rows are 16-byte aligned and
+// d_valid is a multiple of 8, so whole 16-byte chunks go through cp.async; otherwise elements
+// are read one by one and stored synchronously (ordered by the same barriers).
+template <typename Cfg, int kRows>
+__device__ __forceinline__ void load_tile(typename Cfg::Element* s,
+                                          const typename Cfg::Element* g, int64_t row_stride,
+                                          int rows_valid, int d_valid, bool vec, int tid) {
+  constexpr int kCpr = Cfg::kChunksPerRow;
+  // When the chunks of a row divide the thread count, each thread keeps one column and walks
+  // rows with one running pointer (no registers per chunk: d 128 would spill otherwise);
+  // otherwise (d 96, 192) chunk c = tid + i·kThreads is placed by division by a constant.
+  constexpr bool kFixedColumn = Cfg::kThreads % kCpr == 0;
+  constexpr int kIters = kRows * kCpr / Cfg::kThreads;
+  const typename Cfg::Element* src = g + (tid / kCpr) * row_stride + (tid % kCpr) * 8;
+  const int64_t src_step = (Cfg::kThreads / kCpr) * row_stride;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int c = tid + i * Cfg::kThreads;
+    const int row = c / kCpr;
+    const int col = (c % kCpr) * 8;
+    if (!kFixedColumn) src = g + row * row_stride + col;
+    typename Cfg::Element* dst = s + row * Cfg::kSmemStride + col;
+    const bool row_in = row < rows_valid;
+    if (vec) {
+      const bool in = row_in && col < d_valid;
+      ptx::cp_async_16_zfill(ptx::smem_addr(dst), in ? src : g, in);
+    } else {
+      const uint16_t* e16 = reinterpret_cast<const uint16_t*>(row_in ? src : g);
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t lo = row_in && col + 2 * e < d_valid ? e16[2 * e] : 0u;
+        const uint32_t hi = row_in && col + 2 * e + 1 < d_valid ? e16[2 * e + 1] : 0u;
+        w[e] = lo | (hi << 16);
+      }
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    if (kFixedColumn) src += src_step;
+  }
+}
+
+template <DType kDType, int kHeadDim>
+__global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
+    attention_forward_kernel(const __grid_constant__ AttentionParams p) {
+  using Cfg = FwdConfig<kDType, kHeadDim>;
+  using Element = typename Cfg::Element;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStride = Cfg::kSmemStride;
+  constexpr int kMFrags = Cfg::kMFrags, kNFrags = Cfg::kNFrags, kDFrags = Cfg::kDFrags;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  Element* sQ = reinterpret_cast<Element*>(smem);  // (kBlockM, kHeadDim); later O
+  Element* sK = sQ + kBlockM * kStride;             // (kBlockN, kHeadDim)
+  Element* sV = sK + kBlockN * kStride;             // (kBlockN, kHeadDim)
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks first
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const SequenceInfo seq = sequence_info(p, b);
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seq.len_q) return;  // varlen: this sequence is shorter than the longest
+  const int rows_q = min(kBlockM, seq.len_q - m0);
+  const int d = p.head_dim;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
+  const int warp_row0 = warp * Cfg::kWarpRows;
+  const int hk = h / p.head_group;
+
+  const Element* gQ = static_cast<const Element*>(p.q) + b * p.q_batch_stride +
+                      (seq.q_row0 + m0) * p.q_row_stride + h * p.q_head_stride;
+  const Element* gK = static_cast<const Element*>(p.k) + b * p.k_batch_stride +
+                      seq.k_row0 * p.k_row_stride + hk * p.k_head_stride;
+  const Element* gV = static_cast<const Element*>(p.v) + b * p.v_batch_stride +
+                      seq.k_row0 * p.v_row_stride + hk * p.v_head_stride;
+  const bool vec =
+      ((reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k) |
+        reinterpret_cast<uintptr_t>(p.v) | reinterpret_cast<uintptr_t>(p.o)) & 15) == 0 &&
+      ((p.q_batch_stride | p.q_row_stride | p.q_head_stride | p.k_batch_stride |
+        p.k_row_stride | p.k_head_stride | p.v_batch_stride | p.v_row_stride |
+        p.v_head_stride | p.o_batch_stride | p.o_row_stride | p.o_head_stride | d) & 7) == 0;
+
+  // Keys seen by any row of the block: [first.lo, last.hi), both ends monotone in the row.
+  // A step is fully visible to every row when it starts at or after last.lo and ends at or
+  // before first.hi; only the other steps pay for the mask.
+  const KeyRange first = visible_keys(m0, seq.len_q, seq.len_k, p.window_left, p.window_right);
+  const KeyRange last =
+      visible_keys(m0 + rows_q - 1, seq.len_q, seq.len_k, p.window_left, p.window_right);
+  const int n_begin = first.lo / kBlockN;
+  const int n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : n_begin;
+
+  load_tile<Cfg, kBlockM>(sQ, gQ, p.q_row_stride, rows_q, d, vec, tid);
+  if (n_begin < n_end)
+    load_tile<Cfg, kBlockN>(sK, gK + int64_t{n_begin} * kBlockN * p.k_row_stride, p.k_row_stride,
+                            seq.len_k - n_begin * kBlockN, d, vec, tid);
+  ptx::cp_async_commit();
+
+  float acc_o[kMFrags][kDFrags][4];  // (kWarpRows, kHeadDim) per warp
+#pragma unroll
+  for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+    for (int df = 0; df < kDFrags; ++df)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[mf][df][i] = 0.0f;
+  float row_max[kMFrags][2], row_sum[kMFrags][2];  // base-2 max; thread-partial sum
+#pragma unroll
+  for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_max[mf][half] = -INFINITY;
+      row_sum[mf][half] = 0.0f;
+    }
+
+  const bool score_mods = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+
+  // Per-lane ldmatrix addresses at fragment (0, 0); fragment offsets are compile-time constants.
+  const uint32_t sQ_lane =
+      ptx::smem_addr(sQ) + ((warp_row0 + (lane & 15)) * kStride + (lane >> 4) * 8) * 2;
+  const uint32_t sK_lane =
+      ptx::smem_addr(sK) + (((lane & 7) + ((lane >> 4) << 3)) * kStride + ((lane >> 3) & 1) * 8) * 2;
+  const uint32_t sV_lane =
+      ptx::smem_addr(sV) + (((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8) * 2;
+
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+
+  for (int n = n_begin; n < n_end; ++n) {
+    const int n0 = n * kBlockN;
+    load_tile<Cfg, kBlockN>(sV, gV + int64_t{n0} * p.v_row_stride, p.v_row_stride,
+                            seq.len_k - n0, d, vec, tid);
+    ptx::cp_async_commit();
+
+    // S = Q·K_jᵀ
+    float s[kMFrags][kNFrags][4];  // (kWarpRows, kBlockN) per warp
+#pragma unroll
+    for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[mf][nf][i] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t a[kMFrags][4];
+#pragma unroll
+      for (int mf = 0; mf < kMFrags; ++mf)
+        ptx::ldmatrix_x4(a[mf], sQ_lane + (mf * 16 * kStride + kk * 16) * 2);
+#pragma unroll
+      for (int np = 0; np < kNFrags / 2; ++np) {
+        uint32_t bk[4];
+        ptx::ldmatrix_x4(bk, sK_lane + (np * 16 * kStride + kk * 16) * 2);
+#pragma unroll
+        for (int mf = 0; mf < kMFrags; ++mf) {
+          ptx::mma_m16n8k16<Element>(s[mf][2 * np], a[mf], bk[0], bk[1]);
+          ptx::mma_m16n8k16<Element>(s[mf][2 * np + 1], a[mf], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Score modifiers, in the order of attention.h: scale, softcap, ALiBi. The result goes back
+    // to raw units (÷ scale) so every path leaves S for the same FFMA with scale·log2(e), which
+    // the hardware reads straight from the parameter bank — no register held across the loop.
+    if (score_mods) {
+      const float slope = alibi_slope(p, b, h);
+      const float to_raw = 1.0f / p.scale;
+#pragma unroll
+      for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int row = m0 + warp_row0 + mf * 16 + (i >> 1) * 8 + g;
+            const int col = n0 + nf * 8 + 2 * t + (i & 1);
+            float x = s[mf][nf][i] * p.scale;
+            if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+            if (p.alibi_slopes != nullptr) x += alibi_bias(slope, row, col, seq.len_q, seq.len_k);
+            // 16-row warps divide: holding the reciprocal costs the d=256 kernel its last free
+            // register on sm_80 (ptxas spills 8 bytes); 32-row warps multiply, cheaper in FLOPs.
+            s[mf][nf][i] = kMFrags == 1 ? x / p.scale : x * to_raw;
+          }
+    }
+    if (n0 < last.lo || n0 + kBlockN > first.hi) {
+      // Boundary step: recompute this thread's row ranges here rather than hold them in
+      // registers across the loop (the hot steps never come here).
+#pragma unroll
+      for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const KeyRange r = visible_keys(m0 + warp_row0 + mf * 16 + half * 8 + g, seq.len_q,
+                                          seq.len_k, p.window_left, p.window_right);
+#pragma unroll
+          for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int col = n0 + nf * 8 + 2 * t + j;
+              if (col < r.lo || col >= r.hi) s[mf][nf][2 * half + j] = -INFINITY;
+            }
+        }
+    }
+
+    // Online softmax. O's rows are rescaled only when some lane of the warp raised that row
+    // fragment's max: past the first few steps the max rarely moves, and the rescale
+    // (2·kDFrags FMULs per row pair) is the largest non-MMA cost of a step. A skipped factor is
+    // 2^0 = 1 (or multiplies an O that is still 0), so skipping changes no bit of the result.
+#pragma unroll
+    for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nf = 0; nf < kNFrags; ++nf)
+          mx = fmaxf(mx, fmaxf(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_old = row_max[mf][half];
+        const float m_new = fmaxf(m_old, mx * p.scale_log2);
+        const float base = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
+        const float correction = ptx::exp2_approx(m_old - base);
+        row_max[mf][half] = m_new;
+        if (__any_sync(0xffffffffu, m_new != m_old)) {
+#pragma unroll
+          for (int df = 0; df < kDFrags; ++df) {
+            acc_o[mf][df][2 * half] *= correction;
+            acc_o[mf][df][2 * half + 1] *= correction;
+          }
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float pr = ptx::exp2_approx(fmaf(s[mf][nf][2 * half + j], p.scale_log2, -base));
+            s[mf][nf][2 * half + j] = pr;
+            sum += pr;
+          }
+        row_sum[mf][half] = row_sum[mf][half] * correction + sum;
+      }
+
+    // Dropout after the row sum: LSE and the normaliser are those of the undropped softmax.
+    // The Philox draws run in a rolled loop that only sets bits of `keep`: unrolled, the
+    // compiler interleaves dozens of independent draws and spills S and O to make room.
+    constexpr int kKeepBits = kMFrags * 2 * kNFrags * 2;
+    static_assert(kKeepBits <= 64, "the step's keep mask must fit in 64 bits");
+    using KeepMask = std::conditional_t<kKeepBits <= 32, uint32_t, uint64_t>;  // registers
+    if (p.dropout_p > 0.0f) {
+      const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
+      KeepMask keep = 0;
+#pragma unroll 1
+      for (int idx = 0; idx < kMFrags * 2 * kNFrags; ++idx) {  // idx = (mf·2 + half)·kNFrags + nf
+        const int row = m0 + warp_row0 + (idx / (2 * kNFrags)) * 16 +
+                        ((idx / kNFrags) & 1) * 8 + g;
+        const int col = n0 + (idx % kNFrags) * 8 + 2 * t;  // even: one draw covers both
+        const Philox4 r = dropout_words(p.seed, p.offset, bh, static_cast<uint32_t>(row),
+                                        static_cast<uint32_t>(col) >> 2);
+        const bool k0 = dropout_uniform(philox_word(r, col & 3)) >= p.dropout_p;
+        const bool k1 = dropout_uniform(philox_word(r, (col & 3) + 1)) >= p.dropout_p;
+        keep |= (KeepMask{k0} | KeepMask{k1} << 1) << (2 * idx);
+      }
+#pragma unroll
+      for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+              if (!((keep >> (2 * ((mf * 2 + half) * kNFrags + nf) + j)) & 1u))
+                s[mf][nf][2 * half + j] = 0.0f;
+    }
+
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // V_j has landed; every warp is done reading K_j
+    if (n + 1 < n_end)
+      load_tile<Cfg, kBlockN>(sK, gK + int64_t{n0 + kBlockN} * p.k_row_stride, p.k_row_stride,
+                              seq.len_k - n0 - kBlockN, d, vec, tid);
+    ptx::cp_async_commit();
+
+    // O += P·V_j, P taken from the S accumulators in the A-fragment layout.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t pa[kMFrags][4];
+#pragma unroll
+      for (int mf = 0; mf < kMFrags; ++mf) {
+        pa[mf][0] = ptx::pack2<Element>(s[mf][2 * kk][0], s[mf][2 * kk][1]);
+        pa[mf][1] = ptx::pack2<Element>(s[mf][2 * kk][2], s[mf][2 * kk][3]);
+        pa[mf][2] = ptx::pack2<Element>(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
+        pa[mf][3] = ptx::pack2<Element>(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        uint32_t bv[4];
+        ptx::ldmatrix_x4_trans(bv, sV_lane + (kk * 16 * kStride + dp * 16) * 2);
+#pragma unroll
+        for (int mf = 0; mf < kMFrags; ++mf) {
+          ptx::mma_m16n8k16<Element>(acc_o[mf][2 * dp], pa[mf], bv[0], bv[1]);
+          ptx::mma_m16n8k16<Element>(acc_o[mf][2 * dp + 1], pa[mf], bv[2], bv[3]);
+        }
+      }
+    }
+
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // K_{j+1} has landed; every warp is done reading V_j
+  }
+
+  // Epilogue: normalise, write LSE, stage O through this warp's own rows of sQ (no other warp
+  // reads them), then store 16-byte chunks.
+  float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + m0;
+#pragma unroll
+  for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = row_sum[mf][half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.0f ? p.dropout_scale / l : 0.0f;
+      const int r = warp_row0 + mf * 16 + half * 8 + g;
+#pragma unroll
+      for (int df = 0; df < kDFrags; ++df) {
+        const uint32_t packed = ptx::pack2<Element>(acc_o[mf][df][2 * half] * inv,
+                                                    acc_o[mf][df][2 * half + 1] * inv);
+        *reinterpret_cast<uint32_t*>(sQ + r * kStride + df * 8 + 2 * t) = packed;
+      }
+      if (t == 0 && r < rows_q)
+        lse_row[r] = l > 0.0f ? row_max[mf][half] * kLn2 + logf(l) : -INFINITY;
+    }
+  __syncwarp();
+
+  Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride +
+                (seq.q_row0 + m0) * p.o_row_stride + h * p.o_head_stride;
+  constexpr int kWarpChunks = Cfg::kWarpRows * Cfg::kChunksPerRow;
+#pragma unroll
+  for (int c = lane; c < kWarpChunks; c += 32) {
+    const int r = warp_row0 + c / Cfg::kChunksPerRow;
+    const int col = (c % Cfg::kChunksPerRow) * 8;
+    if (r >= rows_q || col >= d) continue;
+    const Element* src = sQ + r * kStride + col;
+    Element* dst = gO + r * p.o_row_stride + col;
+    if (vec) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && col + e < d; ++e) dst[e] = src[e];
+    }
+  }
+}
+
+template <DType kDType, int kHeadDim>
+Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = FwdConfig<kDType, kHeadDim>;
+  const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  if (m_blocks == 0 || p.batch == 0) return {};
+  if (p.batch > 65535)
+    return Status::unsupported("q: batch = " + std::to_string(p.batch) +
+                               " exceeds the CUDA forward's maximum 65535 (grid z)");
+  auto* kernel = attention_forward_kernel<kDType, kHeadDim>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Cfg::kSmemBytes);
+  if (err != cudaSuccess)
+    return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) + "): " +
+                                std::to_string(Cfg::kSmemBytes) + " bytes of shared memory: " +
+                                cudaGetErrorString(err));
+  const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
+                  static_cast<unsigned>(p.batch));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess)
+    return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) +
+                                ") launch: " + cudaGetErrorString(err));
+  return {};
+}
+
+}  // namespace flare::cuda::sm80

@@ -1,0 +1,58 @@
+// gpu_util.h — device mirrors of test Problems for the CUDA forward tests.
+//
+// A Problem (test_util.h) owns host tensors with random contents; GpuProblem copies every one of
+// them to the device byte for byte, padding included, so the device views keep the host views'
+// shapes and strides (and with them the aligned or unaligned layout a test asked for). Outputs are
+// poisoned with NaN on the device before each call — all-ones bytes are NaN in fp16, bf16 and
+// fp32 — and copied back into the Problem's host tensors afterwards, where read_o()/read_lse()
+// and the CPU reference take over. Host-side params keep pointing at host copies.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace flare::test {
+
+// True when the CUDA runtime reports at least one device.
+bool cuda_device_available();
+
+#define FLARE_SKIP_WITHOUT_CUDA()                               \
+  do {                                                          \
+    if (!::flare::test::cuda_device_available())                \
+      GTEST_SKIP() << "no CUDA device";                         \
+  } while (0)
+
+// One device allocation holding a copy of a HostTensor; view() points into it.
+class GpuTensor {
+ public:
+  GpuTensor() = default;
+  GpuTensor(const GpuTensor&) = delete;
+  GpuTensor& operator=(const GpuTensor&) = delete;
+  ~GpuTensor();
+
+  void upload(const HostTensor& h);          // allocate and copy (no-op for an undefined tensor)
+  void download(HostTensor* h) const;        // copy every byte back
+  void poison() const;                       // fill with NaN
+  const TensorView& view() const { return view_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  TensorView view_;
+};
+
+// Every tensor of a forward call on the device.
+struct GpuProblem {
+  GpuTensor q, k, v, o, lse, cu_q, cu_k, alibi;
+  AttentionOptions options;
+  VarlenArgs varlen;
+
+  explicit GpuProblem(const Problem& pr);
+  // Poisons o and lse, runs attention_forward on `stream` and waits for the device.
+  Status forward(Stream stream = nullptr);
+  // Copies o and lse back into the problem's host tensors.
+  void download_forward(Problem* pr) const;
+};
+
+}  // namespace flare::test

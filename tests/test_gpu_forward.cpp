@@ -1,0 +1,302 @@
+// test_gpu_forward.cpp — the CUDA forward kernels against the float64 CPU reference.
+//
+// Every compiled (dtype, head-dim bucket) variant — the list comes from the same generated table
+// that instantiates the kernels — is run at the bucket's own head_dim and at the smallest head_dim
+// it serves, with ragged sequence lengths, causal and not. Then every runtime branch of the kernel:
+// causal with s_q != s_k both ways (rows that see no key), sliding windows, GQA/MQA, varlen with
+// empty sequences, softcap, ALiBi, dropout, padded (16-byte aligned) and odd (unaligned) strides,
+// odd head dims, seqlen 1 and 1025, inputs of magnitude 1e3. Each check follows DESIGN.md's rule
+// (test_util.h: within_tolerance against the reference computed in the same low precision).
+// Outputs are poisoned with NaN on the device first, so an unwritten element fails. Without a
+// CUDA device every test skips, saying so.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gpu_util.h"
+#include "test_util.h"
+
+namespace flare::test {
+namespace {
+
+struct Variant {
+  DType dtype;
+  int bucket;
+};
+
+const std::vector<Variant>& compiled_variants() {
+  static const std::vector<Variant> variants = {
+#define FLARE_CUDA_FWD_VARIANT(DT, HD) {DType::DT, HD},
+#include "flare/cuda_fwd_variants.inc"
+#undef FLARE_CUDA_FWD_VARIANT
+  };
+  return variants;
+}
+
+// Smallest head_dim a bucket serves: one past the next smaller bucket of the same dtype.
+int smallest_head_dim(const Variant& v) {
+  int below = 0;
+  for (const Variant& w : compiled_variants())
+    if (w.dtype == v.dtype && w.bucket < v.bucket && w.bucket > below) below = w.bucket;
+  return below + 1;
+}
+
+void check_forward(const ProblemSpec& spec) {
+  SCOPED_TRACE(spec.describe());
+  Problem pr = make_problem(spec);
+  GpuProblem gpu(pr);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const Status s = gpu.forward();
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  gpu.download_forward(&pr);
+  const AttentionParams fp = pr.forward_params();
+  const cpu::RefForward ref = cpu::reference_forward(fp, cpu::RefPrecision::kFloat64);
+  const cpu::RefForward naive = cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision);
+  const int64_t n = reduction_length(fp);
+  EXPECT_TRUE(within_tolerance("O", pr.read_o(), ref.o, naive.o, spec.dtype, n));
+  EXPECT_TRUE(within_tolerance("LSE", pr.read_lse(), ref.lse, naive.lse, DType::kFloat32, n));
+}
+
+ProblemSpec base_spec(DType dtype, int head_dim, uint64_t salt) {
+  ProblemSpec s;
+  s.batch = 2;
+  s.seqlen_q = 197;
+  s.seqlen_k = 197;
+  s.heads_q = 2;
+  s.heads_kv = 2;
+  s.head_dim = head_dim;
+  s.dtype = dtype;
+  s.seed = test_seed() + salt;
+  return s;
+}
+
+std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
+  return std::string(info.param.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
+         std::to_string(info.param.bucket);
+}
+
+// ---- every compiled variant ------------------------------------------------------------------
+
+class GpuForwardVariant : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(GpuForwardVariant, BucketHeadDim) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const Variant v = GetParam();
+  for (bool causal : {false, true}) {
+    ProblemSpec s = base_spec(v.dtype, v.bucket, 1);
+    s.options.causal = causal;
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardVariant, SmallestHeadDimRaggedLengths) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const Variant v = GetParam();
+  for (bool causal : {false, true}) {
+    ProblemSpec s = base_spec(v.dtype, smallest_head_dim(v), 2);
+    s.seqlen_q = 97;
+    s.seqlen_k = 300;
+    s.options.causal = causal;
+    check_forward(s);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Compiled, GpuForwardVariant, ::testing::ValuesIn(compiled_variants()),
+                         variant_name);
+
+// ---- every runtime branch, in both dtypes ----------------------------------------------------
+
+class GpuForwardFeature : public ::testing::TestWithParam<DType> {
+ protected:
+  ProblemSpec spec(int head_dim, uint64_t salt) const { return base_spec(GetParam(), head_dim, salt); }
+};
+
+TEST_P(GpuForwardFeature, CausalQueriesFewerThanKeys) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  ProblemSpec s = spec(64, 10);
+  s.seqlen_q = 97;
+  s.seqlen_k = 1025;
+  s.options.causal = true;
+  check_forward(s);
+}
+
+TEST_P(GpuForwardFeature, CausalQueriesMoreThanKeysMasksWholeRows) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  ProblemSpec s = spec(128, 11);
+  s.seqlen_q = 300;  // bottom-right aligned: the first 203 rows see no key
+  s.seqlen_k = 97;
+  s.options.causal = true;
+  check_forward(s);
+}
+
+TEST_P(GpuForwardFeature, SlidingWindows) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const int windows[][2] = {{32, 16}, {64, -1}, {-1, 8}, {0, 0}, {200, 0}};
+  for (const auto& w : windows) {
+    ProblemSpec s = spec(128, 12);
+    s.seqlen_q = 300;
+    s.seqlen_k = 333;
+    s.options.window_left = w[0];
+    s.options.window_right = w[1];
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardFeature, GroupedQueryAttention) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const int heads[][2] = {{8, 1}, {8, 2}};
+  for (const auto& hh : heads) {
+    ProblemSpec s = spec(64, 13);
+    s.heads_q = hh[0];
+    s.heads_kv = hh[1];
+    s.options.causal = true;
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardFeature, VarlenWithEmptySequences) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (bool causal : {false, true}) {
+    ProblemSpec s = spec(64, 14);
+    s.varlen_q = {0, 97, 1, 300, 5, 130};
+    s.varlen_k = {7, 120, 0, 301, 0, 129};
+    s.options.causal = causal;
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardFeature, Softcap) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  ProblemSpec s = spec(64, 15);
+  s.magnitude = 4.0f;  // large enough for the cap to bend the scores
+  s.options.softcap = 5.0f;
+  s.options.causal = true;
+  check_forward(s);
+}
+
+TEST_P(GpuForwardFeature, Alibi) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (bool per_batch : {false, true}) {
+    ProblemSpec s = spec(96, 16);
+    s.seqlen_q = 150;
+    s.seqlen_k = 260;
+    s.alibi = true;
+    s.alibi_per_batch = per_batch;
+    s.options.causal = per_batch;
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardFeature, SoftcapAndAlibiTogether) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  ProblemSpec s = spec(128, 17);
+  s.alibi = true;
+  s.options.softcap = 20.0f;
+  s.options.window_left = 50;
+  check_forward(s);
+}
+
+// Each tile shape (32-row warps at N=64 and N=32, 16-row warps) with every score modifier on.
+TEST_P(GpuForwardFeature, AllModifiersInEveryTileShape) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128, 256}) {
+    ProblemSpec s = spec(d, 23);
+    s.seqlen_q = 150;
+    s.seqlen_k = 210;
+    s.alibi = true;
+    s.options.softcap = 10.0f;
+    s.options.window_left = 70;
+    s.options.causal = true;
+    s.options.dropout_p = 0.1f;
+    s.options.dropout_seed = 42 + test_seed();
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardFeature, DropoutMatchesTheCpuMask) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (bool causal : {false, true}) {
+    ProblemSpec s = spec(64, 18);
+    s.options.dropout_p = 0.17f;
+    s.options.dropout_seed = 0x1234567890abcdefull + test_seed();
+    s.options.dropout_offset = 0x100000003ull;
+    s.options.causal = causal;
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardFeature, PaddedStridesAlignedAndOdd) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (int64_t pad : {8, 3}) {
+    ProblemSpec s = spec(64, 19);
+    s.pad = pad;  // 8: rows stay 16-byte aligned (cp.async path); 3: the scalar-load path
+    s.options.causal = true;
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardFeature, OddHeadDims) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (int d : {40, 59, 80, 111, 256}) {
+    ProblemSpec s = spec(d, 20);
+    s.seqlen_q = 97;
+    s.seqlen_k = 130;
+    s.options.causal = d % 2 == 1;
+    check_forward(s);
+  }
+}
+
+TEST_P(GpuForwardFeature, SequenceLengthOneAndLong) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const int lens[][2] = {{1, 1}, {1, 1025}, {1025, 1}, {1025, 1025}};
+  for (const auto& l : lens) {
+    for (bool causal : {false, true}) {
+      ProblemSpec s = spec(128, 21);
+      s.batch = 1;
+      s.seqlen_q = l[0];
+      s.seqlen_k = l[1];
+      s.options.causal = causal;
+      check_forward(s);
+    }
+  }
+}
+
+TEST_P(GpuForwardFeature, LargeMagnitudeInputs) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (bool causal : {false, true}) {
+    ProblemSpec s = spec(64, 22);
+    s.magnitude = 1e3f;
+    s.options.causal = causal;
+    check_forward(s);
+  }
+}
+
+std::string dtype_param_name(const ::testing::TestParamInfo<DType>& param) {
+  return param.param == DType::kFloat16 ? "fp16" : "bf16";
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuForwardFeature,
+                         ::testing::Values(DType::kFloat16, DType::kBFloat16), dtype_param_name);
+
+// ---- what the CUDA forward refuses ------------------------------------------------------------
+
+TEST(GpuForward, Float32IsUnsupportedAndWritesNothing) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  Problem pr = make_problem(base_spec(DType::kFloat32, 64, 30));
+  GpuProblem gpu(pr);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const Status s = gpu.forward();
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
+  EXPECT_NE(s.message().find("float16 or bfloat16"), std::string::npos) << s.message();
+  gpu.download_forward(&pr);
+  for (double x : pr.read_o()) ASSERT_TRUE(std::isnan(x)) << "o was written";
+}
+
+TEST(GpuForward, ReportsItsBuild) {
+  EXPECT_TRUE(cuda_built());  // compiled into every CUDA build, GPU or not
+}
+
+}  // namespace
+}  // namespace flare::test
