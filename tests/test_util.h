@@ -136,7 +136,7 @@ uint64_t test_seed();
 
 // DESIGN.md's rule for one output; adds a gtest failure naming the output and the numbers.
 // Positions where ref is −inf (LSE of fully masked rows) must be exactly −inf in `fast`.
-// `reduction_length` is n above (e.g. max(s_k, s_q · heads_q/heads_kv)).
+// `reduction_length` is n above (max(d, s_k, s_q · heads_q/heads_kv)).
 ::testing::AssertionResult within_tolerance(const std::string& name, const std::vector<double>& fast,
                                             const std::vector<double>& ref,
                                             const std::vector<double>& naive, DType dtype,
@@ -144,6 +144,19 @@ uint64_t test_seed();
 
 // n for a problem: the longest reduction behind any output.
 int64_t reduction_length(const AttentionParams& p);
+
+double max_abs(const std::vector<double>& x);
+
+// Checks dQ, dK and dV of `pr` (read back from its tensors) against the references. Where the
+// exact gradient is at or below the noise of its own fp32 evaluation — every softmax row one-hot
+// (a single visible key, or scores hundreds apart), so dS = P·(dP − D) is a difference of two
+// equal fp32 dot products — DESIGN.md's rule has a bound of ~0 that no kernel forming dP and D
+// as separate sums can meet. There the check is that rounding bound itself: dP and D are d-term
+// fp32 dot products of values bounded by max|dO| and max|V|, each within γ_d·d·max|dO|·max|V|
+// (γ_d ≈ d·2^-24), so |dS| ≤ 2·d²·2^-24·max|dO|·max|V|·dropout_scale, and a gradient summing
+// `terms` such dS·scale·x is bounded by terms·scale·|dS|·max|x|.
+void expect_gradients_match(const Problem& pr, const AttentionParams& bp,
+                            const cpu::RefBackward& ref, const cpu::RefBackward& naive);
 
 // Runs forward (and backward if `backward`) with the given backend on freshly poisoned outputs and
 // checks every output against the float64 reference under the tolerance rule.

@@ -13,7 +13,9 @@
 // the tests compare against, and its backward is checked against central finite differences.
 // kLowPrecision is the "naive kernel in the fast path's precision" of DESIGN.md's tolerance
 // rule: scores and softmax in float, P (and dS) rounded to the input dtype before the products
-// with V (and K, Q), as a tensor-core kernel does. Its distance from kFloat64 is the error budget.
+// with V (and K, Q), as a tensor-core kernel does, and O, dQ, dK, dV rounded to the input dtype
+// as the fast path stores them (LSE stays fp32, as the API returns it). Its distance from
+// kFloat64 is the error budget.
 // Memory is O(s_k) per query row, time O(s_q·s_k·d): meant for tests and small demos.
 #include <algorithm>
 #include <cmath>
@@ -143,7 +145,8 @@ RefForward forward_impl(const AttentionParams& p, bool low) {
           for (int c = 0; c < d; ++c) acc[c] += w * vj[c];
         }
         const int64_t row = row0 + i;
-        for (int c = 0; c < d; ++c) out.o[(row * p.heads_q + h) * d + c] = static_cast<double>(acc[c]);
+        for (int c = 0; c < d; ++c)
+          out.o[(row * p.heads_q + h) * d + c] = static_cast<double>(hd.operand(acc[c], low));
         out.lse[h * p.total_q + row] = static_cast<double>(r.lse);
       }
     }
@@ -214,7 +217,8 @@ RefBackward backward_impl(const AttentionParams& p, bool low) {
           }
         }
         for (int c = 0; c < d; ++c)
-          out.dq[((qrow0 + i) * p.heads_q + h) * d + c] = static_cast<double>(p.scale * dq[c]);
+          out.dq[((qrow0 + i) * p.heads_q + h) * d + c] =
+              static_cast<double>(hd.operand(static_cast<T>(p.scale) * dq[c], low));
       }
       for (int j = 0; j < seq.len_k; ++j)
         for (int c = 0; c < d; ++c) {
@@ -222,6 +226,10 @@ RefBackward backward_impl(const AttentionParams& p, bool low) {
           out.dv[((krow0 + j) * p.heads_kv + kvh) * d + c] += static_cast<double>(dv[j * d + c]);
         }
     }
+  }
+  if (low) {  // the fast path stores its gradients in the input dtype; so does the naive one
+    for (double& x : out.dk) x = round_to(p.dtype, static_cast<float>(x));
+    for (double& x : out.dv) x = round_to(p.dtype, static_cast<float>(x));
   }
   return out;
 }
