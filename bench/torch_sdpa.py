@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""PyTorch SDPA on DESIGN.md's standard grid: the peers flare's CUDA kernels are compared against.
+
+Times torch.nn.functional.scaled_dot_product_attention under the flash backend (FlashAttention-2)
+and the cuDNN backend, forward, backward (the backward call alone, its forward untimed) or both, bf16, on the same grid and card as
+`flare bench --device cuda`: 16k tokens per batch, (b, s) in (32,512) ... (1,16k), hidden 2048,
+head_dim 64/128/256, causal and not. Times are CUDA-event medians after warm-up, one input set per
+case (each tensor is 64 MiB, larger than L2). FLOPs as FlashAttention counts them: forward
+4·b·s²·h·d, halved for causal; backward 2.5× forward. Writes bench/results' JSON schema.
+
+usage: torch_sdpa.py --json OUT.json [--pass fwd|bwd|fwdbwd|all] [--warmup 5] [--iters 30]
+"""
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+GRID_BS = [(32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)]
+HIDDEN = 2048
+HEAD_DIMS = [64, 128, 256]
+BACKENDS = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def flops(b, s, h, d, causal, pass_):
+    f = 4.0 * b * s * s * h * d / (2 if causal else 1)
+    return {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}[pass_]
+
+
+def time_case(backend, b, s, h, d, causal, pass_, warmup, iters):
+    # (b, h, s, d) views of (b, s, h, d) storage: flare's layout, so both read the same bytes.
+    def make():
+        return torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    q, k, v = make(), make(), make()
+    if pass_ != "fwd":
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    dout = torch.randn_like(q) if pass_ != "fwd" else None
+
+    def forward():
+        with sdpa_kernel(backend):
+            if pass_ == "fwd":
+                with torch.no_grad():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def timed(start, end):
+        # bwd times the backward call alone: its forward runs before the start event.
+        o = forward() if pass_ == "bwd" else None
+        start.record()
+        if pass_ == "bwd":
+            o.backward(dout)
+        else:
+            o = forward()
+            if pass_ == "fwdbwd":
+                o.backward(dout)
+        end.record()
+
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+
+    for _ in range(warmup):
+        timed(event(), event())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = event(), event()
+        timed(start, end)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    return ms, torch.cuda.max_memory_allocated()
+
+
+def run_grid(pass_, warmup, iters):
+    rows = []
+    for d in HEAD_DIMS:
+        h = HIDDEN // d
+        for b, s in GRID_BS:
+            for causal in (False, True):
+                for impl, backend in BACKENDS.items():
+                    try:
+                        ms, mem = time_case(backend, b, s, h, d, causal, pass_, warmup, iters)
+                    except RuntimeError as e:  # backend refuses this shape on this card
+                        print(f"{impl:12s} d={d} b={b} s={s} causal={causal}: skipped ({e})".splitlines()[0])
+                        torch.cuda.empty_cache()
+                        continue
+                    tf = flops(b, s, h, d, causal, pass_) / (ms * 1e-3) / 1e12
+                    rows.append({"impl": impl, "pass": pass_, "dtype": "bf16", "b": b, "s_q": s,
+                                 "s_k": s, "h": h, "h_kv": h, "d": d, "causal": causal, "ms": ms,
+                                 "tflops": tf, "peak_mem_bytes": mem})
+                    print(f"{impl:12s} {pass_} bf16 b={b:2d} s={s:5d} h={h:2d} d={d:3d} "
+                          f"causal={int(causal)} {ms:8.3f} ms {tf:7.1f} TFLOP/s", flush=True)
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd", "bwd", "fwdbwd", "all"])
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+
+    passes = ["fwd", "bwd", "fwdbwd"] if args.pass_ == "all" else [args.pass_]
+    rows = []
+    for pass_ in passes:
+        rows += run_grid(pass_, args.warmup, args.iters)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    out = {"card": torch.cuda.get_device_name(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit,
+           "software": {"torch": torch.__version__, "cuda": torch.version.cuda,
+                        "cudnn": str(torch.backends.cudnn.version())},
+           "rows": rows}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

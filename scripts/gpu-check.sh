@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# gpu-check.sh — build, test and benchmark flare's CUDA kernels on a machine with an NVIDIA GPU.
+#
+#   scripts/gpu-check.sh --out DIR [--arch 90a] [--build DIR] [--no-bench] [--no-python]
+#
+# 1. configure (Ninja, Release, CUDA on, the given architecture: 90a for the H100) and build with
+#    every core; 2. ctest -L gpu; 3. `flare bench --device cuda` (forward, backward, both) on the
+#    standard grid and bench/torch_sdpa.py (PyTorch SDPA flash and cuDNN backends, same grid, same
+#    card, same call) into DIR/flare.json and DIR/torch.json; 4. one side-by-side table
+#    (bench/compare_table.py); 5. the 128k-token long-sequence run (DIR/long.json); 6. the Python
+#    package's tests with torch on the GPU; 7. ctest -L cpu. Logs go to DIR.
+# Needs no network: GoogleTest is taken from the system, else built from a source tree given in
+# GTEST_SRC (default: .deps/googletest, /usr/src/googletest). Exit status: non-zero if the build
+# or any test failed (the benchmark still runs after test failures, to see the numbers).
+set -uo pipefail
+
+out="" arch="90a" build="build-gpu" bench=1 python=1
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) out="$2"; shift 2 ;;
+    --arch) arch="$2"; shift 2 ;;
+    --build) build="$2"; shift 2 ;;
+    --no-bench) bench=0; shift ;;
+    --no-python) python=0; shift ;;
+    *) echo "gpu-check.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+[[ -n "$out" ]] || { echo "usage: scripts/gpu-check.sh --out DIR [--arch 90a] [--no-bench]" >&2; exit 2; }
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+jobs="$(nproc)"
+status=0
+log() { echo "== $*" | tee -a "$out/summary.log"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
+  > "$out/nvidia-smi.log" 2>&1
+log "$(tail -1 "$out/nvidia-smi.log")"
+
+# GoogleTest: system package, or built once from source into the build tree.
+gtest_args=()
+if ! ls /usr/lib/x86_64-linux-gnu/libgtest.a /usr/lib64/libgtest.a /usr/local/lib/libgtest.a >/dev/null 2>&1; then
+  src="${GTEST_SRC:-}"
+  for cand in "$src" .deps/googletest /usr/src/googletest; do
+    [[ -n "$cand" && -f "$cand/CMakeLists.txt" ]] && { src="$cand"; break; }
+  done
+  [[ -f "$src/CMakeLists.txt" ]] || { log "no GoogleTest found (set GTEST_SRC)"; exit 1; }
+  cmake -S "$src" -B "$build/_gtest" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
+        -DCMAKE_INSTALL_PREFIX="$root/$build/_gtest/install" > "$out/gtest.log" 2>&1 &&
+    cmake --build "$build/_gtest" -j "$jobs" >> "$out/gtest.log" 2>&1 &&
+    cmake --install "$build/_gtest" >> "$out/gtest.log" 2>&1 || { log "GoogleTest build failed"; exit 1; }
+  gtest_args=(-DGTest_ROOT="$root/$build/_gtest/install")
+fi
+
+log "configure + build (CUDA arch $arch, $jobs jobs)"
+start=$(date +%s)
+if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLARE_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES="$arch" -DFLARE_PTXAS_VERBOSE=ON "${gtest_args[@]}" \
+      > "$out/configure.log" 2>&1; then
+  log "configure FAILED (configure.log)"; tail -20 "$out/configure.log"; exit 1
+fi
+if ! ninja -C "$build" -j "$jobs" > "$out/build.log" 2>&1; then
+  log "build FAILED (build.log)"; grep -E "error|Error" "$out/build.log" | head -20; exit 1
+fi
+log "build ok in $(( $(date +%s) - start )) s; spills: $(grep -c 'bytes spill stores' "$out/build.log") reports, $(grep 'bytes spill stores' "$out/build.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') nonzero"
+
+run_ctest() {  # label
+  log "ctest -L $1"
+  if ctest --test-dir "$build" -L "$1" -j 4 --output-on-failure --timeout 900 \
+       > "$out/ctest_$1.log" 2>&1; then
+    log "ctest -L $1: $(grep -E 'tests passed' "$out/ctest_$1.log")"
+  else
+    status=1
+    log "ctest -L $1 FAILED: $(grep -E 'tests passed|tests failed' "$out/ctest_$1.log")"
+    grep -E "Failure|FAILED|exceeds|NaN|expected" "$out/ctest_$1.log" | head -40 | tee -a "$out/summary.log"
+  fi
+}
+
+run_ctest gpu
+
+if [[ $bench -eq 1 ]]; then
+  log "flare bench --device cuda (fwd, bwd, fwdbwd)"
+  "$build/apps/flare/flare" bench --device cuda --pass all --json "$out/flare.json" \
+    > "$out/bench_flare.log" 2>&1 || { status=1; log "flare bench FAILED"; tail -20 "$out/bench_flare.log"; }
+  log "torch SDPA (flash, cuDNN) (fwd, bwd, fwdbwd)"
+  PYTHONUNBUFFERED=1 python3 bench/torch_sdpa.py --pass all --json "$out/torch.json" \
+    > "$out/bench_torch.log" 2>&1 || { status=1; log "torch_sdpa.py FAILED"; tail -20 "$out/bench_torch.log"; }
+  if [[ -f "$out/flare.json" && -f "$out/torch.json" ]]; then
+    python3 bench/compare_table.py "$out/flare.json" "$out/torch.json" | tee "$out/compare.txt"
+  fi
+  # Long sequences: no O(s^2) buffer anywhere, so 128k tokens fit; peak memory is recorded.
+  log "long sequence: b=1 s=131072 h=16 d=128 bf16 causal, fwd+bwd"
+  "$build/apps/flare/flare" bench --device cuda --b 1 --s 131072 --h 16 --d 128 --causal \
+    --pass all --warmup 1 --iters 3 --json "$out/long.json" 2>&1 | tee -a "$out/summary.log" ||
+    { status=1; log "long-sequence bench FAILED"; }
+fi
+
+# The Python package on the GPU: torch autograd, torch.compile and CUDA streams through flare.
+if [[ $python -eq 1 ]]; then
+  log "python: build the extension and run tests/python"
+  if cmake -S . -B "$build-py" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLARE_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES="$arch" -DFLARE_BUILD_TESTS=OFF -DFLARE_BUILD_APPS=OFF \
+        -DFLARE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" > "$out/python.log" 2>&1 &&
+     ninja -C "$build-py" -j "$jobs" >> "$out/python.log" 2>&1; then
+    if PYTHONPATH="$root/$build-py/python" python3 -m pytest tests/python -q -ra -p no:cacheprovider \
+         >> "$out/python.log" 2>&1; then
+      log "python: $(tail -1 "$out/python.log")"
+    else
+      status=1; log "python tests FAILED: $(tail -1 "$out/python.log")"
+      grep -E "FAILED|Error" "$out/python.log" | head -20 | tee -a "$out/summary.log"
+    fi
+  else
+    status=1; log "python build FAILED (python.log)"; tail -20 "$out/python.log"
+  fi
+fi
+run_ctest cpu
+log "done (status $status)"
+exit $status
