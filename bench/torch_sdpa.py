@@ -13,6 +13,7 @@ usage: torch_sdpa.py --json OUT.json [--pass fwd|bwd|fwdbwd|all] [--warmup 5] [-
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 
@@ -113,11 +114,13 @@ def main():
     rows = []
     for pass_ in passes:
         rows += run_grid(pass_, args.warmup, args.iters)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = os.environ.get("FLARE_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=False).stdout.strip()
+        except OSError:
+            commit = ""
     out = {"card": torch.cuda.get_device_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": commit,

@@ -256,9 +256,11 @@ def test_compile_fullgraph(device):
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_opcheck(device):
     torch.manual_seed(0)
-    q = torch.randn(1, 16, 2, 32, device=device, requires_grad=True)
-    k = torch.randn(1, 24, 1, 32, device=device, requires_grad=True)
-    v = torch.randn(1, 24, 1, 32, device=device, requires_grad=True)
+    # The CUDA kernels take fp16/bf16 (as FlashAttention does); the CPU backend takes fp32 too.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.randn(1, 16, 2, 32, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 24, 1, 32, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 24, 1, 32, device=device, dtype=dtype, requires_grad=True)
     args = (q, k, v, None, None, 0, 0, 0.0, 0.0, True, -1, -1, 0.0, None, False, None, 0)
     with cuda_may_be_unsupported(device):
         torch.library.opcheck(torch.ops.flare.fwd.default, args)
