@@ -8,7 +8,8 @@
 #    standard grid and bench/torch_sdpa.py (PyTorch SDPA flash and cuDNN backends, same grid, same
 #    card, same call) into DIR/flare.json and DIR/torch.json; 4. one side-by-side table
 #    (bench/compare_table.py); 5. the 128k-token long-sequence run (DIR/long.json); 6. the Python
-#    package's tests with torch on the GPU; 7. ctest -L cpu. Logs go to DIR.
+#    package's tests with torch on the GPU; 7. ctest -L cpu. After the GPU tests, compute-sanitizer
+#    memcheck and racecheck run on a small subset. Logs go to DIR.
 # Needs no network: GoogleTest is taken from the system, else built from a source tree given in
 # GTEST_SRC (default: .deps/googletest, /usr/src/googletest). Exit status: non-zero if the build
 # or any test failed (the benchmark still runs after test failures, to see the numbers).
@@ -78,6 +79,27 @@ run_ctest() {  # label
 }
 
 run_ctest gpu
+
+# compute-sanitizer on a small subset: memcheck (out-of-bounds, misaligned accesses) and racecheck
+# (shared-memory hazards) over ragged shapes that exercise every boundary path of both kernels.
+sanitize() {  # tool binary filter
+  if timeout 150 compute-sanitizer --tool "$1" --error-exitcode 9 "$build/tests/$2" --gtest_filter="$3" \
+       > "$out/sanitizer_$1_$2.log" 2>&1; then
+    log "compute-sanitizer $1 $2 ($3): clean"
+  else
+    status=1
+    log "compute-sanitizer $1 $2 ($3) FAILED"
+    grep -E "ERROR SUMMARY|Invalid|Race|hazard" "$out/sanitizer_$1_$2.log" | head -10 | tee -a "$out/summary.log"
+  fi
+}
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    sanitize "$tool" test_gpu_forward '*SmallestHeadDimRaggedLengths/bf16_d64:*VarlenWithEmptySequences/bf16'
+    sanitize "$tool" test_gpu_backward 'GpuBackward.SeqlenMismatchAndFullyMaskedRows:GpuBackward.VarlenWithEmptySequences'
+  done
+else
+  log "compute-sanitizer not found: sanitizer checks skipped"
+fi
 
 if [[ $bench -eq 1 ]]; then
   log "flare bench --device cuda (fwd, bwd, fwdbwd)"
