@@ -185,7 +185,7 @@ std::vector<double> Problem::read_lse() const {
     ref_max = std::max(ref_max, std::fabs(ref[i]));
   }
   const double floor =
-      (unit_roundoff(dtype) +
+      (2.0 * unit_roundoff(dtype) +
        unit_roundoff(DType::kFloat32) * std::sqrt(static_cast<double>(std::max<int64_t>(reduction_length, 1)))) *
       ref_max;
   const double bound = 2.0 * naive_err + floor;

@@ -6,10 +6,13 @@
 //   max|fast − ref| ≤ 2 · max|naive − ref| + floor,
 // where ref is the float64 reference, naive is the reference computed in the fast path's precision
 // (cpu::RefPrecision::kLowPrecision) and floor is the rounding noise at the reference's magnitude:
-//   floor = (unit_roundoff(dtype) + unit_roundoff(fp32) · sqrt(n)) · max|ref|,
-// the rounding of storing the result in its dtype plus the random-walk noise of an fp32
-// accumulation of length n (every fast path accumulates in fp32; n is the longest reduction
-// behind the output). For fp16/bf16 the first term dominates; for fp32 inputs the second keeps
+//   floor = (2 · unit_roundoff(dtype) + unit_roundoff(fp32) · sqrt(n)) · max|ref|,
+// two roundings in the dtype — of the probabilities before P·V and of the stored result — plus
+// the random-walk noise of an fp32 accumulation of length n (every fast path accumulates in
+// fp32; n is the longest reduction behind the output). The naive kernel rounds P too, but where
+// a row's softmax is one-hot its P is exactly 1 and that rounding costs it nothing, while a
+// kernel that exponentiates with the scale folded into exp2 (FlashAttention's trick) gets
+// P = 2^(±ulp) for the same key and pays it. For fp16/bf16 the first term dominates; for fp32 inputs the second keeps
 // the comparison of two equally valid fp32 summation orders from being a coin toss.
 // Nothing here is tuned per test.
 #pragma once
