@@ -29,16 +29,26 @@
 // Tensors whose rows are not 16-byte aligned (odd head_dim, odd strides) take a scalar-load path
 // that fills the same tiles; the branch is uniform and costs the aligned path nothing.
 //
+// Registers. O (kWarpRows·d/32 fp32 per thread) and S (kWarpRows·kBlockN/32) are the bulk of a
+// thread's 255 registers. Where they reach 192 (d 128 at 128×64 with 32-row warps) the kernel
+// runs register-tight (FwdConfig::kRegisterTight): row max and sum in a per-thread shared-memory
+// slot, P rounded to fp16/bf16 pairs right after the softmax, K/V pointers stepped, dropout drawn
+// row by row — each worth a few registers, together the difference between spilling and not.
+// ptxas allocates differently per arch, so the sm_80–sm_89 device code may take a shorter key
+// step than sm_90a (fwd_tiles.h's last column); block_m and warps, hence the launch, are shared.
+//
 // Scheduling. The grid is (query blocks, heads, batch) with the query-block index reversed, so
 // under causal masking the blocks with the most keys start first and the short ones fill the tail.
 // Keys are walked front to back so that concurrent CTAs of one head stream the same K/V tiles
-// through L2. Masks use visible_keys() from core/score_mod.h — the CPU backends' definition.
+// through L2. Masks follow visible_keys() from core/score_mod.h — the CPU backends' definition:
+// the block's key range calls it, the per-element test is its 32-bit equivalent.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -59,13 +69,16 @@ namespace flare::cuda::sm80 {
 template <DType kDType>
 using ElementOf = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
 
-template <DType kDType, int kHeadDim>
+// kPreHopper: the configuration of the sm_80–sm_89 device code, whose key step may be shorter
+// (fwd_tiles.h's block_n_sm80); block_m and warps, all the host sees besides shared memory, are
+// the same, and the host sizes shared memory for the larger of the two.
+template <DType kDType, int kHeadDim, bool kPreHopper = false>
 struct FwdConfig {
   using Element = ElementOf<kDType>;
   static constexpr FwdTile kTile = fwd_tile(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kFwdTiles");
   static constexpr int kBlockM = kTile.block_m;
-  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kBlockN = kPreHopper ? kTile.block_n_sm80 : kTile.block_n;
   static constexpr int kWarps = kTile.warps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kWarpRows = kBlockM / kWarps;    // query rows per warp
@@ -74,14 +87,46 @@ struct FwdConfig {
   static constexpr int kDFrags = kHeadDim / 8;          // n8 fragments of O
   static constexpr int kChunksPerRow = kHeadDim / 8;    // 16-byte chunks per tile row
   static constexpr int kSmemStride = kHeadDim + 8;      // elements; +16 bytes: no bank conflicts
+  // Where O and S take 192 of a thread's 255 registers (d 128 with 64-key steps and 32-row
+  // warps) the kernel is register-tight and trades a little work for registers: the running row
+  // max and sum live in a per-thread shared-memory slot (8 registers back for 8 LDS/STS per
+  // step, next to the ~100 ldmatrix of the same step), P is rounded to fp16/bf16 pairs as soon
+  // as the row sums are taken (32 registers back across the dropout draws and the next K tile's
+  // copy), and the K/V pointers step instead of being recomputed. The other tiles keep the v3
+  // code: applied to every tile, these changes cost d 64 4% on the H100 (fwd_notes.md, v4).
+  static constexpr bool kRegisterTight = kMFrags * (kDFrags + kNFrags) * 4 >= 192;
+  static constexpr bool kStatsInSmem = kRegisterTight;
+  static constexpr int kStatsBytes = kStatsInSmem ? kMFrags * 4 * kThreads * 4 : 0;
   static constexpr int kSmemBytes =
-      (kBlockM + 2 * kBlockN) * kSmemStride * static_cast<int>(sizeof(Element));
+      (kBlockM + 2 * kBlockN) * kSmemStride * static_cast<int>(sizeof(Element)) + kStatsBytes;
   static_assert(kWarpRows % 16 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tile shape");
   static_assert(kBlockN * kChunksPerRow % kThreads == 0 && kBlockM * kChunksPerRow % kThreads == 0,
                 "tile copies must split evenly over the threads");
 };
 
 inline constexpr float kLn2 = 0.6931471805599453f;
+
+// The running softmax statistics of a thread's row fragments: base-2 row max and thread-partial
+// row sum per (m16 fragment, half). In registers, or in this thread's own column of a
+// (4·kMFrags, kThreads) fp32 shared-memory array (no other thread touches it: no barriers).
+template <int kMFrags, bool kInSmem, int kThreads>
+struct RowStats {
+  float m[kMFrags][2], l[kMFrags][2];
+  __device__ __forceinline__ explicit RowStats(float*) {}
+  __device__ __forceinline__ float& max(int mf, int half) { return m[mf][half]; }
+  __device__ __forceinline__ float& sum(int mf, int half) { return l[mf][half]; }
+};
+template <int kMFrags, int kThreads>
+struct RowStats<kMFrags, true, kThreads> {
+  float* slot;  // this thread's column
+  __device__ __forceinline__ explicit RowStats(float* s) : slot(s) {}
+  __device__ __forceinline__ float& max(int mf, int half) {
+    return slot[(mf * 2 + half) * kThreads];
+  }
+  __device__ __forceinline__ float& sum(int mf, int half) {
+    return slot[((kMFrags + mf) * 2 + half) * kThreads];
+  }
+};
 
 // Copies a (rows_valid ≤ kRows, d_valid ≤ kHeadDim) tile of a row-major global tensor into
 // shared memory as (kRows, kHeadDim), zero-filling the rest. `vec`: rows are 16-byte aligned and
@@ -128,7 +173,15 @@ __device__ __forceinline__ void load_tile(typename Cfg::Element* s,
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
     attention_forward_kernel(const __grid_constant__ AttentionParams p) {
-  using Cfg = FwdConfig<kDType, kHeadDim>;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  using Cfg = FwdConfig<kDType, kHeadDim, true>;
+#else
+  using Cfg = FwdConfig<kDType, kHeadDim, false>;
+#endif
+  static_assert(Cfg::kThreads == FwdConfig<kDType, kHeadDim>::kThreads &&
+                    Cfg::kBlockM == FwdConfig<kDType, kHeadDim>::kBlockM &&
+                    Cfg::kSmemBytes <= FwdConfig<kDType, kHeadDim>::kSmemBytes,
+                "the launcher's grid, block and shared memory must fit every arch's tile");
   using Element = typename Cfg::Element;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStride = Cfg::kSmemStride;
   constexpr int kMFrags = Cfg::kMFrags, kNFrags = Cfg::kNFrags, kDFrags = Cfg::kDFrags;
@@ -137,6 +190,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   Element* sQ = reinterpret_cast<Element*>(smem);  // (kBlockM, kHeadDim); later O
   Element* sK = sQ + kBlockM * kStride;             // (kBlockN, kHeadDim)
   Element* sV = sK + kBlockN * kStride;             // (kBlockN, kHeadDim)
+  float* sStats = reinterpret_cast<float*>(sV + kBlockN * kStride);  // (4·kMFrags, kThreads)
 
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks first
   const int h = blockIdx.y;
@@ -173,10 +227,19 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   const int n_begin = first.lo / kBlockN;
   const int n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : n_begin;
 
+  // Register-tight tiles advance gK and gV by one key step per iteration (no 64-bit products in
+  // the loop, part of what keeps d 128 spill-free); the others keep indexing from the sequence
+  // start, the code their timings were taken with.
+  constexpr bool kStepPointers = Cfg::kRegisterTight;
+  if constexpr (kStepPointers) {
+    gK += int64_t{n_begin} * kBlockN * p.k_row_stride;
+    gV += int64_t{n_begin} * kBlockN * p.v_row_stride;
+  }
   load_tile<Cfg, kBlockM>(sQ, gQ, p.q_row_stride, rows_q, d, vec, tid);
   if (n_begin < n_end)
-    load_tile<Cfg, kBlockN>(sK, gK + int64_t{n_begin} * kBlockN * p.k_row_stride, p.k_row_stride,
-                            seq.len_k - n_begin * kBlockN, d, vec, tid);
+    load_tile<Cfg, kBlockN>(
+        sK, kStepPointers ? gK : gK + int64_t{n_begin} * kBlockN * p.k_row_stride,
+        p.k_row_stride, seq.len_k - n_begin * kBlockN, d, vec, tid);
   ptx::cp_async_commit();
 
   float acc_o[kMFrags][kDFrags][4];  // (kWarpRows, kHeadDim) per warp
@@ -186,13 +249,13 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
     for (int df = 0; df < kDFrags; ++df)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc_o[mf][df][i] = 0.0f;
-  float row_max[kMFrags][2], row_sum[kMFrags][2];  // base-2 max; thread-partial sum
+  RowStats<kMFrags, Cfg::kStatsInSmem, Cfg::kThreads> stats(sStats + tid);  // m, l
 #pragma unroll
   for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      row_max[mf][half] = -INFINITY;
-      row_sum[mf][half] = 0.0f;
+      stats.max(mf, half) = -INFINITY;
+      stats.sum(mf, half) = 0.0f;
     }
 
   const bool score_mods = p.softcap > 0.0f || p.alibi_slopes != nullptr;
@@ -210,8 +273,9 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
 
   for (int n = n_begin; n < n_end; ++n) {
     const int n0 = n * kBlockN;
-    load_tile<Cfg, kBlockN>(sV, gV + int64_t{n0} * p.v_row_stride, p.v_row_stride,
-                            seq.len_k - n0, d, vec, tid);
+    load_tile<Cfg, kBlockN>(sV, kStepPointers ? gV : gV + int64_t{n0} * p.v_row_stride,
+                            p.v_row_stride, seq.len_k - n0, d, vec, tid);
+    if constexpr (kStepPointers) gV += kBlockN * p.v_row_stride;
     ptx::cp_async_commit();
 
     // S = Q·K_jᵀ
@@ -246,39 +310,45 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
     if (score_mods) {
       const float slope = alibi_slope(p, b, h);
       const float to_raw = 1.0f / p.scale;
+      // alibi_bias's distance row + len_k − len_q − col as −(rel0 + a compile-time offset).
+      const int rel0 = n0 + 2 * t - (m0 + warp_row0 + g + seq.len_k - seq.len_q);
 #pragma unroll
       for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
         for (int nf = 0; nf < kNFrags; ++nf)
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const int row = m0 + warp_row0 + mf * 16 + (i >> 1) * 8 + g;
-            const int col = n0 + nf * 8 + 2 * t + (i & 1);
+            const int rel = rel0 + nf * 8 + (i & 1) - mf * 16 - (i >> 1) * 8;
             float x = s[mf][nf][i] * p.scale;
             if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-            if (p.alibi_slopes != nullptr) x += alibi_bias(slope, row, col, seq.len_q, seq.len_k);
+            if (p.alibi_slopes != nullptr) x -= slope * static_cast<float>(rel < 0 ? -rel : rel);
             // 16-row warps divide: holding the reciprocal costs the d=256 kernel its last free
             // register on sm_80 (ptxas spills 8 bytes); 32-row warps multiply, cheaper in FLOPs.
             s[mf][nf][i] = kMFrags == 1 ? x / p.scale : x * to_raw;
           }
     }
     if (n0 < last.lo || n0 + kBlockN > first.hi) {
-      // Boundary step: recompute this thread's row ranges here rather than hold them in
-      // registers across the loop (the hot steps never come here).
+      // Boundary step. visible_keys(row) = [lo, hi) is, per column, 0 ≤ col < len_k and
+      // −window_left ≤ col − (row + len_k − len_q) ≤ window_right (an unbounded side never
+      // binds; an empty range fails one test). Both differences are this thread's base plus a
+      // compile-time offset per element, so the whole mask costs two registers. 32-bit: the
+      // library caps sequence lengths at 2^30, so the differences stay within ±2^31.
+      const int col_room = seq.len_k - n0 - 2 * t;  // element (nf, j) in range: nf·8 + j < this
+      const int rel0 = n0 + 2 * t - (m0 + warp_row0 + g + seq.len_k - seq.len_q);
+      const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
+      const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
 #pragma unroll
       for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const KeyRange r = visible_keys(m0 + warp_row0 + mf * 16 + half * 8 + g, seq.len_q,
-                                          seq.len_k, p.window_left, p.window_right);
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int nf = 0; nf < kNFrags; ++nf)
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-              const int col = n0 + nf * 8 + 2 * t + j;
-              if (col < r.lo || col >= r.hi) s[mf][nf][2 * half + j] = -INFINITY;
+              const int rel = rel0 + nf * 8 + j - mf * 16 - half * 8;
+              if (nf * 8 + j >= col_room || rel < rel_lo || rel > rel_hi)
+                s[mf][nf][2 * half + j] = -INFINITY;
             }
-        }
     }
 
     // Online softmax. O's rows are rescaled only when some lane of the warp raised that row
@@ -295,11 +365,11 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
           mx = fmaxf(mx, fmaxf(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_old = row_max[mf][half];
+        const float m_old = stats.max(mf, half);
         const float m_new = fmaxf(m_old, mx * p.scale_log2);
         const float base = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
         const float correction = ptx::exp2_approx(m_old - base);
-        row_max[mf][half] = m_new;
+        stats.max(mf, half) = m_new;
         if (__any_sync(0xffffffffu, m_new != m_old)) {
 #pragma unroll
           for (int df = 0; df < kDFrags; ++df) {
@@ -316,58 +386,95 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
             s[mf][nf][2 * half + j] = pr;
             sum += pr;
           }
-        row_sum[mf][half] = row_sum[mf][half] * correction + sum;
+        stats.sum(mf, half) = stats.sum(mf, half) * correction + sum;
       }
+
+    // Register-tight tiles round P to fp16/bf16 here, two columns per register: (g, 2t..2t+1)
+    // and (g+8, 2t..2t+1) of each n8 fragment, the A layout of P·V. Others round it fragment by
+    // fragment inside P·V, where the conversions interleave with the MMAs.
+    constexpr bool kPackEarly = Cfg::kRegisterTight;
+    uint32_t p16[kMFrags][kNFrags][2];  // (kWarpRows, kBlockN) per warp, packed pairs
+    if constexpr (kPackEarly) {
+#pragma unroll
+      for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            p16[mf][nf][half] =
+                ptx::pack2<Element>(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]);
+    }
 
     // Dropout after the row sum: LSE and the normaliser are those of the undropped softmax.
     // The Philox draws run in a rolled loop that only sets bits of `keep`: unrolled, the
     // compiler interleaves dozens of independent draws and spills S and O to make room.
-    constexpr int kKeepBits = kMFrags * 2 * kNFrags * 2;
-    static_assert(kKeepBits <= 64, "the step's keep mask must fit in 64 bits");
-    using KeepMask = std::conditional_t<kKeepBits <= 32, uint32_t, uint64_t>;  // registers
+    // Register-tight tiles draw row by row (a loop per row, a shorter-lived mask; one loop over
+    // every row spills 8 bytes at d 128 on sm_90a) and clear a dropped element of the
+    // early-rounded P in its packed half (zero has all bits zero in fp16 and bf16: what rounding
+    // a zeroed fp32 value gives).
+    constexpr int kRowGroups = kPackEarly ? kMFrags * 2 : 1;  // rows (mf, half) per loop: all or 1
+    constexpr int kGroupDraws = kMFrags * 2 * kNFrags / kRowGroups;
+    static_assert(kGroupDraws * 2 <= 64, "a loop's keep mask must fit in 64 bits");
+    using KeepMask = std::conditional_t<kGroupDraws * 2 <= 32, uint32_t, uint64_t>;  // registers
     if (p.dropout_p > 0.0f) {
       const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
-      KeepMask keep = 0;
+#pragma unroll
+      for (int grp = 0; grp < kRowGroups; ++grp) {
+        KeepMask keep = 0;  // bit 2·i + j: draw i of this group, column j of its pair
 #pragma unroll 1
-      for (int idx = 0; idx < kMFrags * 2 * kNFrags; ++idx) {  // idx = (mf·2 + half)·kNFrags + nf
-        const int row = m0 + warp_row0 + (idx / (2 * kNFrags)) * 16 +
-                        ((idx / kNFrags) & 1) * 8 + g;
-        const int col = n0 + (idx % kNFrags) * 8 + 2 * t;  // even: one draw covers both
-        const Philox4 r = dropout_words(p.seed, p.offset, bh, static_cast<uint32_t>(row),
-                                        static_cast<uint32_t>(col) >> 2);
-        const bool k0 = dropout_uniform(philox_word(r, col & 3)) >= p.dropout_p;
-        const bool k1 = dropout_uniform(philox_word(r, (col & 3) + 1)) >= p.dropout_p;
-        keep |= (KeepMask{k0} | KeepMask{k1} << 1) << (2 * idx);
-      }
+        for (int i = 0; i < kGroupDraws; ++i) {
+          const int idx = grp * kGroupDraws + i;  // idx = (mf·2 + half)·kNFrags + nf
+          const int row = m0 + warp_row0 + (idx / (2 * kNFrags)) * 16 +
+                          ((idx / kNFrags) & 1) * 8 + g;
+          const int col = n0 + (idx % kNFrags) * 8 + 2 * t;  // even: one draw covers both
+          const Philox4 r = dropout_words(p.seed, p.offset, bh, static_cast<uint32_t>(row),
+                                          static_cast<uint32_t>(col) >> 2);
+          const bool k0 = dropout_uniform(philox_word(r, col & 3)) >= p.dropout_p;
+          const bool k1 = dropout_uniform(philox_word(r, (col & 3) + 1)) >= p.dropout_p;
+          keep |= (KeepMask{k0} | KeepMask{k1} << 1) << (2 * i);
+        }
 #pragma unroll
-      for (int mf = 0; mf < kMFrags; ++mf)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int nf = 0; nf < kNFrags; ++nf)
+        for (int i = 0; i < kGroupDraws; ++i) {
+          const int idx = grp * kGroupDraws + i;
+          const int mf = idx / (2 * kNFrags), half = (idx / kNFrags) & 1, nf = idx % kNFrags;
+          if constexpr (kPackEarly) {
+            p16[mf][nf][half] &= ((keep >> (2 * i)) & 1u ? 0x0000ffffu : 0u) |
+                                 ((keep >> (2 * i + 1)) & 1u ? 0xffff0000u : 0u);
+          } else {
 #pragma unroll
             for (int j = 0; j < 2; ++j)
-              if (!((keep >> (2 * ((mf * 2 + half) * kNFrags + nf) + j)) & 1u))
-                s[mf][nf][2 * half + j] = 0.0f;
+              if (!((keep >> (2 * i + j)) & 1u)) s[mf][nf][2 * half + j] = 0.0f;
+          }
+        }
+      }
     }
 
     ptx::cp_async_wait<0>();
     __syncthreads();  // V_j has landed; every warp is done reading K_j
+    if constexpr (kStepPointers) gK += kBlockN * p.k_row_stride;
     if (n + 1 < n_end)
-      load_tile<Cfg, kBlockN>(sK, gK + int64_t{n0 + kBlockN} * p.k_row_stride, p.k_row_stride,
-                              seq.len_k - n0 - kBlockN, d, vec, tid);
+      load_tile<Cfg, kBlockN>(
+          sK, kStepPointers ? gK : gK + int64_t{n0 + kBlockN} * p.k_row_stride, p.k_row_stride,
+          seq.len_k - n0 - kBlockN, d, vec, tid);
     ptx::cp_async_commit();
 
-    // O += P·V_j, P taken from the S accumulators in the A-fragment layout.
+    // O += P·V_j; P's A fragment for keys 16·kk.. is two n8 fragments of S.
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t pa[kMFrags][4];
 #pragma unroll
       for (int mf = 0; mf < kMFrags; ++mf) {
-        pa[mf][0] = ptx::pack2<Element>(s[mf][2 * kk][0], s[mf][2 * kk][1]);
-        pa[mf][1] = ptx::pack2<Element>(s[mf][2 * kk][2], s[mf][2 * kk][3]);
-        pa[mf][2] = ptx::pack2<Element>(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
-        pa[mf][3] = ptx::pack2<Element>(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
+        if constexpr (kPackEarly) {
+          pa[mf][0] = p16[mf][2 * kk][0];
+          pa[mf][1] = p16[mf][2 * kk][1];
+          pa[mf][2] = p16[mf][2 * kk + 1][0];
+          pa[mf][3] = p16[mf][2 * kk + 1][1];
+        } else {
+          pa[mf][0] = ptx::pack2<Element>(s[mf][2 * kk][0], s[mf][2 * kk][1]);
+          pa[mf][1] = ptx::pack2<Element>(s[mf][2 * kk][2], s[mf][2 * kk][3]);
+          pa[mf][2] = ptx::pack2<Element>(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
+          pa[mf][3] = ptx::pack2<Element>(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
+        }
       }
 #pragma unroll
       for (int dp = 0; dp < kHeadDim / 16; ++dp) {
@@ -392,7 +499,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float l = row_sum[mf][half];
+      float l = stats.sum(mf, half);
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv = l > 0.0f ? p.dropout_scale / l : 0.0f;
@@ -404,7 +511,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
         *reinterpret_cast<uint32_t*>(sQ + r * kStride + df * 8 + 2 * t) = packed;
       }
       if (t == 0 && r < rows_q)
-        lse_row[r] = l > 0.0f ? row_max[mf][half] * kLn2 + logf(l) : -INFINITY;
+        lse_row[r] = l > 0.0f ? stats.max(mf, half) * kLn2 + logf(l) : -INFINITY;
     }
   __syncwarp();
 
