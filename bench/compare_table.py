@@ -36,7 +36,7 @@ def main():
     for p in peers:
         head += f" {p:>12s} {'ratio':>6s}"
     print(head)
-    ratios = {p: [] for p in peers}
+    ratios = {}
     for k in sorted(table, key=lambda k: (k[0], k[7], k[8], k[3])):
         row = table[k]
         fl = row.get("flare")
@@ -46,18 +46,17 @@ def main():
             pr = row.get(p)
             if pr and fl:
                 ratio = fl["tflops"] / pr["tflops"]
-                ratios[p].append(ratio)
+                ratios.setdefault((p, k[0]), []).append(ratio)
                 line += f" {pr['tflops']:12.1f} {ratio:6.2f}"
             elif pr:
                 line += f" {pr['tflops']:12.1f} {'-':>6s}"
             else:
                 line += f" {'-':>12s} {'-':>6s}"
         print(line)
-    for p in peers:
-        if ratios[p]:
-            r = sorted(ratios[p])
-            print(f"flare / {p}: median {r[len(r) // 2]:.2f}, min {r[0]:.2f}, max {r[-1]:.2f} "
-                  f"over {len(r)} cases")
+    for (p, pass_), r in sorted(ratios.items()):
+        r = sorted(r)
+        print(f"{pass_:6s} flare / {p}: median {r[len(r) // 2]:.2f}, min {r[0]:.2f}, "
+              f"max {r[-1]:.2f} over {len(r)} cases")
 
 
 if __name__ == "__main__":
