@@ -30,10 +30,11 @@
 // that fills the same tiles; the branch is uniform and costs the aligned path nothing.
 //
 // Registers. O (kWarpRows·d/32 fp32 per thread) and S (kWarpRows·kBlockN/32) are the bulk of a
-// thread's 255 registers. Where they reach 192 (d 128 at 128×64 with 32-row warps) the kernel
-// runs register-tight (FwdConfig::kRegisterTight): row max and sum in a per-thread shared-memory
-// slot, P rounded to fp16/bf16 pairs right after the softmax, K/V pointers stepped, dropout drawn
-// row by row — each worth a few registers, together the difference between spilling and not.
+// thread's 255 registers. Where they reach 192 (32-row warps: d 128 at 128×64, d 64 at 128×128) the
+// kernel runs register-tight (FwdConfig::kRegisterTight): row max and sum in a per-thread
+// shared-memory slot, P rounded to fp16/bf16 pairs right after the softmax, K/V pointers stepped,
+// dropout drawn row by row — each worth a few registers, together the difference between spilling
+// and not.
 // ptxas allocates differently per arch, so the sm_80–sm_89 device code may take a shorter key
 // step than sm_90a (fwd_tiles.h's last column); block_m and warps, hence the launch, are shared.
 //
@@ -87,13 +88,14 @@ struct FwdConfig {
   static constexpr int kDFrags = kHeadDim / 8;          // n8 fragments of O
   static constexpr int kChunksPerRow = kHeadDim / 8;    // 16-byte chunks per tile row
   static constexpr int kSmemStride = kHeadDim + 8;      // elements; +16 bytes: no bank conflicts
-  // Where O and S take 192 of a thread's 255 registers (d 128 with 64-key steps and 32-row
-  // warps) the kernel is register-tight and trades a little work for registers: the running row
-  // max and sum live in a per-thread shared-memory slot (8 registers back for 8 LDS/STS per
-  // step, next to the ~100 ldmatrix of the same step), P is rounded to fp16/bf16 pairs as soon
-  // as the row sums are taken (32 registers back across the dropout draws and the next K tile's
-  // copy), and the K/V pointers step instead of being recomputed. The other tiles keep the v3
-  // code: applied to every tile, these changes cost d 64 4% on the H100 (fwd_notes.md, v4).
+  // Where O and S take 192 of a thread's 255 registers (32-row warps: d 128 with 64-key steps, d 64
+  // with 128-key steps, both sm_90a) the kernel is register-tight and trades a little work for
+  // registers: the running row max and sum live in a per-thread shared-memory slot (8 registers
+  // back for 8 LDS/STS per step, next to the ~100 ldmatrix of the same step), P is rounded to
+  // fp16/bf16 pairs as soon as the row sums are taken (32 registers back across the dropout draws
+  // and the next K tile's copy), and the K/V pointers step instead of being recomputed. The other
+  // tiles keep the v3 code: applied to every tile, these changes cost d 64 at 128×64 4% on the H100
+  // (fwd_notes.md, v4).
   static constexpr bool kRegisterTight = kMFrags * (kDFrags + kNFrags) * 4 >= 192;
   static constexpr bool kStatsInSmem = kRegisterTight;
   static constexpr int kStatsBytes = kStatsInSmem ? kMFrags * 4 * kThreads * 4 : 0;

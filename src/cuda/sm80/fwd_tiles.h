@@ -10,8 +10,12 @@
 // The last column exists because ptxas allocates differently per arch: a tile that fits sm_90a
 // may spill on sm_80, and the sm_80–sm_89 code then takes a shorter key step (same kBlockM and
 // warps, so one launcher serves both; see FwdConfig).
-//   d ≤ 96:   128×64, 4 warps. 128×128 (flash-attention's hdim64 choice) spills 120-236 bytes
-//             here, and 3 CTAs/SM (__launch_bounds__ min 3) spills at every d.
+//   d 32, 96: 128×64, 4 warps. 3 CTAs/SM (__launch_bounds__ min 3) spills at every d.
+//   d 64:     128×128, 4 warps on sm_90a (flash-attention's hdim64 choice; O 64 + S 128 = 192
+//             registers, so the register-tight mode, which keeps it spill-free), 128×64 on sm_80
+//             (v3 code; 128×128 spilled 120-236 bytes there before the register-tight mode).
+//             H100 80GB HBM3, bf16, standard grid, A/B in one call: non-causal +9–17% at every
+//             s (s=16k 304.4 vs 280.6 TFLOP/s), causal +3–13% from s=1k, −4% at s=512.
 //   d 128:    128×64, 4 warps on sm_90a (register-tight mode, fwd_kernel.cuh: row statistics in
 //             shared memory, P rounded early, stepped K/V pointers), 128×32 on sm_80 (the same
 //             code spills 8 bytes there). H100 80GB HBM3, bf16, standard grid, A/B in one call:
@@ -19,8 +23,11 @@
 //             fp16 likewise), causal +4.6% at s=512 and +13–19% from s=1k; torch-flash in the
 //             same call 350.0. Before: 128×32 272 vs 228 for 128×64 with 8 warps (16 rows each)
 //             and 250 for 64×64 with 4 warps.
-//   d 192/256: 128×64, 8 warps — 16 rows per warp, since 32 rows would need 256 O registers;
-//             bound by ldmatrix traffic (0.56 ldmatrix.x4 per MMA).
+//   d 192/256: 128×64, 8 warps — 16 rows per warp, since 32 rows would need 256 O registers.
+//             Tried at d 256 on the H100 (fwd_notes.md, v5), all slower or equal: 64×64 with
+//             4 warps and 2 CTAs/SM (flash-attention's H100 choice; register-tight, else it
+//             spills) −16 to −23%; 128×128×8 (8 bytes of spill) −8 to −15%; the
+//             register-tight mode at 128×64×8 −1%; K/V double-buffered ±1%.
 // Results behind these lines: bench/results/2026-11-26-h100-fwd-*.json, src/cuda/sm80/fwd_notes.md.
 #pragma once
 
@@ -35,7 +42,7 @@ struct FwdTile {
 };
 
 inline constexpr FwdTile kFwdTiles[] = {
-    {32, 128, 64, 4, 64},  {64, 128, 64, 4, 64},  {96, 128, 64, 4, 64},
+    {32, 128, 64, 4, 64},  {64, 128, 128, 4, 64}, {96, 128, 64, 4, 64},
     {128, 128, 64, 4, 32}, {192, 128, 64, 8, 64}, {256, 128, 64, 8, 64},
 };
 
