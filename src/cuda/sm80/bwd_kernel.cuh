@@ -59,6 +59,7 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/ptx/cp_async.cuh"
+#include "cuda/sm80/chunk_copy.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
@@ -171,23 +172,8 @@ __device__ __forceinline__ void load_tile_swizzled(Element* s, const Element* g,
 #pragma unroll
   for (int i = 0; i < kRows / kRowStep; ++i) {
     const int row = row0 + i * kRowStep;
-    Element* dst = s + swz<kCols>(row, col);
-    const bool row_in = row < rows_valid;
-    const Element* src = g + row * row_stride + col;
-    if (vec) {
-      const bool in = row_in && col < d_valid;
-      ptx::cp_async_16_zfill(ptx::smem_addr(dst), in ? src : g, in);
-    } else {
-      const uint16_t* e16 = reinterpret_cast<const uint16_t*>(row_in ? src : g);
-      uint32_t wd[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t lo = row_in && col + 2 * e < d_valid ? e16[2 * e] : 0u;
-        const uint32_t hi = row_in && col + 2 * e + 1 < d_valid ? e16[2 * e + 1] : 0u;
-        wd[e] = lo | (hi << 16);
-      }
-      *reinterpret_cast<uint4*>(dst) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
-    }
+    copy_chunk16(s + swz<kCols>(row, col), g + row * row_stride + col, g, row < rows_valid, col,
+                 d_valid, vec);
   }
 }
 

@@ -59,6 +59,7 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/ptx/cp_async.cuh"
+#include "cuda/sm80/chunk_copy.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
@@ -152,22 +153,7 @@ __device__ __forceinline__ void load_tile(typename Cfg::Element* s,
     const int row = c / kCpr;
     const int col = (c % kCpr) * 8;
     if (!kFixedColumn) src = g + row * row_stride + col;
-    typename Cfg::Element* dst = s + row * Cfg::kSmemStride + col;
-    const bool row_in = row < rows_valid;
-    if (vec) {
-      const bool in = row_in && col < d_valid;
-      ptx::cp_async_16_zfill(ptx::smem_addr(dst), in ? src : g, in);
-    } else {
-      const uint16_t* e16 = reinterpret_cast<const uint16_t*>(row_in ? src : g);
-      uint32_t w[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t lo = row_in && col + 2 * e < d_valid ? e16[2 * e] : 0u;
-        const uint32_t hi = row_in && col + 2 * e + 1 < d_valid ? e16[2 * e + 1] : 0u;
-        w[e] = lo | (hi << 16);
-      }
-      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    copy_chunk16(s + row * Cfg::kSmemStride + col, src, g, row < rows_valid, col, d_valid, vec);
     if (kFixedColumn) src += src_step;
   }
 }
