@@ -116,6 +116,9 @@ def flops(b, s_q, s_k, h, d, causal, pass_):
 # ---- running -----------------------------------------------------------------------------------
 
 def git_commit():
+    """$FLARE_COMMIT when set (a copy of the tree without .git), else git's HEAD (-dirty)."""
+    if os.environ.get("FLARE_COMMIT"):
+        return os.environ["FLARE_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
@@ -250,21 +253,28 @@ def run_benchmark(args):
                     for pass_ in args.passes:
                         row = dict(impl=name, **{"pass": pass_}, dtype=args.dtype, b=b, s_q=s,
                                    s_k=s, h=h, h_kv=h_kv, d=d, causal=causal)
+                        message = None
                         try:
                             ms, peak = time_pass(torch, fn, q, k, v, dout, causal, pass_,
                                                  args.warmup, args.iters)
+                        except (RuntimeError, NotImplementedError) as e:
+                            # SDPA raises RuntimeError when a backend refuses a case; OOM is
+                            # torch.cuda.OutOfMemoryError, also a RuntimeError.
+                            message = str(e).strip().splitlines()[0][:300] if str(e) else repr(e)
+                        if message is None:
                             row.update(ms=round(ms, 5),
                                        tflops=round(flops(b, s, s, h, d, causal, pass_)
                                                     / (ms * 1e-3) / 1e12, 2),
                                        peak_mem_bytes=int(peak))
                             line = (f"{ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s "
                                     f"peak {peak / 2**20:9.1f} MiB")
-                        except (RuntimeError, NotImplementedError) as e:
-                            # SDPA raises RuntimeError when a backend refuses a case; OOM is
-                            # torch.cuda.OutOfMemoryError, also a RuntimeError.
-                            message = str(e).strip().splitlines()[0][:300] if str(e) else repr(e)
+                        else:
                             row.update(ms=None, tflops=None, peak_mem_bytes=None, error=message)
                             line = f"skipped: {message}"
+                            # Only here, outside the except block: the exception's traceback
+                            # holds time_pass's frame and its tensors until the block ends, so
+                            # emptying the cache inside it could not return that memory, and
+                            # the next case would start with less.
                             torch.cuda.empty_cache()
                         result["rows"].append(row)
                         print(f"{name:16s} {pass_:6s} b={b:<3d} s={s:<6d} h={h:<3d} "

@@ -8,11 +8,19 @@
 #    standard grid and bench/torch_sdpa.py (PyTorch SDPA flash and cuDNN backends, same grid, same
 #    card, same call) into DIR/flare.json and DIR/torch.json; 4. one side-by-side table
 #    (bench/compare_table.py); 5. the 128k-token long-sequence run (DIR/long.json); 6. the Python
-#    package's tests with torch on the GPU; 7. ctest -L cpu. After the GPU tests, compute-sanitizer
-#    memcheck and racecheck run on a small subset. Logs go to DIR.
+#    package's tests with torch on the GPU; then, unless --no-bench, through the Python package:
+#    bench/compare.py (flare against SDPA's flash, cuDNN, efficient and math backends on the
+#    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png) and
+#    bench/gpt_loss.py (a small GPT trained with flare's attention and with SDPA's; fails unless
+#    the loss curves agree within the spread between SDPA backends: DIR/gpt_loss-<card>-<date>
+#    .json and .png); 7. ctest -L cpu. After the GPU tests, compute-sanitizer memcheck and
+#    racecheck run on a small subset. Logs go to DIR. The Python benchmarks record the commit from
+#    $FLARE_COMMIT when set (a copy of the tree without .git), else from git.
 # Needs no network: GoogleTest is taken from the system, else built from a source tree given in
-# GTEST_SRC (default: .deps/googletest, /usr/src/googletest). Exit status: non-zero if the build
-# or any test failed (the benchmark still runs after test failures, to see the numbers).
+# GTEST_SRC (default: .deps/googletest, /usr/src/googletest); the Python stage needs nanobind and
+# torch importable by python3, and matplotlib for the charts (without it: JSON only). Exit status:
+# non-zero if the build, any test or any benchmark failed, gpt_loss.py's verdict included (the
+# benchmarks still run after test failures, to see the numbers).
 set -uo pipefail
 
 out="" arch="90a" build="build-gpu" bench=1 python=1
@@ -121,10 +129,12 @@ fi
 # The Python package on the GPU: torch autograd, torch.compile and CUDA streams through flare.
 if [[ $python -eq 1 ]]; then
   log "python: build the extension and run tests/python"
+  py_built=0
   if cmake -S . -B "$build-py" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLARE_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES="$arch" -DFLARE_BUILD_TESTS=OFF -DFLARE_BUILD_APPS=OFF \
         -DFLARE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" > "$out/python.log" 2>&1 &&
      ninja -C "$build-py" -j "$jobs" >> "$out/python.log" 2>&1; then
+    py_built=1
     if PYTHONPATH="$root/$build-py/python" python3 -m pytest tests/python -q -ra -p no:cacheprovider \
          >> "$out/python.log" 2>&1; then
       log "python: $(tail -1 "$out/python.log")"
@@ -134,6 +144,29 @@ if [[ $python -eq 1 ]]; then
     fi
   else
     status=1; log "python build FAILED (python.log)"; tail -20 "$out/python.log"
+  fi
+
+  # Through the Python package: flare against every SDPA backend on the standard grid (JSON and
+  # charts), and a small GPT trained with flare's attention against SDPA's (loss curves).
+  if [[ $bench -eq 1 && $py_built -eq 1 ]]; then
+    log "bench/compare.py: flare vs SDPA flash, cuDNN, efficient, math (fwd, bwd, fwdbwd)"
+    if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/compare.py \
+         --out "$out" --warmup 3 --iters 10 > "$out/bench_compare.log" 2>&1; then
+      grep -E '^# |^wrote ' "$out/bench_compare.log" | tee -a "$out/summary.log"
+    else
+      status=1; log "compare.py FAILED (bench_compare.log)"
+      tail -20 "$out/bench_compare.log" | tee -a "$out/summary.log"
+    fi
+    log "bench/gpt_loss.py: GPT loss curves, flare vs SDPA (flash reference; efficient, cuDNN)"
+    if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/gpt_loss.py \
+         --out "$out" > "$out/gpt_loss.log" 2>&1; then
+      grep -E '^# (pass|FAIL) (context|curve|final)|^# gpt_loss|^wrote ' "$out/gpt_loss.log" |
+        tee -a "$out/summary.log"
+    else
+      status=1; log "gpt_loss.py FAILED (gpt_loss.log)"
+      { grep -E '^# (FAIL|gpt_loss)' "$out/gpt_loss.log" || tail -20 "$out/gpt_loss.log"; } |
+        tee -a "$out/summary.log"
+    fi
   fi
 fi
 run_ctest cpu
