@@ -6,16 +6,16 @@
 // can see them, for every query head of the kv head's group (GQA/MQA), so dK_j and dV_j are sums
 // formed in registers and written once, without atomics. Per query block (Q, dO, LSE, D loaded;
 // the next block's copy is in flight while this one computes):
-//   Sᵀ  = K·Qᵀ,  dPᵀ = V·dOᵀ           each warp: its 16 keys × kBlockM/col_splits queries,
-//                                       in passes of 32 queries where registers are short
+//   Sᵀ  = K·Qᵀ,  dPᵀ = V·dOᵀ           each warp: s_keys keys × its slice of the queries,
+//                                       in passes of at most 32 queries (bwd_tiles.h)
 //   P   = 2^(S·scale·log2e − LSE·log2e) the forward's LSE; softcap / ALiBi as a runtime branch
 //   mask                                only on tiles that straddle the ragged end or a window
 //   dropout                             z = keep/(1−p) from the shared Philox mask:
 //                                       P̃ = P·z, dP ← z·dP
 //   dS  = P∘(dP − D) [· (1 − tanh²)]    D = rowsum(dO∘O) from the preprocess kernel
 //   P̃ᵀ, dSᵀ → shared memory (fp16/bf16), then
-//   dV += P̃ᵀ·dO,  dK += dSᵀ·Q           each warp: its 16 keys × d/col_splits columns
-//   dQ += dS·K                           each warp: 16 queries × d/2 columns, added into the
+//   dV += P̃ᵀ·dO,  dK += dSᵀ·Q           each warp: kv_keys keys × its slice of the columns
+//   dQ += dS·K                           each warp: dq_rows queries × its columns, added into the
 //                                        fp32 accumulator (red.global.add; float2 on sm_90)
 // dK is scaled by the softmax scale on the way out, dQ by the convert kernel.
 //
@@ -50,6 +50,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -59,12 +60,12 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/ptx/cp_async.cuh"
-#include "cuda/sm80/chunk_copy.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm80/bwd_tiles.h"
+#include "cuda/sm80/chunk_copy.cuh"
 
 namespace flare::cuda::sm80 {
 
@@ -80,31 +81,38 @@ struct BwdConfig {
   static constexpr int kWarps = kTile.warps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kTile.stages;
-  static constexpr int kColSplits = kTile.col_splits;
-  static constexpr int kKeyGroups = kBlockN / 16;        // 16-key groups of dK/dV and Sᵀ
-  static constexpr int kSCols = kBlockM / kColSplits;    // queries of a warp's Sᵀ tile
-  static constexpr int kKVCols = kHeadDim / kColSplits;  // columns of a warp's dK/dV rows
-  static constexpr int kDqRowGroups = kBlockM / 16;      // 16-query groups of dQ
-  static constexpr int kDqCols = kHeadDim / (kWarps / kDqRowGroups);  // columns per dQ warp
-  // dQ is produced in column chunks so its accumulator stays at 32 registers (16 at d 256, where
-  // 32 spill beside the 128 dK/dV accumulators).
-  static constexpr int kDqChunk = kHeadDim >= 256 ? 32 : (kDqCols < 64 ? kDqCols : 64);
-  // Sᵀ and dPᵀ are produced in passes of 32 queries (16 + 16 registers) where the dK/dV
-  // accumulators leave no room for more (d > 64); at d 64 one pass covers the warp's queries.
-  static constexpr int kSPass = kHeadDim <= 64 || kSCols < 32 ? kSCols : 32;
+  // Sᵀ/dPᵀ: warps in kSKeyGroups groups of kTile.s_keys keys, each warp kSCols queries.
+  static constexpr int kSMt = kTile.s_keys / 16;  // 16-key row tiles of a warp's Sᵀ
+  static constexpr int kSKeyGroups = kBlockN / kTile.s_keys;
+  static constexpr int kSCols = kBlockM / (kWarps / kSKeyGroups);
+  // dK/dV: warps in kKVKeyGroups groups of kTile.kv_keys keys, each warp kKVCols columns.
+  static constexpr int kKVMt = kTile.kv_keys / 16;
+  static constexpr int kKVKeyGroups = kBlockN / kTile.kv_keys;
+  static constexpr int kKVCols = kHeadDim / (kWarps / kKVKeyGroups);
+  // dQ: warps in kDqRowGroups groups of kTile.dq_rows queries, each warp kDqCols columns.
+  static constexpr int kDqMt = kTile.dq_rows / 16;
+  static constexpr int kDqRowGroups = kBlockM / kTile.dq_rows;
+  static constexpr int kDqCols = kHeadDim / (kWarps / kDqRowGroups);
+  // dQ is produced in column chunks of at most 32 so its accumulator stays at 16·kDqMt registers
+  // per 16 columns beside the dK/dV accumulators.
+  static constexpr int kDqChunk = kDqCols < 32 ? kDqCols : 32;
+  // Sᵀ and dPᵀ are produced in passes of kSPass queries, which bounds their registers (2 · kSMt ·
+  // kSPass / 4 per thread).
+  static constexpr int kSPass = kSCols < 32 ? kSCols : 32;
   // The k loops of the products are unrolled by 2, not fully: full unrolling lets ptxas preload
-  // fragments until it spills (8 to 32 bytes at d 128 and 256). At d 256 the dK/dV loop, with 16
-  // B fragments per k step, must stay rolled to spill nothing on sm_80 and sm_90a.
+  // fragments until it spills. At d 256 the dK/dV loop stays rolled.
   static constexpr int kKVUnroll = kHeadDim >= 256 ? 1 : 2;
-  // Even/odd k-step accumulator pairs (see the Sᵀ and dQ loops), where registers allow them
-  // without spilling on sm_80 and sm_90a and they measured no slower (H100, b=2 s=8k bf16):
-  // dQ at d 64 (182 → 188 TFLOP/s) and everything at d 256 (169). At d 128 the Sᵀ pair measured
-  // 207 against 215 without, and the dQ pair spills.
-  static constexpr bool kSplitS = kHeadDim >= 256;
-  static constexpr bool kSplitDq = kHeadDim != 128;
-  static_assert(kKeyGroups * kColSplits == kWarps, "key groups × column splits must be the warps");
-  static_assert(kWarps % kDqRowGroups == 0 && kDqCols % kDqChunk == 0, "dQ warp tiling");
-  static_assert(kSCols % kSPass == 0 && kSPass % 16 == 0 && kKVCols % 16 == 0 && kDqChunk % 16 == 0,
+  // Q/dO copies take the bounds-free path for whole tiles, except at d 256, where its addresses
+  // cost the registers that keep the kernel spill-free on sm_90a.
+  static constexpr bool kWholeTileLoads = kHeadDim < 256;
+  static_assert(kSKeyGroups * (kBlockM / kSCols) == kWarps && kBlockN % kTile.s_keys == 0,
+                "Sᵀ warp tiling");
+  static_assert(kKVKeyGroups * (kHeadDim / kKVCols) == kWarps && kBlockN % kTile.kv_keys == 0,
+                "dK/dV warp tiling");
+  static_assert(kDqRowGroups * (kHeadDim / kDqCols) == kWarps && kBlockM % kTile.dq_rows == 0,
+                "dQ warp tiling");
+  static_assert(kDqCols % kDqChunk == 0 && kSCols % kSPass == 0, "passes and chunks");
+  static_assert(kSPass % 16 == 0 && kKVCols % 16 == 0 && kDqChunk % 16 == 0,
                 "ldmatrix.x4 loads two n8 fragments at a time");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0,
                 "swizzled rows need at least eight 16-byte chunks");
@@ -131,13 +139,13 @@ __device__ __forceinline__ int swz(int row, int col) {
   return row * kCols + (((chunk ^ row) & 7) | (chunk & ~7)) * 8 + (col & 7);
 }
 
-// ldmatrix lane addressing, as shared-window byte addresses. Pattern X: the A operand from a
-// (row, k)-stored tile, or the B operand through .trans from a (k, n)-stored tile. Pattern Y: the
-// B operand from an (n, k)-stored tile, or the A operand through .trans from a (k, m)-stored tile.
-// A base is computed once per kernel for the lane's row and chunk (r0 % 8 == 0); frag_step then
-// moves it by a compile-time (dr, dc) — dr % 8 == 0, dc % 8 == 0 — with one XOR on the chunk bits
-// and one add, which is exact because tiles start on 128-byte boundaries, rows are multiples of
-// 128 bytes, and the base's own low chunk bits never overlap dc / 8's.
+// ldmatrix lane addressing, as shared-window byte addresses. Pattern X: the A operand from a (row,
+// k)-stored tile, or the B operand through .trans from a (k, n)-stored tile. Pattern Y: the B
+// operand from an (n, k)-stored tile, or the A operand through .trans from a (k, m)-stored tile. A
+// base is computed once per kernel for the lane's row and chunk (r0 % 8 == 0); frag_step then moves
+// it by a compile-time (dr, dc) — dr % 8 == 0, dc % 8 == 0 — with one XOR on the chunk bits and one
+// add, which is exact because tiles start on 128-byte boundaries, rows are multiples of 128 bytes,
+// and the base's own low chunk bits never overlap dc / 8's.
 template <int kCols>
 __device__ __forceinline__ uint32_t frag_base_x(uint32_t tile, int r0, int c0, int lane) {
   const int row = r0 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -156,19 +164,28 @@ __device__ __forceinline__ uint32_t frag_step(uint32_t base, int dr, int dc) {
   return (base ^ static_cast<uint32_t>((chunk & 7) << 4)) + dr * (kCols * 2) + (chunk & ~7) * 16;
 }
 
-// Copies a (rows_valid ≤ kRows, d_valid ≤ kCols) tile of a row-major global tensor into a
-// swizzled shared tile, zero-filling the rest. `vec`: rows 16-byte aligned and d_valid % 8 == 0,
-// so whole chunks go through cp.async; otherwise elements are read one by one and stored
-// synchronously (ordered by the same barriers).
-template <int kRows, int kCols, int kThreads, typename Element>
+// Copies a (rows_valid ≤ kRows, d_valid ≤ kCols) tile of a row-major global tensor into a swizzled
+// shared tile, zero-filling the rest. `vec`: rows 16-byte aligned and d_valid % 8 == 0, so whole
+// chunks go through cp.async; otherwise elements are read one by one and stored synchronously
+// (ordered by the same barriers). kWholeTilePath: a whole aligned tile is copied without bounds.
+template <int kRows, int kCols, int kThreads, bool kWholeTilePath, typename Element>
 __device__ __forceinline__ void load_tile_swizzled(Element* s, const Element* g, int64_t row_stride,
-                                                   int rows_valid, int d_valid, bool vec,
-                                                   int tid) {
+                                                   int rows_valid, int d_valid, bool vec, int tid) {
   constexpr int kChunks = kCols / 8;
   constexpr int kRowStep = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "tile copy must split evenly");
   const int row0 = tid / kChunks;
   const int col = (tid % kChunks) * 8;
+  if (kWholeTilePath && vec && rows_valid >= kRows && d_valid == kCols) {
+    // Whole tile: no bounds to test; rows kRowStep apart share the swizzle (kRowStep % 8 == 0).
+    static_assert(kRowStep % 8 == 0, "rows kRowStep apart must share their swizzle");
+    const uint32_t dst = ptx::smem_addr(s + swz<kCols>(row0, col));
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i)
+      ptx::cp_async_16_zfill(dst + i * kRowStep * kCols * 2,
+                             g + (row0 + i * kRowStep) * row_stride + col, true);
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kRows / kRowStep; ++i) {
     const int row = row0 + i * kRowStep;
@@ -177,14 +194,22 @@ __device__ __forceinline__ void load_tile_swizzled(Element* s, const Element* g,
   }
 }
 
-// A 4-byte store to a shared-window address, so the P̃ᵀ/dSᵀ stores step their swizzled
-// addresses with frag_step like the loads. Kept beside its only user, as is the next one.
+// threadIdx.x through a volatile read: the compiler may not hoist it, or values computed from it,
+// out of a loop.
+__device__ __forceinline__ int thread_index_volatile() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
+// A 4-byte store to a shared-window address, so the P̃ᵀ/dSᵀ stores step their swizzled addresses
+// with frag_step like the loads. Kept beside its only user, as is the next one.
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
 }
 
-// 4-byte asynchronous copy global → shared, zero-filling when !valid (4- and 8-byte copies must
-// go through L1: .ca).
+// 4-byte asynchronous copy global → shared, zero-filling when !valid (4- and 8-byte copies must go
+// through L1: .ca).
 __device__ __forceinline__ void cp_async_4_zfill(uint32_t smem, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem),
                "r"(valid ? 4 : 0)
@@ -201,8 +226,8 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
 #endif
 }
 
-// Stores columns (col, col + 1) of a gradient row, the second only when `second`; one 4-byte
-// store when the pair is aligned.
+// Stores columns (col, col + 1) of a gradient row, the second only when `second`; one 4-byte store
+// when the pair is aligned.
 template <typename Element>
 __device__ __forceinline__ void store_pair(Element* dst, float a, float b, bool second,
                                            bool pair_store) {
@@ -214,6 +239,45 @@ __device__ __forceinline__ void store_pair(Element* dst, float a, float b, bool 
   reinterpret_cast<uint16_t*>(dst)[0] = static_cast<uint16_t>(both);
   if (second) reinterpret_cast<uint16_t*>(dst)[1] = static_cast<uint16_t>(both >> 16);
 }
+
+// acc += A·Bᵀ over the head dimension for one pass of the Sᵀ/dPᵀ tile: A, the warp's kMt·16 keys of
+// K (or V) from a_base; B, the pass's kPass queries of Q (or dO) from b_base. Each B fragment feeds
+// kMt row tiles. kBoth: the second product (acc2, on a_base + a2_off and b_base + b2_off) in the
+// same loop.
+template <typename Element, int kHeadDim, int kMt, int kPass, bool kBoth>
+__device__ __forceinline__ void s_product(float (&acc)[kMt][kPass / 8][4],
+                                          float (&acc2)[kMt][kPass / 8][4], uint32_t a_base,
+                                          uint32_t b_base, uint32_t a2_off, uint32_t b2_off) {
+#pragma unroll 2
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    uint32_t a[kMt][4], a2[kMt][4];
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt) {
+      const uint32_t a_addr = frag_step<kHeadDim>(a_base, mt * 16, ks * 16);
+      ptx::ldmatrix_x4(a[mt], a_addr);
+      if constexpr (kBoth) ptx::ldmatrix_x4(a2[mt], a_addr + a2_off);
+    }
+#pragma unroll
+    for (int np = 0; np < kPass / 16; ++np) {
+      uint32_t bq[4], b2[4];
+      const uint32_t b_addr = frag_step<kHeadDim>(b_base, np * 16, ks * 16);
+      ptx::ldmatrix_x4(bq, b_addr);
+      if constexpr (kBoth) ptx::ldmatrix_x4(b2, b_addr + b2_off);
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        ptx::mma_m16n8k16<Element>(acc[mt][2 * np], a[mt], bq[0], bq[1]);
+        ptx::mma_m16n8k16<Element>(acc[mt][2 * np + 1], a[mt], bq[2], bq[3]);
+        if constexpr (kBoth) {
+          ptx::mma_m16n8k16<Element>(acc2[mt][2 * np], a2[mt], b2[0], b2[1]);
+          ptx::mma_m16n8k16<Element>(acc2[mt][2 * np + 1], a2[mt], b2[2], b2[3]);
+        }
+      }
+    }
+  }
+}
+
+// How a backward tile forms P and dS (see the Sᵀ passes).
+inline constexpr int kPlain = 0, kMasked = 1, kGeneral = 2;
 
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
@@ -244,10 +308,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
-  const int kg = warp % Cfg::kKeyGroups;  // Sᵀ / dK / dV: 16-key group
-  const int cs = warp / Cfg::kKeyGroups;  //               query or column slice
-  const int qg = warp % Cfg::kDqRowGroups;  // dQ: 16-query group
-  const int dcs = warp / Cfg::kDqRowGroups;  //    column slice
+  constexpr int kSMt = Cfg::kSMt, kKVMt = Cfg::kKVMt, kDqMt = Cfg::kDqMt;
+  const int kg = warp % Cfg::kSKeyGroups;  // Sᵀ: key group (kSMt·16 keys)
+  const int cs = warp / Cfg::kSKeyGroups;  //     query slice
   const int d = p.head_dim;
   const int diag = seq.len_k - seq.len_q;  // key position of query row 0 (bottom-right aligned)
   const int64_t q_packed0 =
@@ -256,17 +319,13 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
   const bool has_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
   const bool has_dropout = p.dropout_p > 0.0f;
 
-  // Per-lane fragment addresses (stage 0 for Q and dO). V, dO and dS sit a fixed multiple of
-  // 128 bytes after K, Q and P, so they share the bases (and each step's XOR) of their partners.
-  const uint32_t a_k_base = frag_base_x<kHeadDim>(ptx::smem_addr(sK), kg * 16, 0, lane);
+  // Per-lane fragment addresses (stage 0 for Q and dO). V, dO and dS sit a fixed multiple of 128
+  // bytes after K, Q and P, so they share the bases (and each step's XOR) of their partners.
+  const uint32_t a_k_base = frag_base_x<kHeadDim>(ptx::smem_addr(sK), kg * kSMt * 16, 0, lane);
   const uint32_t b_q_base = frag_base_y<kHeadDim>(ptx::smem_addr(sQ), cs * kSCols, 0, lane);
-  const uint32_t a_p_base = frag_base_x<kBlockM>(ptx::smem_addr(sP), kg * 16, 0, lane);
-  const uint32_t bt_q_base = frag_base_x<kHeadDim>(ptx::smem_addr(sQ), 0, cs * kKVCols, lane);
-  const uint32_t at_ds_base = frag_base_y<kBlockM>(ptx::smem_addr(sDs), 0, qg * 16, lane);
-  const uint32_t bt_k_base = frag_base_x<kHeadDim>(ptx::smem_addr(sK), 0, dcs * kDqCols, lane);
-  // Where this lane stores its P̃ᵀ / dSᵀ pairs: row kg·16 + g, column cs·kSCols + 2t.
+  // Where this lane stores its P̃ᵀ / dSᵀ pairs: row kg·kSMt·16 + g, column cs·kSCols + 2t.
   const uint32_t st_p_base =
-      ptx::smem_addr(sP) + 2 * swz<kBlockM>(kg * 16 + g, cs * kSCols + 2 * t);
+      ptx::smem_addr(sP) + 2 * swz<kBlockM>(kg * kSMt * 16 + g, cs * kSCols + 2 * t);
   constexpr uint32_t kVAfterK = (Cfg::kOffV - Cfg::kOffK) * 2;
   constexpr uint32_t kDoAfterQ = (Cfg::kOffDo - Cfg::kOffQ) * 2;
   constexpr uint32_t kDsAfterP = (Cfg::kOffDs - Cfg::kOffP) * 2;
@@ -274,8 +333,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
   for (int jb = jb_begin; jb < jb_end; ++jb) {
     const int j0 = jb * kBlockN;
     const int rows_k = min(kBlockN, seq.len_k - j0);
-    // Query rows that see a key of [j0, j0 + rows_k): key j is visible from row i iff
-    // j − right ≤ i + diag ≤ j + left (each side only when bounded).
+    // Query rows that see a key of [j0, j0 + rows_k): key j is visible from row i iff j − right ≤ i
+    // + diag ≤ j + left (each side only when bounded).
     int i_lo = 0, i_hi = seq.len_q;
     if (p.window_right >= 0) i_lo = max(0, j0 - p.window_right - diag);
     if (p.window_left >= 0) i_hi = min(seq.len_q, j0 + rows_k + p.window_left - diag);
@@ -283,27 +342,33 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
     const int m_count = i_hi > i_lo ? (i_hi + kBlockM - 1) / kBlockM - m_begin : 0;
     const int iters = m_count * p.head_group;
 
-    load_tile_swizzled<kBlockN, kHeadDim, kThreads>(
-        sK, static_cast<const Element*>(p.k) + b * p.k_batch_stride +
-                (seq.k_row0 + j0) * p.k_row_stride + hk * p.k_head_stride,
+    load_tile_swizzled<kBlockN, kHeadDim, kThreads, true>(
+        sK,
+        static_cast<const Element*>(p.k) + b * p.k_batch_stride +
+            (seq.k_row0 + j0) * p.k_row_stride + hk * p.k_head_stride,
         p.k_row_stride, rows_k, d, w.vec, tid);
-    load_tile_swizzled<kBlockN, kHeadDim, kThreads>(
-        sV, static_cast<const Element*>(p.v) + b * p.v_batch_stride +
-                (seq.k_row0 + j0) * p.v_row_stride + hk * p.v_head_stride,
+    load_tile_swizzled<kBlockN, kHeadDim, kThreads, true>(
+        sV,
+        static_cast<const Element*>(p.v) + b * p.v_batch_stride +
+            (seq.k_row0 + j0) * p.v_row_stride + hk * p.v_head_stride,
         p.v_row_stride, rows_k, d, w.vec, tid);
 
-    // Step `it` is query block m_begin + it % m_count of query head hk·group + it / m_count.
-    auto load_query_block = [&](int it) {
+    // Step `it` is query block m_begin + it % m_count of query head hk·group + it / m_count. The
+    // loop steps the (block, head) pair rather than dividing; the prefetch (kStages − 1 ≤ 1 steps
+    // ahead) derives its pair from the current one.
+    static_assert(kStages == 1 || kStages == 2, "the prefetch runs at most one step ahead");
+    const int m_end = m_begin + m_count;
+    auto load_query_block = [&](int it, int m, int h) {
       const int stage = it % kStages;
-      const int h = hk * p.head_group + it / m_count;
-      const int i0 = (m_begin + it % m_count) * kBlockM;
+      const int i0 = m * kBlockM;
+      const int tid = thread_index_volatile();  // keeps per-thread offsets out of the S passes
       const int rows_q = min(kBlockM, seq.len_q - i0);
-      load_tile_swizzled<kBlockM, kHeadDim, kThreads>(
+      load_tile_swizzled<kBlockM, kHeadDim, kThreads, Cfg::kWholeTileLoads>(
           sQ + stage * kBlockM * kHeadDim,
           static_cast<const Element*>(p.q) + b * p.q_batch_stride +
               (seq.q_row0 + i0) * p.q_row_stride + h * p.q_head_stride,
           p.q_row_stride, rows_q, d, w.vec, tid);
-      load_tile_swizzled<kBlockM, kHeadDim, kThreads>(
+      load_tile_swizzled<kBlockM, kHeadDim, kThreads, Cfg::kWholeTileLoads>(
           sDo + stage * kBlockM * kHeadDim,
           static_cast<const Element*>(p.dout) + b * p.do_batch_stride +
               (seq.q_row0 + i0) * p.do_row_stride + h * p.do_head_stride,
@@ -321,246 +386,290 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
       }
     };
 
-    for (int s = 0; s < kStages - 1 && s < iters; ++s) load_query_block(s);
+    if (kStages == 2 && iters > 0) load_query_block(0, m_begin, hk * p.head_group);
     ptx::cp_async_commit();
 
-    float acc_dk[kKVCols / 8][4] = {};  // (16 keys, kKVCols) per warp
-    float acc_dv[kKVCols / 8][4] = {};
+    float acc_dk[kKVMt][kKVCols / 8][4] = {};  // (kKVMt·16 keys, kKVCols) per warp
+    float acc_dv[kKVMt][kKVCols / 8][4] = {};
 
+    int m_at = m_begin, h = hk * p.head_group;  // this step's query block and head
     for (int it = 0; it < iters; ++it) {
       // The buffer the prefetch overwrites was last read in step it − 1, which ended in a barrier.
-      if (it + kStages - 1 < iters) load_query_block(it + kStages - 1);
+      const bool wrap = m_at + 1 == m_end;
+      if (kStages == 1)
+        load_query_block(it, m_at, h);
+      else if (it + 1 < iters)
+        load_query_block(it + 1, wrap ? m_begin : m_at + 1, wrap ? h + 1 : h);
       ptx::cp_async_commit();
       ptx::cp_async_wait<kStages - 1>();
       __syncthreads();
 
       const int stage = it % kStages;
-      const int h = hk * p.head_group + it / m_count;
-      const int i0 = (m_begin + it % m_count) * kBlockM;
+      const int i0 = m_at * kBlockM;
       const uint32_t stage_bytes = stage * kBlockM * kHeadDim * 2;
       const float* const sLses = sLse + stage * kBlockM;
       const float* const sDsums = sDsum + stage * kBlockM;
 
       // A tile needs the mask only where it straddles the ragged key end or a window edge.
-      const bool full_tile =
-          j0 + kBlockN <= seq.len_k &&
-          (p.window_left < 0 || j0 >= i0 + kBlockM - 1 + diag - p.window_left) &&
-          (p.window_right < 0 || j0 + kBlockN - 1 <= i0 + diag + p.window_right);
-      const float slope = alibi_slope(p, b, h);
-      const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
-      // The warp's queries go in passes of kSPass columns, which bounds the S and dP registers.
-#pragma unroll
-      for (int pass = 0; pass < kSCols / kSPass; ++pass) {
-        const int q0 = cs * kSCols + pass * kSPass;
-        // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: keys kg·16 + [0, 16), queries q0 + [0, kSPass).
-        // Even and odd k steps accumulate into separate tiles (kSplitS), summed at the end: a
-        // tensor-core result then feeds the next product on the same tile only every 16
-        // instructions, not 8, a latency the two warps per scheduler cannot hide otherwise.
-        float acc_s[kSPass / 8][4] = {}, acc_dp[kSPass / 8][4] = {};
-        float odd_s[kSPass / 8][4] = {}, odd_dp[kSPass / 8][4] = {};
-#pragma unroll 1
-        for (int ks2 = 0; ks2 < kHeadDim / 32; ++ks2) {
-#pragma unroll
-          for (int parity = 0; parity < 2; ++parity) {
-            const int ks = 2 * ks2 + parity;
-            float(&sum_s)[kSPass / 8][4] = parity == 0 || !Cfg::kSplitS ? acc_s : odd_s;
-            float(&sum_dp)[kSPass / 8][4] = parity == 0 || !Cfg::kSplitS ? acc_dp : odd_dp;
-            uint32_t a_k[4], a_v[4];
-            const uint32_t a_addr = frag_step<kHeadDim>(a_k_base, 0, ks * 16);
-            ptx::ldmatrix_x4(a_k, a_addr);
-            ptx::ldmatrix_x4(a_v, a_addr + kVAfterK);
-#pragma unroll
-            for (int np = 0; np < kSPass / 16; ++np) {
-              uint32_t b_q[4], b_do[4];
-              const int dr = pass * kSPass + np * 16;
-              const uint32_t b_addr = frag_step<kHeadDim>(b_q_base, dr, ks * 16) + stage_bytes;
-              ptx::ldmatrix_x4(b_q, b_addr);
-              ptx::ldmatrix_x4(b_do, b_addr + kDoAfterQ);
-              ptx::mma_m16n8k16<Element>(sum_s[2 * np], a_k, b_q[0], b_q[1]);
-              ptx::mma_m16n8k16<Element>(sum_s[2 * np + 1], a_k, b_q[2], b_q[3]);
-              ptx::mma_m16n8k16<Element>(sum_dp[2 * np], a_v, b_do[0], b_do[1]);
-              ptx::mma_m16n8k16<Element>(sum_dp[2 * np + 1], a_v, b_do[2], b_do[3]);
-            }
-          }
-        }
-        if constexpr (Cfg::kSplitS) {
-#pragma unroll
-          for (int nt = 0; nt < kSPass / 8; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              acc_s[nt][r] += odd_s[nt][r];
-              acc_dp[nt][r] += odd_dp[nt][r];
-            }
-        }
-
-        // ---- P, dropout, dS in registers; acc_s becomes P̃ = P·z, acc_dp becomes dS.
+      const bool full_tile = j0 + kBlockN <= seq.len_k &&
+                             (p.window_left < 0 || j0 >= i0 + kBlockM - 1 + diag - p.window_left) &&
+                             (p.window_right < 0 || j0 + kBlockN - 1 <= i0 + diag + p.window_right);
+      // One pass: the warp's Sᵀ/dPᵀ over queries q0 + [0, kPass), q0 = cs·kSCols + q_rel, through P
+      // and dS into shared memory; keys kg·kSMt·16 + [0, kSMt·16). Each B fragment (Q, dO) feeds
+      // kSMt row tiles. Without score modifier or dropout (kPlain, or kMasked where the tile
+      // straddles a mask edge: causal diagonal, window, ragged end) a pass covers kSPass queries,
+      // Sᵀ first, then P in place while dPᵀ is formed (so only one product's fragments are live at
+      // a time). Other tiles (kGeneral) run in passes of 16 queries with both products in one
+      // loop: their per-element code needs the registers.
+      auto s_pass = [&](auto pass_tag, auto mode_tag, const int q_rel) {
+        constexpr int kPass = decltype(pass_tag)::value;
+        constexpr int kMode = decltype(mode_tag)::value;
+        const int q0 = cs * kSCols + q_rel;
+        const uint32_t b_pass = frag_step<kHeadDim>(b_q_base, q_rel, 0) + stage_bytes;
+        float acc_s[kSMt][kPass / 8][4] = {}, acc_dp[kSMt][kPass / 8][4] = {};
         // Per query row m of the block: the LSE in base-2 units — +inf for a row with no visible
-        // key (LSE = −inf) or past the sequence end, so its P is exactly 0 and so is every
-        // gradient it feeds.
+        // key (LSE = −inf) or past the sequence end, so its P is exactly 0 and so is every gradient
+        // it feeds.
         auto lse2_of = [&](int m) {
           const float lse = sLses[m];
           return i0 + m < seq.len_q && lse != -INFINITY ? lse * kBwdLog2e : INFINITY;
         };
-        if (!has_mod && !has_dropout && full_tile) {
-          // The common tile, kept free of per-element branches: each one is a taken jump, and
-          // in this loop they cost more issue slots than the arithmetic.
+        if constexpr (kMode != kGeneral) {
+          // Free of per-element branches: each one is a taken jump, and in this loop they cost more
+          // issue slots than the arithmetic.
+          s_product<Element, kHeadDim, kSMt, kPass, false>(acc_s, acc_s, a_k_base, b_pass, 0, 0);
 #pragma unroll
-          for (int nt = 0; nt < kSPass / 8; ++nt) {
+          for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
             const float lse2[2] = {lse2_of(m), lse2_of(m + 1)};
+#pragma unroll
+            for (int mt = 0; mt < kSMt; ++mt)
+#pragma unroll
+              for (int r = 0; r < 4; ++r)
+                acc_s[mt][nt][r] = ptx::exp2_approx(acc_s[mt][nt][r] * p.scale_log2 - lse2[r & 1]);
+          }
+          if (!full_tile) {
+            // Key j is visible from query i iff diag − left ≤ j − i ≤ diag + right (each side
+            // where bounded) and j < len_k. With j − i = e0 + c and j = j_1 + cj, where c and cj
+            // are compile-time per element, each test is one compare against an immediate.
+            const int e0 = (j0 + kg * kSMt * 16 + g) - (i0 + q0 + 2 * t);
+            const int c_lo = p.window_left < 0 ? INT_MIN / 2 : diag - p.window_left - e0;
+            const int c_hi = p.window_right < 0 ? INT_MAX / 2 : diag + p.window_right - e0;
+            const int cj_hi = seq.len_k - 1 - (j0 + kg * kSMt * 16 + g);
+#pragma unroll
+            for (int nt = 0; nt < kPass / 8; ++nt)
+#pragma unroll
+              for (int mt = 0; mt < kSMt; ++mt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                  const int cj = mt * 16 + (r >> 1) * 8;
+                  const int c = cj - nt * 8 - (r & 1);
+                  const bool visible = c >= c_lo && c <= c_hi && cj <= cj_hi;
+                  acc_s[mt][nt][r] = visible ? acc_s[mt][nt][r] : 0.0f;
+                }
+          }
+          s_product<Element, kHeadDim, kSMt, kPass, false>(acc_dp, acc_dp, a_k_base + kVAfterK,
+                                                           b_pass + kDoAfterQ, 0, 0);
+#pragma unroll
+          for (int nt = 0; nt < kPass / 8; ++nt) {
+            const int m = q0 + nt * 8 + 2 * t;
             const float dsum[2] = {sDsums[m], sDsums[m + 1]};
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const float prob = ptx::exp2_approx(acc_s[nt][r] * p.scale_log2 - lse2[r & 1]);
-              acc_s[nt][r] = prob;
-              acc_dp[nt][r] = prob * (acc_dp[nt][r] - dsum[r & 1]);
-            }
+            for (int mt = 0; mt < kSMt; ++mt)
+#pragma unroll
+              for (int r = 0; r < 4; ++r)
+                acc_dp[mt][nt][r] = acc_s[mt][nt][r] * (acc_dp[mt][nt][r] - dsum[r & 1]);
           }
         } else {
+          s_product<Element, kHeadDim, kSMt, kPass, true>(acc_s, acc_dp, a_k_base, b_pass, kVAfterK,
+                                                          kDoAfterQ);
+          const float slope = alibi_slope(p, b, h);
+          const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
 #pragma unroll
-          for (int nt = 0; nt < kSPass / 8; ++nt) {
+          for (int nt = 0; nt < kPass / 8; ++nt) {
             const float lse2[2] = {lse2_of(q0 + nt * 8 + 2 * t), lse2_of(q0 + nt * 8 + 2 * t + 1)};
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const int n = kg * 16 + g + (r >> 1) * 8;     // key in the block
-              const int m = q0 + nt * 8 + 2 * t + (r & 1);  // query in the block
-              const int i = i0 + m, j = j0 + n;
-              float prob, dtanh = 1.0f;
-              if (!has_mod) {
-                prob = ptx::exp2_approx(acc_s[nt][r] * p.scale_log2 - lse2[r & 1]);
-              } else {
-                float x = acc_s[nt][r] * p.scale;
-                if (p.softcap > 0.0f) {
-                  const float th = tanhf(x / p.softcap);
-                  x = p.softcap * th;
-                  dtanh = 1.0f - th * th;
+            for (int mt = 0; mt < kSMt; ++mt)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                const int n = (kg * kSMt + mt) * 16 + g + (r >> 1) * 8;  // key in the block
+                const int m = q0 + nt * 8 + 2 * t + (r & 1);             // query in the block
+                const int i = i0 + m, j = j0 + n;
+                float prob, dtanh = 1.0f;
+                if (!has_mod) {
+                  prob = ptx::exp2_approx(acc_s[mt][nt][r] * p.scale_log2 - lse2[r & 1]);
+                } else {
+                  float x = acc_s[mt][nt][r] * p.scale;
+                  if (p.softcap > 0.0f) {
+                    const float th = tanhf(x / p.softcap);
+                    x = p.softcap * th;
+                    dtanh = 1.0f - th * th;
+                  }
+                  if (p.alibi_slopes != nullptr) x += alibi_bias(slope, i, j, seq.len_q, seq.len_k);
+                  prob = ptx::exp2_approx(x * kBwdLog2e - lse2[r & 1]);
                 }
-                if (p.alibi_slopes != nullptr) x += alibi_bias(slope, i, j, seq.len_q, seq.len_k);
-                prob = ptx::exp2_approx(x * kBwdLog2e - lse2[r & 1]);
+                if (!full_tile) {
+                  const int pos = i + diag;
+                  const bool visible = j < seq.len_k &&
+                                       (p.window_left < 0 || j >= pos - p.window_left) &&
+                                       (p.window_right < 0 || j <= pos + p.window_right);
+                  if (!visible) prob = 0.0f;
+                }
+                float dp = acc_dp[mt][nt][r];
+                float prob_dropped = prob;
+                if (has_dropout) {
+                  const float z = dropout_keep(p.seed, p.offset, bh, static_cast<uint32_t>(i),
+                                               static_cast<uint32_t>(j), p.dropout_p)
+                                      ? p.dropout_scale
+                                      : 0.0f;
+                  prob_dropped = prob * z;
+                  dp *= z;
+                }
+                acc_s[mt][nt][r] = prob_dropped;
+                acc_dp[mt][nt][r] = prob * (dp - sDsums[m]) * dtanh;
               }
-              if (!full_tile) {
-                const int pos = i + diag;
-                const bool visible = j < seq.len_k &&
-                                     (p.window_left < 0 || j >= pos - p.window_left) &&
-                                     (p.window_right < 0 || j <= pos + p.window_right);
-                if (!visible) prob = 0.0f;
-              }
-              float dp = acc_dp[nt][r];
-              float prob_dropped = prob;
-              if (has_dropout) {
-                const float z = dropout_keep(p.seed, p.offset, bh, static_cast<uint32_t>(i),
-                                             static_cast<uint32_t>(j), p.dropout_p)
-                                    ? p.dropout_scale
-                                    : 0.0f;
-                prob_dropped = prob * z;
-                dp *= z;
-              }
-              acc_s[nt][r] = prob_dropped;
-              acc_dp[nt][r] = prob * (dp - sDsums[m]) * dtanh;
+          }
+        }
+        // P̃ᵀ and dSᵀ to shared memory, rows (kg·kSMt + mt)·16 + g (+ 8), columns q0 + nt·8 + 2t (+
+        // 1).
+#pragma unroll
+        for (int mt = 0; mt < kSMt; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < kPass / 8; ++nt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const uint32_t addr =
+                  frag_step<kBlockM>(st_p_base, mt * 16 + half * 8, q_rel + nt * 8);
+              st_shared_u32(
+                  addr, ptx::pack2<Element>(acc_s[mt][nt][2 * half], acc_s[mt][nt][2 * half + 1]));
+              st_shared_u32(addr + kDsAfterP, ptx::pack2<Element>(acc_dp[mt][nt][2 * half],
+                                                                  acc_dp[mt][nt][2 * half + 1]));
             }
           }
-        }
-        // P̃ᵀ and dSᵀ to shared memory, rows kg·16 + g (+ 8), columns q0 + nt·8 + 2t (+ 1).
+      };
+      if (!has_mod && !has_dropout) {
+        // Rolled: unrolled, ptxas overlaps the passes (d 64 has two) and spills.
+#pragma unroll 1
+        for (int q_rel = 0; q_rel < kSCols; q_rel += kSPass)
+          s_pass(std::integral_constant<int, kSPass>{}, std::integral_constant<int, kPlain>{},
+                 q_rel);
+      } else {
 #pragma unroll
-        for (int nt = 0; nt < kSPass / 8; ++nt) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const uint32_t addr = frag_step<kBlockM>(st_p_base, half * 8, pass * kSPass + nt * 8);
-            st_shared_u32(addr, ptx::pack2<Element>(acc_s[nt][2 * half], acc_s[nt][2 * half + 1]));
-            st_shared_u32(addr + kDsAfterP,
-                          ptx::pack2<Element>(acc_dp[nt][2 * half], acc_dp[nt][2 * half + 1]));
-          }
-        }
+        for (int q_rel = 0; q_rel < kSCols; q_rel += 16)
+          s_pass(std::integral_constant<int, 16>{}, std::integral_constant<int, kGeneral>{}, q_rel);
       }
       __syncthreads();
 
-      // ---- dV += P̃ᵀ·dO, dK += dSᵀ·Q: keys kg·16 + [0, 16), columns cs·kKVCols + [0, kKVCols).
+      // The dK/dV and dQ warp tiles and their fragment bases. Recomputed here from the thread
+      // index each step (a volatile read, so it is not hoisted), which keeps four registers free
+      // during the Sᵀ/dPᵀ passes, where the dK/dV accumulators leave none to spare.
+      const int tid2 = thread_index_volatile(), warp2 = tid2 >> 5, lane2 = tid2 & 31;
+      const int kvg = warp2 % Cfg::kKVKeyGroups;  // dK/dV: key group (kKVMt·16 keys)
+      const int kvc = warp2 / Cfg::kKVKeyGroups;  //        column slice
+      const int qg = warp2 % Cfg::kDqRowGroups;   // dQ: query group (kDqMt·16 queries)
+      const int dcs = warp2 / Cfg::kDqRowGroups;  //     column slice
+      const uint32_t a_p_base =
+          frag_base_x<kBlockM>(ptx::smem_addr(sP), kvg * kKVMt * 16, 0, lane2);
+      const uint32_t bt_q_base = frag_base_x<kHeadDim>(ptx::smem_addr(sQ), 0, kvc * kKVCols, lane2);
+      const uint32_t at_ds_base =
+          frag_base_y<kBlockM>(ptx::smem_addr(sDs), 0, qg * kDqMt * 16, lane2);
+      const uint32_t bt_k_base = frag_base_x<kHeadDim>(ptx::smem_addr(sK), 0, dcs * kDqCols, lane2);
+
+      // ---- dV += P̃ᵀ·dO, dK += dSᵀ·Q: keys kvg·kKVMt·16 + [0, kKVMt·16), columns kvc·kKVCols +
+      // [0, kKVCols). Each B fragment (dOᵀ, Qᵀ) feeds kKVMt row tiles.
 #pragma unroll(Cfg::kKVUnroll)
       for (int ks = 0; ks < kBlockM / 16; ++ks) {
-        uint32_t a_p[4], a_ds[4];
-        const uint32_t a_addr = frag_step<kBlockM>(a_p_base, 0, ks * 16);
-        ptx::ldmatrix_x4(a_p, a_addr);
-        ptx::ldmatrix_x4(a_ds, a_addr + kDsAfterP);
+        uint32_t a_p[kKVMt][4], a_ds[kKVMt][4];
+#pragma unroll
+        for (int mt = 0; mt < kKVMt; ++mt) {
+          const uint32_t a_addr = frag_step<kBlockM>(a_p_base, mt * 16, ks * 16);
+          ptx::ldmatrix_x4(a_p[mt], a_addr);
+          ptx::ldmatrix_x4(a_ds[mt], a_addr + kDsAfterP);
+        }
 #pragma unroll
         for (int np = 0; np < kKVCols / 16; ++np) {
           uint32_t b_do[4], b_q[4];
           const uint32_t b_addr = frag_step<kHeadDim>(bt_q_base, ks * 16, np * 16) + stage_bytes;
           ptx::ldmatrix_x4_trans(b_do, b_addr + kDoAfterQ);
           ptx::ldmatrix_x4_trans(b_q, b_addr);
-          ptx::mma_m16n8k16<Element>(acc_dv[2 * np], a_p, b_do[0], b_do[1]);
-          ptx::mma_m16n8k16<Element>(acc_dv[2 * np + 1], a_p, b_do[2], b_do[3]);
-          ptx::mma_m16n8k16<Element>(acc_dk[2 * np], a_ds, b_q[0], b_q[1]);
-          ptx::mma_m16n8k16<Element>(acc_dk[2 * np + 1], a_ds, b_q[2], b_q[3]);
+#pragma unroll
+          for (int mt = 0; mt < kKVMt; ++mt) {
+            ptx::mma_m16n8k16<Element>(acc_dv[mt][2 * np], a_p[mt], b_do[0], b_do[1]);
+            ptx::mma_m16n8k16<Element>(acc_dv[mt][2 * np + 1], a_p[mt], b_do[2], b_do[3]);
+            ptx::mma_m16n8k16<Element>(acc_dk[mt][2 * np], a_ds[mt], b_q[0], b_q[1]);
+            ptx::mma_m16n8k16<Element>(acc_dk[mt][2 * np + 1], a_ds[mt], b_q[2], b_q[3]);
+          }
         }
       }
 
-      // ---- dQ += dS·K: queries qg·16 + [0, 16), columns dcs·kDqCols + [0, kDqCols), by chunks.
+      // ---- dQ += dS·K: queries qg·kDqMt·16 + [0, kDqMt·16), columns dcs·kDqCols + [0, kDqCols),
+      // by chunks. Each B fragment (Kᵀ) feeds kDqMt row tiles.
 #pragma unroll
       for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
         const int c0 = dcs * kDqCols + chunk * kDqChunk;  // first column of this chunk
-        // Even and odd key steps into separate tiles (kSplitDq), as for Sᵀ above.
-        float acc_dq[kDqChunk / 8][4] = {}, odd_dq[kDqChunk / 8][4] = {};
-#pragma unroll 1
-        for (int ks2 = 0; ks2 < kBlockN / 32; ++ks2) {
+        float acc_dq[kDqMt][kDqChunk / 8][4] = {};
+#pragma unroll 2
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+          uint32_t a_ds[kDqMt][4];
 #pragma unroll
-          for (int parity = 0; parity < 2; ++parity) {
-            const int ks = 2 * ks2 + parity;
-            float(&sum_dq)[kDqChunk / 8][4] = parity == 0 || !Cfg::kSplitDq ? acc_dq : odd_dq;
-            uint32_t a_ds[4];
-            ptx::ldmatrix_x4_trans(a_ds, frag_step<kBlockM>(at_ds_base, ks * 16, 0));
+          for (int mt = 0; mt < kDqMt; ++mt)
+            ptx::ldmatrix_x4_trans(a_ds[mt], frag_step<kBlockM>(at_ds_base, ks * 16, mt * 16));
 #pragma unroll
-            for (int np = 0; np < kDqChunk / 16; ++np) {
-              uint32_t b_k[4];
-              ptx::ldmatrix_x4_trans(
-                  b_k, frag_step<kHeadDim>(bt_k_base, ks * 16, chunk * kDqChunk + np * 16));
-              ptx::mma_m16n8k16<Element>(sum_dq[2 * np], a_ds, b_k[0], b_k[1]);
-              ptx::mma_m16n8k16<Element>(sum_dq[2 * np + 1], a_ds, b_k[2], b_k[3]);
+          for (int np = 0; np < kDqChunk / 16; ++np) {
+            uint32_t b_k[4];
+            ptx::ldmatrix_x4_trans(
+                b_k, frag_step<kHeadDim>(bt_k_base, ks * 16, chunk * kDqChunk + np * 16));
+#pragma unroll
+            for (int mt = 0; mt < kDqMt; ++mt) {
+              ptx::mma_m16n8k16<Element>(acc_dq[mt][2 * np], a_ds[mt], b_k[0], b_k[1]);
+              ptx::mma_m16n8k16<Element>(acc_dq[mt][2 * np + 1], a_ds[mt], b_k[2], b_k[3]);
             }
           }
         }
-        if constexpr (Cfg::kSplitDq) {
+        // Accumulator rows are kHeadDim wide: columns past head_dim receive zeros (K is
+        // zero-filled there) and are never read, so only the row needs a bound.
+        const int i_first = i0 + qg * kDqMt * 16 + (lane2 >> 2);
+        float* const dq_base =
+            dq_accum + (h * p.total_q + q_packed0 + i_first) * kHeadDim + c0 + 2 * (lane2 & 3);
 #pragma unroll
-          for (int nt = 0; nt < kDqChunk / 8; ++nt)
+        for (int mt = 0; mt < kDqMt; ++mt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) acc_dq[nt][r] += odd_dq[nt][r];
-        }
+          for (int half = 0; half < 2; ++half) {
+            if (i_first + mt * 16 + half * 8 >= seq.len_q) continue;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = i0 + qg * 16 + g + half * 8;
-          if (i >= seq.len_q) continue;
-          float* const row = dq_accum + (h * p.total_q + q_packed0 + i) * kHeadDim;
-#pragma unroll
-          for (int nt = 0; nt < kDqChunk / 8; ++nt) {
-            const int col = c0 + nt * 8 + 2 * t;
-            if (col < d)
-              atomic_add_pair(row + col, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+            for (int nt = 0; nt < kDqChunk / 8; ++nt)
+              atomic_add_pair(dq_base + (mt * 16 + half * 8) * kHeadDim + nt * 8,
+                              acc_dq[mt][nt][2 * half], acc_dq[mt][nt][2 * half + 1]);
           }
-        }
       }
       __syncthreads();  // P, dS and this step's Q/dO buffer are free again
+      if (++m_at == m_end) m_at = m_begin, ++h;
     }
 
     // ---- dK (scaled by the softmax scale) and dV of this key block.
+    const int kvg = warp % Cfg::kKVKeyGroups, kvc = warp / Cfg::kKVKeyGroups;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int j = j0 + kg * 16 + g + half * 8;
-      if (j >= seq.len_k) continue;
-      Element* const dk_row = static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
-                              (seq.k_row0 + j) * p.dk_row_stride + hk * p.dk_head_stride;
-      Element* const dv_row = static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
-                              (seq.k_row0 + j) * p.dv_row_stride + hk * p.dv_head_stride;
+    for (int mt = 0; mt < kKVMt; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kKVCols / 8; ++nt) {
-        const int col = cs * kKVCols + nt * 8 + 2 * t;
-        if (col >= d) continue;
-        store_pair(dk_row + col, acc_dk[nt][2 * half] * p.scale,
-                   acc_dk[nt][2 * half + 1] * p.scale, col + 1 < d, w.pair_store);
-        store_pair(dv_row + col, acc_dv[nt][2 * half], acc_dv[nt][2 * half + 1], col + 1 < d,
-                   w.pair_store);
+      for (int half = 0; half < 2; ++half) {
+        const int j = j0 + (kvg * kKVMt + mt) * 16 + g + half * 8;
+        if (j >= seq.len_k) continue;
+        Element* const dk_row = static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
+                                (seq.k_row0 + j) * p.dk_row_stride + hk * p.dk_head_stride;
+        Element* const dv_row = static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
+                                (seq.k_row0 + j) * p.dv_row_stride + hk * p.dv_head_stride;
+#pragma unroll
+        for (int nt = 0; nt < kKVCols / 8; ++nt) {
+          const int col = kvc * kKVCols + nt * 8 + 2 * t;
+          if (col >= d) continue;
+          store_pair(dk_row + col, acc_dk[mt][nt][2 * half] * p.scale,
+                     acc_dk[mt][nt][2 * half + 1] * p.scale, col + 1 < d, w.pair_store);
+          store_pair(dv_row + col, acc_dv[mt][nt][2 * half], acc_dv[mt][nt][2 * half + 1],
+                     col + 1 < d, w.pair_store);
+        }
       }
-    }
-    // K/V copies of a block with no visible query were never waited for; the next block reuses
-    // the buffers.
+    // K/V copies of a block with no visible query were never waited for; the next block reuses the
+    // buffers.
     ptx::cp_async_wait<0>();
     __syncthreads();
   }
@@ -571,8 +680,8 @@ Status launch_backward_main(const AttentionParams& p, const BwdWorkspace& w, int
                             cudaStream_t stream) {
   using Cfg = BwdConfig<kHeadDim>;
   const auto kernel = attention_backward_kernel<kDType, kHeadDim>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Cfg::kSmemBytes);
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess)
     return Status::device_error(std::string("backward: cudaFuncSetAttribute: ") +
                                 cudaGetErrorString(err));

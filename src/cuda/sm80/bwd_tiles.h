@@ -1,40 +1,41 @@
 // bwd_tiles.h — tile shapes of the sm80 backward kernel, one row per compiled head-dim bucket.
 //
 // The backward keeps one key/value block (kBlockN rows of K and V) resident per CTA and walks the
-// query blocks (kBlockM rows of Q, dO) that can see it. Its register budget is set by the two
-// accumulators a CTA carries across the whole walk, dK and dV, kBlockN·d fp32 values each. The
-// warps split them into 16-key groups × column slices:
-//   col_splits = warps / (kBlockN / 16)   warps sharing one 16-key group, each owning d/col_splits
-//                                         columns of its dK and dV rows
-// so a thread holds 2 · 16·(d/col_splits)/32 accumulator registers: 64 (d 64), 128 (d 128),
-// 128 (d 256 with col_splits 2). The same warp computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for its 16 keys
-// and kBlockM/col_splits queries, 32 queries (16 + 16 registers) at a time where d > 64.
-//   d ≤ 64:  kBlockM 64, kBlockN 128, 8 warps — Q/dO double-buffered.
-//   d ≤ 128: kBlockM 64, kBlockN 128, 8 warps — FlashAttention-2's sm80 hdim128 shape
-//            (Flash_bwd_kernel_traits<128, 64, 128, 8, ...>); Q/dO double-buffered: 160 KiB of
-//            shared memory, inside the A100's 163 KiB opt-in limit.
-//   d ≤ 256: kBlockM 64, kBlockN 64, 8 warps, 2 column splits; one Q/dO buffer (144 KiB) so the
-//            A100 can run it too.
-// Shapes follow flash-attention 2.x's launch templates. Measured with them on an H100 80GB HBM3
-// (bf16, b=2, s=8k, 2048 hidden): d 128 216 TFLOP/s (causal 195; PyTorch's flash backward 297 and
-// 275 in the same run), d 64 188 (causal 173), d 256 169 (causal 173); other shapes not yet tried.
+// query blocks (kBlockM rows of Q, dO) that can see it. Each of its three product groups splits
+// the CTA's warps over its own output tile:
+//   Sᵀ, dPᵀ (kBlockN keys × kBlockM queries)  s_keys keys × the rest of the queries per warp
+//   dK, dV  (kBlockN keys × d)                kv_keys keys × the rest of the columns per warp
+//   dQ      (kBlockM queries × d)             dq_rows queries × the rest of the columns per warp
+// A warp tile of 32 rows rather than 16 reads each B fragment from shared memory once for two
+// MMAs: on the H100, where mma.sync issues faster than ldmatrix can feed 16-row tiles, shared-
+// memory reads per MMA set the pace (ldmatrix.x4 per 16 MMAs, d 128: Sᵀ/dPᵀ 12 → 8, dK/dV 9 → 6,
+// dQ 10 → 8 going from 16- to 32-row warp tiles). The register budget is set by the dK and dV
+// accumulators a CTA carries across the whole walk: 2 · kBlockN·d / threads fp32 values per
+// thread, 64 (d 64) or 128 (d 128, d 256).
+//   d ≤ 64:  kBlockM 128, kBlockN 128, 8 warps, Q/dO double-buffered (160 KiB).
+//   d ≤ 128: kBlockM 64, kBlockN 128, 8 warps, Q/dO double-buffered (160 KiB: inside the A100's
+//            163 KiB opt-in limit only because the tiles are swizzled, not padded).
+//   d ≤ 256: kBlockM 64, kBlockN 64, 8 warps, one Q/dO buffer (144 KiB).
+// The shapes (block sizes and warp splits) are FlashAttention-2's sm80 launch choices.
 #pragma once
 
 namespace flare::cuda::sm80 {
 
 struct BwdTile {
-  int head_dim;    // bucket
-  int block_m;     // queries per step
-  int block_n;     // keys per CTA
+  int head_dim;  // bucket
+  int block_m;   // queries per step
+  int block_n;   // keys per CTA
   int warps;
-  int col_splits;  // warps sharing one 16-key group of dK/dV
-  int stages;      // Q/dO buffers (2: the next query block loads during this one)
+  int stages;    // Q/dO buffers (2: the next query block loads during this one)
+  int s_keys;    // keys of a warp's Sᵀ/dPᵀ tile (16 or 32)
+  int kv_keys;   // keys of a warp's dK/dV tile (16 or 32)
+  int dq_rows;   // queries of a warp's dQ tile (16 or 32)
 };
 
 inline constexpr BwdTile kBwdTiles[] = {
-    {64, 64, 128, 8, 1, 2},
-    {128, 64, 128, 8, 1, 2},
-    {256, 64, 64, 8, 2, 1},
+    {64, 128, 128, 8, 2, 32, 32, 32},
+    {128, 64, 128, 8, 2, 32, 32, 32},
+    {256, 64, 64, 8, 1, 32, 32, 32},
 };
 
 // The bucket serving head_dim d, or 0 when d exceeds every bucket.
@@ -47,7 +48,7 @@ constexpr int bwd_head_dim_bucket(int d) {
 constexpr BwdTile bwd_tile(int bucket) {
   for (const BwdTile& t : kBwdTiles)
     if (t.head_dim == bucket) return t;
-  return {0, 0, 0, 0, 0, 0};
+  return {0, 0, 0, 0, 0, 0, 0, 0};
 }
 
 // Dynamic shared memory of the main kernel (2-byte elements): K and V (kBlockN, d); Q and dO
