@@ -2,6 +2,10 @@
 # gpu-check.sh — build, test and benchmark flare's CUDA kernels on a machine with an NVIDIA GPU.
 #
 #   scripts/gpu-check.sh --out DIR [--arch 90a] [--build DIR] [--no-bench] [--no-python]
+#                        [--no-tests] [--no-native-bench]
+#
+# --no-tests skips the C++ tests and sanitizers (steps 2 and 7), --no-native-bench the C++-side
+# benchmarks (steps 3-5), so that one machine session can split the whole check into two calls.
 #
 # 1. configure (Ninja, Release, CUDA on, the given architecture: 90a for the H100) and build with
 #    every core; 2. ctest -L gpu; 3. `flare bench --device cuda` (forward, backward, both) on the
@@ -23,7 +27,7 @@
 # benchmarks still run after test failures, to see the numbers).
 set -uo pipefail
 
-out="" arch="90a" build="build-gpu" bench=1 python=1
+out="" arch="90a" build="build-gpu" bench=1 python=1 tests=1 native_bench=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -31,10 +35,12 @@ while [[ $# -gt 0 ]]; do
     --build) build="$2"; shift 2 ;;
     --no-bench) bench=0; shift ;;
     --no-python) python=0; shift ;;
+    --no-tests) tests=0; shift ;;
+    --no-native-bench) native_bench=0; shift ;;
     *) echo "gpu-check.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-[[ -n "$out" ]] || { echo "usage: scripts/gpu-check.sh --out DIR [--arch 90a] [--no-bench]" >&2; exit 2; }
+[[ -n "$out" ]] || { echo "usage: scripts/gpu-check.sh --out DIR [--arch 90a] [--build DIR] [--no-bench] [--no-python] [--no-tests] [--no-native-bench]" >&2; exit 2; }
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -86,7 +92,7 @@ run_ctest() {  # label
   fi
 }
 
-run_ctest gpu
+[[ $tests -eq 1 ]] && run_ctest gpu
 
 # compute-sanitizer on a small subset: memcheck (out-of-bounds, misaligned accesses) and racecheck
 # (shared-memory hazards) over ragged shapes that exercise every boundary path of both kernels.
@@ -100,7 +106,9 @@ sanitize() {  # tool binary filter
     grep -E "ERROR SUMMARY|Invalid|Race|hazard" "$out/sanitizer_$1_$2.log" | head -10 | tee -a "$out/summary.log"
   fi
 }
-if command -v compute-sanitizer >/dev/null; then
+if [[ $tests -eq 0 ]]; then
+  :
+elif command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     sanitize "$tool" test_gpu_forward '*SmallestHeadDimRaggedLengths/bf16_d64:*VarlenWithEmptySequences/bf16'
     sanitize "$tool" test_gpu_backward 'GpuBackward.SeqlenMismatchAndFullyMaskedRows:GpuBackward.VarlenWithEmptySequences'
@@ -109,7 +117,7 @@ else
   log "compute-sanitizer not found: sanitizer checks skipped"
 fi
 
-if [[ $bench -eq 1 ]]; then
+if [[ $bench -eq 1 && $native_bench -eq 1 ]]; then
   log "flare bench --device cuda (fwd, bwd, fwdbwd)"
   "$build/apps/flare/flare" bench --device cuda --pass all --json "$out/flare.json" \
     > "$out/bench_flare.log" 2>&1 || { status=1; log "flare bench FAILED"; tail -20 "$out/bench_flare.log"; }
@@ -169,6 +177,6 @@ if [[ $python -eq 1 ]]; then
     fi
   fi
 fi
-run_ctest cpu
+[[ $tests -eq 1 ]] && run_ctest cpu
 log "done (status $status)"
 exit $status

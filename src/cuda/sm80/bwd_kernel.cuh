@@ -248,8 +248,7 @@ template <typename Element, int kHeadDim, int kMt, int kPass, bool kBoth>
 __device__ __forceinline__ void s_product(float (&acc)[kMt][kPass / 8][4],
                                           float (&acc2)[kMt][kPass / 8][4], uint32_t a_base,
                                           uint32_t b_base, uint32_t a2_off, uint32_t b2_off) {
-#pragma unroll 2
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+  auto step = [&](int ks) {
     uint32_t a[kMt][4], a2[kMt][4];
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) {
@@ -273,11 +272,16 @@ __device__ __forceinline__ void s_product(float (&acc)[kMt][kPass / 8][4],
         }
       }
     }
-  }
+  };
+  // The first step is peeled: its accumulators are known zeros, which the MMA reads as the zero
+  // register instead of 16·kMt·kPass/8 cleared registers per pass.
+  step(0);
+#pragma unroll 2
+  for (int ks = 1; ks < kHeadDim / 16; ++ks) step(ks);
 }
 
 // How a backward tile forms P and dS (see the Sᵀ passes).
-inline constexpr int kPlain = 0, kMasked = 1, kGeneral = 2;
+inline constexpr int kPlain = 0, kGeneral = 1;
 
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
@@ -416,11 +420,11 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
                              (p.window_right < 0 || j0 + kBlockN - 1 <= i0 + diag + p.window_right);
       // One pass: the warp's Sᵀ/dPᵀ over queries q0 + [0, kPass), q0 = cs·kSCols + q_rel, through P
       // and dS into shared memory; keys kg·kSMt·16 + [0, kSMt·16). Each B fragment (Q, dO) feeds
-      // kSMt row tiles. Without score modifier or dropout (kPlain, or kMasked where the tile
-      // straddles a mask edge: causal diagonal, window, ragged end) a pass covers kSPass queries,
-      // Sᵀ first, then P in place while dPᵀ is formed (so only one product's fragments are live at
-      // a time). Other tiles (kGeneral) run in passes of 16 queries with both products in one
-      // loop: their per-element code needs the registers.
+      // kSMt row tiles. Without score modifier or dropout (kPlain, masked by a select where the
+      // tile straddles a mask edge: causal diagonal, window, ragged end) a pass covers kSPass
+      // queries, Sᵀ first, then P in place while dPᵀ is formed (so only one product's fragments are
+      // live at a time). Other tiles (kGeneral) run in passes of 16 queries with both products in
+      // one loop: their per-element code needs the registers.
       auto s_pass = [&](auto pass_tag, auto mode_tag, const int q_rel) {
         constexpr int kPass = decltype(pass_tag)::value;
         constexpr int kMode = decltype(mode_tag)::value;
@@ -608,8 +612,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
       for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
         const int c0 = dcs * kDqCols + chunk * kDqChunk;  // first column of this chunk
         float acc_dq[kDqMt][kDqChunk / 8][4] = {};
-#pragma unroll 2
-        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        auto dq_step = [&](int ks) {
           uint32_t a_ds[kDqMt][4];
 #pragma unroll
           for (int mt = 0; mt < kDqMt; ++mt)
@@ -625,7 +628,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
               ptx::mma_m16n8k16<Element>(acc_dq[mt][2 * np + 1], a_ds[mt], b_k[2], b_k[3]);
             }
           }
-        }
+        };
+        dq_step(0);  // peeled, as in s_product
+#pragma unroll 2
+        for (int ks = 1; ks < kBlockN / 16; ++ks) dq_step(ks);
         // Accumulator rows are kHeadDim wide: columns past head_dim receive zeros (K is
         // zero-filled there) and are never read, so only the row needs a bound.
         const int i_first = i0 + qg * kDqMt * 16 + (lane2 >> 2);
