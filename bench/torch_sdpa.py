@@ -2,10 +2,11 @@
 """PyTorch SDPA on DESIGN.md's standard grid: the peers flare's CUDA kernels are compared against.
 
 Times torch.nn.functional.scaled_dot_product_attention under the flash backend (FlashAttention-2)
-and the cuDNN backend, forward, backward (the backward call alone, its forward untimed) or both, bf16, on the same grid and card as
-`flare bench --device cuda`: 16k tokens per batch, (b, s) in (32,512) ... (1,16k), hidden 2048,
-head_dim 64/128/256, causal and not. Times are CUDA-event medians after warm-up, one input set per
-case (each tensor is 64 MiB, larger than L2). FLOPs as FlashAttention counts them: forward
+and the cuDNN backend, forward, backward (the backward call alone, its forward untimed) or both,
+bf16, on the same grid and card as `flare bench --device cuda`: 16k tokens per batch, (b, s) in
+(32,512) ... (1,16k), hidden 2048, head_dim 64/128/256, causal and not. Times are medians of
+CUDA-event intervals between runs queued back to back after warm-up (GPU time, as `flare bench`
+measures it), one input set per case (each tensor is 64 MiB, larger than L2). FLOPs as FlashAttention counts them: forward
 4·b·s²·h·d, halved for causal; backward 2.5× forward. Writes bench/results' JSON schema.
 
 usage: torch_sdpa.py --json OUT.json [--pass fwd|bwd|fwdbwd|all] [--warmup 5] [--iters 30]
@@ -50,31 +51,31 @@ def time_case(backend, b, s, h, d, causal, pass_, warmup, iters):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    def timed(start, end):
-        # bwd times the backward call alone: its forward runs before the start event.
-        o = forward() if pass_ == "bwd" else None
-        start.record()
-        if pass_ == "bwd":
-            o.backward(dout)
-        else:
-            o = forward()
-            if pass_ == "fwdbwd":
-                o.backward(dout)
-        end.record()
+    # Runs are queued back to back with an event between each, as `flare bench` times its calls:
+    # each interval is one run's GPU time, not the host dispatch before it. bwd repeats the
+    # backward of one forward (retain_graph), so its forward stays untimed.
+    if pass_ == "bwd":
+        o = forward()
 
-    def event():
-        return torch.cuda.Event(enable_timing=True)
+        def step():
+            torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+    elif pass_ == "fwd":
+        step = forward
+    else:
+        def step():
+            torch.autograd.grad(forward(), (q, k, v), dout)
 
     for _ in range(warmup):
-        timed(event(), event())
+        step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        start, end = event(), event()
-        timed(start, end)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        step()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    times = [events[i].elapsed_time(events[i + 1]) for i in range(iters)]
     ms = statistics.median(times)
     return ms, torch.cuda.max_memory_allocated()
 
