@@ -73,11 +73,14 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   if (w.bucket == 0)
     return Status::unsupported("q: no CUDA backward kernel for head_dim " +
                                std::to_string(p.head_dim));
-  if (sm80::bwd_smem_bytes(w.bucket) > smem_optin)
-    return Status::unsupported("q: the CUDA backward for head_dim " + std::to_string(p.head_dim) +
-                               " needs " + std::to_string(sm80::bwd_smem_bytes(w.bucket)) +
-                               " bytes of shared memory per block; this device allows " +
-                               std::to_string(smem_optin));
+  // Double-buffered Q/dO where the device's shared memory allows, else the tile's fallback.
+  w.stages =
+      sm80::bwd_smem_bytes(w.bucket, tile.stages) <= smem_optin ? tile.stages : tile.min_stages;
+  if (sm80::bwd_smem_bytes(w.bucket, w.stages) > smem_optin)
+    return Status::unsupported(
+        "q: the CUDA backward for head_dim " + std::to_string(p.head_dim) + " needs " +
+        std::to_string(sm80::bwd_smem_bytes(w.bucket, w.stages)) +
+        " bytes of shared memory per block; this device allows " + std::to_string(smem_optin));
   const int64_t strides = p.q_batch_stride | p.q_row_stride | p.q_head_stride | p.k_batch_stride |
                           p.k_row_stride | p.k_head_stride | p.v_batch_stride | p.v_row_stride |
                           p.v_head_stride | p.do_batch_stride | p.do_row_stride | p.do_head_stride;

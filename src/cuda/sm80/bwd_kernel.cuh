@@ -72,7 +72,7 @@ namespace flare::cuda::sm80 {
 template <DType kDType>
 using BwdElement = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
 
-template <int kHeadDim>
+template <int kHeadDim, int kStagesUsed>
 struct BwdConfig {
   static constexpr BwdTile kTile = bwd_tile(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kBwdTiles");
@@ -80,7 +80,8 @@ struct BwdConfig {
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kWarps = kTile.warps;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = kTile.stages;
+  static constexpr int kStages = kStagesUsed;  // kTile.stages, or kTile.min_stages
+  static_assert(kStages == kTile.stages || kStages == kTile.min_stages, "stages not in kBwdTiles");
   // Sᵀ/dPᵀ: warps in kSKeyGroups groups of kTile.s_keys keys, each warp kSCols queries.
   static constexpr int kSMt = kTile.s_keys / 16;  // 16-key row tiles of a warp's Sᵀ
   static constexpr int kSKeyGroups = kBlockN / kTile.s_keys;
@@ -99,12 +100,14 @@ struct BwdConfig {
   // Sᵀ and dPᵀ are produced in passes of kSPass queries, which bounds their registers (2 · kSMt ·
   // kSPass / 4 per thread).
   static constexpr int kSPass = kSCols < 32 ? kSCols : 32;
-  // The k loops of the products are unrolled by 2, not fully: full unrolling lets ptxas preload
-  // fragments until it spills. At d 256 the dK/dV loop stays rolled.
-  static constexpr int kKVUnroll = kHeadDim >= 256 ? 1 : 2;
-  // Q/dO copies take the bounds-free path for whole tiles, except at d 256, where its addresses
-  // cost the registers that keep the kernel spill-free on sm_90a.
-  static constexpr bool kWholeTileLoads = kHeadDim < 256;
+  // Unrolling of the k loops. Fully unrolled, the fragment addresses' swizzle constants and the
+  // loop branches disappear; where ptxas then preloads fragments until it spills, they are
+  // unrolled by 2 (Sᵀ/dPᵀ and dK/dV at d 128) or stay rolled (dK/dV at d 256).
+  static constexpr int kSUnroll = kHeadDim == 128 ? 2 : kHeadDim / 16;
+  static constexpr int kKVUnroll = kHeadDim >= 256 ? 1 : kHeadDim == 128 ? 2 : kBlockM / 16;
+  // Q/dO copies take the bounds-free path for whole tiles, except at d 256 with one buffer,
+  // where its addresses cost the registers that keep the kernel spill-free on sm_90a.
+  static constexpr bool kWholeTileLoads = kHeadDim < 256 || kStages == 2;
   static_assert(kSKeyGroups * (kBlockM / kSCols) == kWarps && kBlockN % kTile.s_keys == 0,
                 "Sᵀ warp tiling");
   static_assert(kKVKeyGroups * (kHeadDim / kKVCols) == kWarps && kBlockN % kTile.kv_keys == 0,
@@ -126,7 +129,7 @@ struct BwdConfig {
   static constexpr int kOffDs = kOffP + kBlockN * kBlockM;             // (kBlockN, kBlockM)
   static constexpr int kElems = kOffDs + kBlockN * kBlockM;
   static constexpr int kSmemBytes = kElems * 2 + 2 * kStages * kBlockM * 4;
-  static_assert(kSmemBytes == bwd_smem_bytes(kHeadDim), "shared-memory plan out of sync");
+  static_assert(kSmemBytes == bwd_smem_bytes(kHeadDim, kStages), "shared-memory plan out of sync");
 };
 
 inline constexpr float kBwdLog2e = 1.4426950408889634f;
@@ -244,7 +247,7 @@ __device__ __forceinline__ void store_pair(Element* dst, float a, float b, bool 
 // K (or V) from a_base; B, the pass's kPass queries of Q (or dO) from b_base. Each B fragment feeds
 // kMt row tiles. kBoth: the second product (acc2, on a_base + a2_off and b_base + b2_off) in the
 // same loop.
-template <typename Element, int kHeadDim, int kMt, int kPass, bool kBoth>
+template <typename Element, int kHeadDim, int kMt, int kPass, bool kBoth, int kUnroll>
 __device__ __forceinline__ void s_product(float (&acc)[kMt][kPass / 8][4],
                                           float (&acc2)[kMt][kPass / 8][4], uint32_t a_base,
                                           uint32_t b_base, uint32_t a2_off, uint32_t b2_off) {
@@ -276,17 +279,17 @@ __device__ __forceinline__ void s_product(float (&acc)[kMt][kPass / 8][4],
   // The first step is peeled: its accumulators are known zeros, which the MMA reads as the zero
   // register instead of 16·kMt·kPass/8 cleared registers per pass.
   step(0);
-#pragma unroll 2
+#pragma unroll(kUnroll)
   for (int ks = 1; ks < kHeadDim / 16; ++ks) step(ks);
 }
 
 // How a backward tile forms P and dS (see the Sᵀ passes).
 inline constexpr int kPlain = 0, kGeneral = 1;
 
-template <DType kDType, int kHeadDim>
-__global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
+template <DType kDType, int kHeadDim, int kStagesUsed>
+__global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ AttentionParams p, const BwdWorkspace w) {
-  using Cfg = BwdConfig<kHeadDim>;
+  using Cfg = BwdConfig<kHeadDim, kStagesUsed>;
   using Element = BwdElement<kDType>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kStages = Cfg::kStages, kSCols = Cfg::kSCols, kKVCols = Cfg::kKVCols;
@@ -441,7 +444,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
         if constexpr (kMode != kGeneral) {
           // Free of per-element branches: each one is a taken jump, and in this loop they cost more
           // issue slots than the arithmetic.
-          s_product<Element, kHeadDim, kSMt, kPass, false>(acc_s, acc_s, a_k_base, b_pass, 0, 0);
+          s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(acc_s, acc_s, a_k_base,
+                                                                          b_pass, 0, 0);
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
@@ -472,8 +476,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
                   acc_s[mt][nt][r] = visible ? acc_s[mt][nt][r] : 0.0f;
                 }
           }
-          s_product<Element, kHeadDim, kSMt, kPass, false>(acc_dp, acc_dp, a_k_base + kVAfterK,
-                                                           b_pass + kDoAfterQ, 0, 0);
+          s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(
+              acc_dp, acc_dp, a_k_base + kVAfterK, b_pass + kDoAfterQ, 0, 0);
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
@@ -485,8 +489,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
                 acc_dp[mt][nt][r] = acc_s[mt][nt][r] * (acc_dp[mt][nt][r] - dsum[r & 1]);
           }
         } else {
-          s_product<Element, kHeadDim, kSMt, kPass, true>(acc_s, acc_dp, a_k_base, b_pass, kVAfterK,
-                                                          kDoAfterQ);
+          s_product<Element, kHeadDim, kSMt, kPass, true, Cfg::kSUnroll>(
+              acc_s, acc_dp, a_k_base, b_pass, kVAfterK, kDoAfterQ);
           const float slope = alibi_slope(p, b, h);
           const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
 #pragma unroll
@@ -630,7 +634,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
           }
         };
         dq_step(0);  // peeled, as in s_product
-#pragma unroll 2
+#pragma unroll
         for (int ks = 1; ks < kBlockN / 16; ++ks) dq_step(ks);
         // Accumulator rows are kHeadDim wide: columns past head_dim receive zeros (K is
         // zero-filled there) and are never read, so only the row needs a bound.
@@ -681,11 +685,11 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim>::kThreads, 1)
   }
 }
 
-template <DType kDType, int kHeadDim>
-Status launch_backward_main(const AttentionParams& p, const BwdWorkspace& w, int key_blocks,
-                            cudaStream_t stream) {
-  using Cfg = BwdConfig<kHeadDim>;
-  const auto kernel = attention_backward_kernel<kDType, kHeadDim>;
+template <DType kDType, int kHeadDim, int kStages>
+Status launch_backward_stages(const AttentionParams& p, const BwdWorkspace& w, int key_blocks,
+                              cudaStream_t stream) {
+  using Cfg = BwdConfig<kHeadDim, kStages>;
+  const auto kernel = attention_backward_kernel<kDType, kHeadDim, kStages>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess)
@@ -698,6 +702,20 @@ Status launch_backward_main(const AttentionParams& p, const BwdWorkspace& w, int
   if (err != cudaSuccess)
     return Status::device_error(std::string("backward: kernel launch: ") + cudaGetErrorString(err));
   return {};
+}
+
+template <DType kDType, int kHeadDim>
+Status launch_backward_main(const AttentionParams& p, const BwdWorkspace& w, int key_blocks,
+                            cudaStream_t stream) {
+  constexpr BwdTile kTile = bwd_tile(kHeadDim);
+  if (w.stages == kTile.stages)
+    return launch_backward_stages<kDType, kHeadDim, kTile.stages>(p, w, key_blocks, stream);
+  if constexpr (kTile.min_stages != kTile.stages) {
+    if (w.stages == kTile.min_stages)
+      return launch_backward_stages<kDType, kHeadDim, kTile.min_stages>(p, w, key_blocks, stream);
+  }
+  return Status::internal("backward: no kernel with " + std::to_string(w.stages) +
+                          " Q/dO stages for head-dim bucket " + std::to_string(kHeadDim));
 }
 
 }  // namespace flare::cuda::sm80

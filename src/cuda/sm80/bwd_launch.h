@@ -28,6 +28,7 @@ struct BwdWorkspace {
   int num_splits = 1;         // slices the convert kernel sums, in order
   int kv_blocks_per_cta = 1;  // consecutive key blocks one CTA walks (> 1 only if deterministic)
   int bucket = 0;             // head-dim bucket: the accumulator's row length
+  int stages = 0;             // Q/dO buffers of the main kernel (BwdTile::stages or min_stages)
   bool vec = false;           // q, k, v, dout rows 16-byte aligned and head_dim % 8 == 0
   bool pair_store = false;    // dk, dv element pairs (even columns) 4-byte aligned
 };

@@ -15,7 +15,9 @@
 //   d ≤ 64:  kBlockM 128, kBlockN 128, 8 warps, Q/dO double-buffered (160 KiB).
 //   d ≤ 128: kBlockM 64, kBlockN 128, 8 warps, Q/dO double-buffered (160 KiB: inside the A100's
 //            163 KiB opt-in limit only because the tiles are swizzled, not padded).
-//   d ≤ 256: kBlockM 64, kBlockN 64, 8 warps, one Q/dO buffer (144 KiB).
+//   d ≤ 256: kBlockM 64, kBlockN 64, 8 warps, Q/dO double-buffered (208 KiB) where the device
+//            allows it (sm_90: 227 KiB), else one buffer (144 KiB; the A100's 163 KiB), where
+//            each step waits for its own copy.
 // The shapes (block sizes and warp splits) are FlashAttention-2's sm80 launch choices.
 #pragma once
 
@@ -26,16 +28,17 @@ struct BwdTile {
   int block_m;   // queries per step
   int block_n;   // keys per CTA
   int warps;
-  int stages;    // Q/dO buffers (2: the next query block loads during this one)
-  int s_keys;    // keys of a warp's Sᵀ/dPᵀ tile (16 or 32)
-  int kv_keys;   // keys of a warp's dK/dV tile (16 or 32)
-  int dq_rows;   // queries of a warp's dQ tile (16 or 32)
+  int stages;      // Q/dO buffers (2: the next query block loads during this one)
+  int min_stages;  // the fallback where `stages` exceed the device's shared memory
+  int s_keys;      // keys of a warp's Sᵀ/dPᵀ tile (16 or 32)
+  int kv_keys;     // keys of a warp's dK/dV tile (16 or 32)
+  int dq_rows;     // queries of a warp's dQ tile (16 or 32)
 };
 
 inline constexpr BwdTile kBwdTiles[] = {
-    {64, 128, 128, 8, 2, 32, 32, 32},
-    {128, 64, 128, 8, 2, 32, 32, 32},
-    {256, 64, 64, 8, 1, 32, 32, 32},
+    {64, 128, 128, 8, 2, 2, 32, 32, 32},
+    {128, 64, 128, 8, 2, 2, 32, 32, 32},
+    {256, 64, 64, 8, 2, 1, 32, 32, 32},
 };
 
 // The bucket serving head_dim d, or 0 when d exceeds every bucket.
@@ -48,16 +51,16 @@ constexpr int bwd_head_dim_bucket(int d) {
 constexpr BwdTile bwd_tile(int bucket) {
   for (const BwdTile& t : kBwdTiles)
     if (t.head_dim == bucket) return t;
-  return {0, 0, 0, 0, 0, 0, 0, 0};
+  return {0, 0, 0, 0, 0, 0, 0, 0, 0};
 }
 
 // Dynamic shared memory of the main kernel (2-byte elements): K and V (kBlockN, d); Q and dO
 // (stages, kBlockM, d); P and dS (kBlockN, kBlockM); per query row, LSE and D (stages, kBlockM).
-constexpr int bwd_smem_bytes(int bucket) {
+constexpr int bwd_smem_bytes(int bucket, int stages) {
   const BwdTile t = bwd_tile(bucket);
-  return 2 * (2 * t.block_n * bucket + 2 * t.stages * t.block_m * bucket +
+  return 2 * (2 * t.block_n * bucket + 2 * stages * t.block_m * bucket +
               2 * t.block_n * t.block_m) +
-         4 * 2 * t.stages * t.block_m;
+         4 * 2 * stages * t.block_m;
 }
 
 }  // namespace flare::cuda::sm80
