@@ -184,10 +184,13 @@ __device__ __forceinline__ void load_tile_swizzled(Element* s, const Element* g,
     // Whole tile: no bounds to test; rows kRowStep apart share the swizzle (kRowStep % 8 == 0).
     static_assert(kRowStep % 8 == 0, "rows kRowStep apart must share their swizzle");
     const uint32_t dst = ptx::smem_addr(s + swz<kCols>(row0, col));
+    // One per-thread address; the rows after it are warp-uniform byte offsets added to it.
+    const char* const src = reinterpret_cast<const char*>(
+        g + static_cast<uint64_t>(static_cast<uint32_t>(row0)) * row_stride + col);
 #pragma unroll
     for (int i = 0; i < kRows / kRowStep; ++i)
       ptx::cp_async_16_zfill(dst + i * kRowStep * kCols * 2,
-                             g + (row0 + i * kRowStep) * row_stride + col, true);
+                             src + i * kRowStep * row_stride * int64_t{sizeof(Element)}, true);
     return;
   }
 #pragma unroll
