@@ -147,6 +147,20 @@ __device__ __forceinline__ void load_tile(typename Cfg::Element* s,
   constexpr int kIters = kRows * kCpr / Cfg::kThreads;
   const typename Cfg::Element* src = g + (tid / kCpr) * row_stride + (tid % kCpr) * 8;
   const int64_t src_step = (Cfg::kThreads / kCpr) * row_stride;
+  if constexpr (kFixedColumn && kCpr >= 8) {
+    if (vec && rows_valid >= kRows && d_valid == kCpr * 8) {
+      // Whole tile: no bounds to test, one copy per chunk (not at d 32, where the second copy
+      // loop spills on sm_80).
+#pragma unroll
+      for (int i = 0; i < kIters; ++i) {
+        const int c = tid + i * Cfg::kThreads;
+        ptx::cp_async_16_zfill(ptx::smem_addr(s + (c / kCpr) * Cfg::kSmemStride + (c % kCpr) * 8),
+                               src, true);
+        src += src_step;
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int c = tid + i * Cfg::kThreads;
