@@ -41,8 +41,9 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
+
+from bench_common import git_commit, import_torch_and_flare, pass_step, queued_times_ms
 
 IMPLS = ["flare", "torch-flash", "torch-cudnn", "torch-efficient", "torch-math"]
 PASSES = ["fwd", "bwd", "fwdbwd"]
@@ -115,21 +116,6 @@ def flops(b, s_q, s_k, h, d, causal, pass_):
 
 # ---- running -----------------------------------------------------------------------------------
 
-def git_commit():
-    """$FLARE_COMMIT when set (a copy of the tree without .git), else git's HEAD (-dirty)."""
-    if os.environ.get("FLARE_COMMIT"):
-        return os.environ["FLARE_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _cudnn_version(torch):
     try:
         return torch.backends.cudnn.version()
@@ -160,35 +146,8 @@ def make_impl(name, torch, flare, heads_kv_differ):
 
 def time_pass(torch, fn, q, k, v, dout, causal, pass_, warmup, iters):
     """Median milliseconds of one pass and its peak memory above the pre-call allocation."""
-    def fwd():
-        return fn(q, k, v, causal)
-
-    if pass_ == "bwd":
-        out = fwd()
-
-        def step():
-            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    elif pass_ == "fwd":
-        def step():
-            with torch.no_grad():
-                fwd()
-    else:
-        def step():
-            torch.autograd.grad(fwd(), (q, k, v), dout)
-
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    # Back-to-back runs with an event between each: the host queues ahead of the GPU, so each
-    # interval is one run's GPU time, not the Python dispatch before it (which is the same
-    # ~10-100 µs for every implementation and would otherwise dominate the small cases).
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    events[0].record()
-    for i in range(iters):
-        step()
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    times = [events[i].elapsed_time(events[i + 1]) for i in range(iters)]
+    step = pass_step(torch, lambda: fn(q, k, v, causal), q, k, v, dout, pass_)
+    times = queued_times_ms(torch, step, warmup, iters)
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
@@ -198,19 +157,7 @@ def time_pass(torch, fn, q, k, v, dout, causal, pass_, warmup, iters):
 
 
 def run_benchmark(args):
-    try:
-        import torch
-    except ImportError:
-        sys.exit("compare.py: needs torch with CUDA (pip install torch)")
-    if not torch.cuda.is_available():
-        sys.exit("compare.py: no CUDA device visible to torch")
-    try:
-        import flare
-    except ImportError as e:
-        sys.exit(f"compare.py: cannot import flare ({e}); build with -DFLARE_BUILD_PYTHON=ON "
-                 "and set PYTHONPATH=<build>/python, or pip install .")
-
-    torch.cuda.set_device(args.device)
+    torch, flare = import_torch_and_flare("compare.py", args.device)
     device = torch.device("cuda", args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     card = torch.cuda.get_device_name(device)

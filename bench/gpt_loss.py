@@ -72,9 +72,10 @@ import math
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
+
+from bench_common import git_commit, import_torch_and_flare
 
 REFERENCE = "torch-flash"
 SDPA_IMPLS = ["torch-flash", "torch-efficient", "torch-cudnn", "torch-math"]
@@ -432,35 +433,8 @@ def judge(result):
 
 # ---- running -------------------------------------------------------------------------------------
 
-def git_commit():
-    """$FLARE_COMMIT when set (a copy of the tree without .git), else git's HEAD (-dirty)."""
-    if os.environ.get("FLARE_COMMIT"):
-        return os.environ["FLARE_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(args):
-    try:
-        import torch
-    except ImportError:
-        sys.exit("gpt_loss.py: needs torch with CUDA (pip install torch)")
-    if not torch.cuda.is_available():
-        sys.exit("gpt_loss.py: no CUDA device visible to torch")
-    try:
-        import flare
-    except ImportError as e:
-        sys.exit(f"gpt_loss.py: cannot import flare ({e}); build with -DFLARE_BUILD_PYTHON=ON "
-                 "and set PYTHONPATH=<build>/python, or pip install .")
-
-    torch.cuda.set_device(args.device)
+    torch, flare = import_torch_and_flare("gpt_loss.py", args.device)
     device = torch.device("cuda", args.device)
     card = torch.cuda.get_device_name(device)
     batches, bound = make_batches(torch, args)

@@ -14,13 +14,13 @@ usage: torch_sdpa.py --json OUT.json [--pass fwd|bwd|fwdbwd|all] [--warmup 5] [-
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench_common import git_commit, pass_step, queued_times_ms
 
 GRID_BS = [(32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)]
 HIDDEN = 2048
@@ -46,36 +46,11 @@ def time_case(backend, b, s, h, d, causal, pass_, warmup, iters):
 
     def forward():
         with sdpa_kernel(backend):
-            if pass_ == "fwd":
-                with torch.no_grad():
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    # Runs are queued back to back with an event between each, as `flare bench` times its calls:
-    # each interval is one run's GPU time, not the host dispatch before it. bwd repeats the
-    # backward of one forward (retain_graph), so its forward stays untimed.
-    if pass_ == "bwd":
-        o = forward()
-
-        def step():
-            torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
-    elif pass_ == "fwd":
-        step = forward
-    else:
-        def step():
-            torch.autograd.grad(forward(), (q, k, v), dout)
-
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
+    # Runs queued back to back, as `flare bench` times its calls (bench_common.py).
     torch.cuda.reset_peak_memory_stats()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    events[0].record()
-    for i in range(iters):
-        step()
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    times = [events[i].elapsed_time(events[i + 1]) for i in range(iters)]
+    times = queued_times_ms(torch, pass_step(torch, forward, q, k, v, dout, pass_), warmup, iters)
     ms = statistics.median(times)
     return ms, torch.cuda.max_memory_allocated()
 
@@ -115,13 +90,7 @@ def main():
     rows = []
     for pass_ in passes:
         rows += run_grid(pass_, args.warmup, args.iters)
-    commit = os.environ.get("FLARE_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, check=False).stdout.strip()
-        except OSError:
-            commit = ""
+    commit = git_commit()
     out = {"card": torch.cuda.get_device_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": commit,
