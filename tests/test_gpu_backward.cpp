@@ -8,8 +8,8 @@
 // (flare/cuda_bwd_variants.inc); every variant runs with its full bucket width and with head dims
 // that leave part of the bucket zero-filled. The feature cases cover each dispatch branch of the
 // kernel: masks, softcap, ALiBi, dropout, GQA, varlen with empty sequences, rows that see no key,
-// unaligned strides (the scalar-copy path) and deterministic mode, whose two runs must agree bit
-// for bit. Gradients within fp32 rounding of zero get the derived bound of
+// unaligned strides (the scalar-copy path), the fewer-buffer fallback an A100 runs at d=256
+// (forced through cuda/testing.h), and deterministic mode, whose two runs must agree bit for bit. Gradients within fp32 rounding of zero get the derived bound of
 // test_util.h's expect_gradients_match.
 #include <gtest/gtest.h>
 
@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/sm80/bwd_tiles.h"
+#include "cuda/testing.h"
 #include "gpu_bwd_util.h"
 #include "test_util.h"
 
@@ -94,6 +96,32 @@ TEST_F(GpuBackward, EveryVariantAndHeadDim) {
         s.options.causal = causal;
         check_backward(s);
       }
+}
+
+// Buckets whose kernel has a fallback with fewer Q/dO buffers (d=256: one buffer where shared
+// memory is short, as on an A100) run that fallback too, on ragged causal GQA and sliding-window
+// problems.
+TEST_F(GpuBackward, FewerBufferFallback) {
+  struct Reset {
+    ~Reset() { cuda::testing::force_backward_stages(0); }
+  } reset;
+  int tested = 0;
+  for (const Variant& v : kVariants) {
+    const cuda::sm80::BwdTile tile = cuda::sm80::bwd_tile(v.bucket);
+    if (tile.min_stages == tile.stages) continue;
+    cuda::testing::force_backward_stages(tile.min_stages);
+    for (int d : head_dims_of(v.bucket)) {
+      ProblemSpec s = make_spec(v.dtype, 2, 97, 130, 4, 2, d);
+      s.options.causal = true;
+      check_backward(s);
+      ProblemSpec w = make_spec(v.dtype, 1, 200, 150, 2, 2, d);
+      w.options.window_left = 40;
+      w.options.window_right = 7;
+      check_backward(w);
+    }
+    ++tested;
+  }
+  EXPECT_GT(tested, 0) << "no bucket has a fallback: this test checks nothing";
 }
 
 TEST_F(GpuBackward, SeqlenOne) {

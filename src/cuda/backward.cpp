@@ -18,15 +18,24 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "core/backends.h"
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm80/bwd_tiles.h"
+#include "cuda/testing.h"
 
 namespace flare {
 namespace cuda {
+namespace testing {
+namespace {
+std::atomic<int> forced_backward_stages{0};
+}  // namespace
+void force_backward_stages(int stages) { forced_backward_stages.store(stages); }
+}  // namespace testing
+
 namespace {
 
 constexpr int bwd_variant_key(DType dtype, int head_dim) {
@@ -76,6 +85,10 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   // Double-buffered Q/dO where the device's shared memory allows, else the tile's fallback.
   w.stages =
       sm80::bwd_smem_bytes(w.bucket, tile.stages) <= smem_optin ? tile.stages : tile.min_stages;
+  const int forced = testing::forced_backward_stages.load();
+  if ((forced == tile.stages || forced == tile.min_stages) &&
+      sm80::bwd_smem_bytes(w.bucket, forced) <= smem_optin)
+    w.stages = forced;
   if (sm80::bwd_smem_bytes(w.bucket, w.stages) > smem_optin)
     return Status::unsupported(
         "q: the CUDA backward for head_dim " + std::to_string(p.head_dim) + " needs " +

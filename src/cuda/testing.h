@@ -1,0 +1,13 @@
+// testing.h — internal hooks the GPU tests use to reach code paths the test device would not
+// choose on its own. Not part of the public API; nothing in the library calls them.
+#pragma once
+
+namespace flare::cuda::testing {
+
+// Forces the backward main kernel's Q/dO buffering (BwdTile::stages or ::min_stages) wherever
+// the head-dim bucket offers that count and the device's shared memory holds it; 0 restores the
+// automatic choice. An H100 picks two buffers at d=256, so the one-buffer kernel an A100 runs is
+// tested through this. Process-wide; for single-threaded tests.
+void force_backward_stages(int stages);
+
+}  // namespace flare::cuda::testing
