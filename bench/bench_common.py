@@ -74,3 +74,12 @@ def import_torch_and_flare(script, device):
                  "and set PYTHONPATH=<build>/python, or pip install .")
     torch.cuda.set_device(device)
     return torch, flare
+
+
+def result_path(out_dir, prefix, result, name):
+    """<out_dir>/<prefix>-<card>-<date>[-name].json for a result dict with "card" and "date"."""
+    import re
+    card = re.sub(r"[^A-Za-z0-9]+", "-", result.get("card", "card")).strip("-").lower()
+    date = result.get("date", "")[:19].replace(":", "").replace("-", "")
+    suffix = f"-{name}" if name else ""
+    return os.path.join(out_dir, f"{prefix}-{card}-{date}{suffix}.json")

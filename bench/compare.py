@@ -39,11 +39,11 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import sys
 
-from bench_common import git_commit, import_torch_and_flare, pass_step, queued_times_ms
+from bench_common import (git_commit, import_torch_and_flare, pass_step, queued_times_ms,
+                          result_path)
 
 IMPLS = ["flare", "torch-flash", "torch-cudnn", "torch-efficient", "torch-math"]
 PASSES = ["fwd", "bwd", "fwdbwd"]
@@ -234,13 +234,6 @@ def run_benchmark(args):
 
 # ---- writing and plotting ----------------------------------------------------------------------
 
-def result_path(out_dir, result, name):
-    card = re.sub(r"[^A-Za-z0-9]+", "-", result.get("card", "card")).strip("-").lower()
-    date = result.get("date", "")[:19].replace(":", "").replace("-", "")
-    suffix = f"-{name}" if name else ""
-    return os.path.join(out_dir, f"compare-{card}-{date}{suffix}.json")
-
-
 def _rows(result, **match):
     return [r for r in result["rows"] if all(r.get(k) == v for k, v in match.items())]
 
@@ -371,7 +364,7 @@ def main(argv=None):
         return 0
     result = run_benchmark(args)
     os.makedirs(args.out, exist_ok=True)
-    path = result_path(args.out, result, args.name)
+    path = result_path(args.out, "compare", result, args.name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")

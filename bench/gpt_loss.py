@@ -71,11 +71,10 @@ import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 
-from bench_common import git_commit, import_torch_and_flare
+from bench_common import git_commit, import_torch_and_flare, result_path
 
 REFERENCE = "torch-flash"
 SDPA_IMPLS = ["torch-flash", "torch-efficient", "torch-cudnn", "torch-math"]
@@ -483,13 +482,6 @@ def run(args):
 
 # ---- writing and plotting ------------------------------------------------------------------------
 
-def result_path(out_dir, result, name):
-    card = re.sub(r"[^A-Za-z0-9]+", "-", result.get("card", "card")).strip("-").lower()
-    date = result.get("date", "")[:19].replace(":", "").replace("-", "")
-    suffix = f"-{name}" if name else ""
-    return os.path.join(out_dir, f"gpt_loss-{card}-{date}{suffix}.json")
-
-
 def plot(result, json_path):
     """Loss curves, and each run's smoothed distance from the reference; returns the PNG path."""
     import matplotlib
@@ -571,7 +563,7 @@ def main(argv=None):
     result = run(args)
     os.makedirs(args.out, exist_ok=True)
     name = args.name or (f"planted-{args.planted_bug}" if args.planted_bug else "")
-    path = result_path(args.out, result, name)
+    path = result_path(args.out, "gpt_loss", result, name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
