@@ -102,4 +102,10 @@ FLARE_HD SequenceInfo sequence_info(const AttentionParams& p, int b) {
   return s;
 }
 
+// Sequence b's first query row in the packed row space of per-row workspaces (b·seqlen_q + i for
+// padded batches, cu_seqlens_q[b] + i for varlen), given its sequence_info.
+FLARE_HD int64_t packed_q_row0(const AttentionParams& p, int b, const SequenceInfo& s) {
+  return p.cu_seqlens_q != nullptr ? s.q_row0 : static_cast<int64_t>(b) * p.seqlen_q;
+}
+
 }  // namespace flare

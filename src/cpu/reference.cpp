@@ -135,7 +135,7 @@ RefForward forward_impl(const AttentionParams& p, bool low) {
   for (int b = 0; b < p.batch; ++b) {
     for (int h = 0; h < p.heads_q; ++h) {
       Head<T> hd(p, b, h);
-      const int64_t row0 = p.is_varlen() ? hd.seq.q_row0 : int64_t{b} * p.seqlen_q;
+      const int64_t row0 = packed_q_row0(p, b, hd.seq);
       for (int i = 0; i < hd.seq.len_q; ++i) {
         const RowScores<T> r = hd.scores(i);
         std::vector<T> acc(d, T(0));
@@ -170,7 +170,7 @@ RefBackward backward_impl(const AttentionParams& p, bool low) {
           load_rows<T>(p.dout, p.dtype,
                        b * p.do_batch_stride + seq.q_row0 * p.do_row_stride + h * p.do_head_stride,
                        p.do_row_stride, seq.len_q, d);
-      const int64_t qrow0 = p.is_varlen() ? seq.q_row0 : int64_t{b} * p.seqlen_q;
+      const int64_t qrow0 = packed_q_row0(p, b, seq);
       const int64_t krow0 = p.is_varlen() ? seq.k_row0 : int64_t{b} * p.seqlen_k;
       std::vector<T> dk(static_cast<size_t>(seq.len_k) * d, T(0));
       std::vector<T> dv(static_cast<size_t>(seq.len_k) * d, T(0));
@@ -267,7 +267,7 @@ void store_forward(const AttentionParams& p, const RefForward& r) {
   store_packed(p, r.o, p.o, p.heads_q, p.o_batch_stride, p.o_row_stride, p.o_head_stride, true);
   for (int b = 0; b < p.batch; ++b) {
     const SequenceInfo seq = sequence_info(p, b);
-    const int64_t packed_row0 = p.is_varlen() ? seq.q_row0 : int64_t{b} * p.seqlen_q;
+    const int64_t packed_row0 = packed_q_row0(p, b, seq);
     for (int h = 0; h < p.heads_q; ++h)
       for (int i = 0; i < seq.len_q; ++i)
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i] =

@@ -324,8 +324,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   const int cs = warp / Cfg::kSKeyGroups;  //     query slice
   const int d = p.head_dim;
   const int diag = seq.len_k - seq.len_q;  // key position of query row 0 (bottom-right aligned)
-  const int64_t q_packed0 =
-      p.cu_seqlens_q != nullptr ? seq.q_row0 : static_cast<int64_t>(b) * p.seqlen_q;
+  const int64_t q_packed0 = packed_q_row0(p, b, seq);
   float* const dq_accum = w.dq_accum + blockIdx.x * w.dq_split_stride;
   const bool has_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
   const bool has_dropout = p.dropout_p > 0.0f;

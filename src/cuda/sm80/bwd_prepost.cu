@@ -32,8 +32,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   const int h = blockIdx.y, b = blockIdx.z;
   const SequenceInfo seq = sequence_info(p, b);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t q_packed0 =
-      p.cu_seqlens_q != nullptr ? seq.q_row0 : static_cast<int64_t>(b) * p.seqlen_q;
+  const int64_t q_packed0 = packed_q_row0(p, b, seq);
   for (int r = warp; r < kRowsPerCta; r += kWarpsPerCta) {
     const int i = blockIdx.x * kRowsPerCta + r;
     if (i >= seq.len_q) break;
@@ -61,8 +60,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   const int h = blockIdx.y, b = blockIdx.z;
   const SequenceInfo seq = sequence_info(p, b);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t q_packed0 =
-      p.cu_seqlens_q != nullptr ? seq.q_row0 : static_cast<int64_t>(b) * p.seqlen_q;
+  const int64_t q_packed0 = packed_q_row0(p, b, seq);
   for (int r = warp; r < kRowsPerCta; r += kWarpsPerCta) {
     const int i = blockIdx.x * kRowsPerCta + r;
     if (i >= seq.len_q) break;
