@@ -51,12 +51,7 @@ void check_forward(const ProblemSpec& spec) {
   const Status s = gpu.forward();
   ASSERT_TRUE(s.ok()) << s.to_string();
   gpu.download_forward(&pr);
-  const AttentionParams fp = pr.forward_params();
-  const cpu::RefForward ref = cpu::reference_forward(fp, cpu::RefPrecision::kFloat64);
-  const cpu::RefForward naive = cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision);
-  const int64_t n = reduction_length(fp);
-  EXPECT_TRUE(within_tolerance("O", pr.read_o(), ref.o, naive.o, spec.dtype, n));
-  EXPECT_TRUE(within_tolerance("LSE", pr.read_lse(), ref.lse, naive.lse, DType::kFloat32, n));
+  expect_forward_matches(pr);
 }
 
 ProblemSpec base_spec(DType dtype, int head_dim, uint64_t salt) {

@@ -244,18 +244,22 @@ void expect_gradients_match(const Problem& pr, const AttentionParams& bp,
   EXPECT_TRUE(within_tolerance("dV", pr.read_dv(), ref.dv, naive.dv, dtype, n));
 }
 
+void expect_forward_matches(const Problem& pr) {
+  const AttentionParams fp = pr.forward_params();
+  const cpu::RefForward ref = cpu::reference_forward(fp, cpu::RefPrecision::kFloat64);
+  const cpu::RefForward naive = cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision);
+  const int64_t n = reduction_length(fp);
+  EXPECT_TRUE(within_tolerance("O", pr.read_o(), ref.o, naive.o, pr.spec.dtype, n));
+  EXPECT_TRUE(within_tolerance("LSE", pr.read_lse(), ref.lse, naive.lse, DType::kFloat32, n));
+}
+
 void check_against_reference(const ProblemSpec& spec, bool backward) {
   SCOPED_TRACE(spec.describe());
   Problem pr = make_problem(spec);
   Status s = attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view, pr.options,
                                pr.varlen);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  const AttentionParams fp = pr.forward_params();
-  const cpu::RefForward ref = cpu::reference_forward(fp, cpu::RefPrecision::kFloat64);
-  const cpu::RefForward naive = cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision);
-  const int64_t n = reduction_length(fp);
-  EXPECT_TRUE(within_tolerance("O", pr.read_o(), ref.o, naive.o, spec.dtype, n));
-  EXPECT_TRUE(within_tolerance("LSE", pr.read_lse(), ref.lse, naive.lse, DType::kFloat32, n));
+  expect_forward_matches(pr);
   if (!backward) return;
   s = attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view,
                          pr.dq.view, pr.dk.view, pr.dv.view, pr.options, pr.varlen);

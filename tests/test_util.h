@@ -161,6 +161,10 @@ double max_abs(const std::vector<double>& x);
 void expect_gradients_match(const Problem& pr, const AttentionParams& bp,
                             const cpu::RefBackward& ref, const cpu::RefBackward& naive);
 
+// Checks O and LSE of `pr` (read back from its tensors) against the float64 and low-precision
+// references of its forward problem under the tolerance rule.
+void expect_forward_matches(const Problem& pr);
+
 // Runs forward (and backward if `backward`) with the given backend on freshly poisoned outputs and
 // checks every output against the float64 reference under the tolerance rule.
 void check_against_reference(const ProblemSpec& spec, bool backward);
