@@ -105,6 +105,13 @@ struct BwdConfig {
   // d 128), and at d 64 full unrolling of the Sᵀ/dPᵀ and dK/dV loops measured 2-5% slower on the
   // H100 than unrolling by 2. dQ is unrolled fully everywhere; dK/dV at d 256 stays rolled.
   static constexpr int kSUnroll = kHeadDim == 256 ? kHeadDim / 16 : 2;
+  // Sᵀ alone (P's registers are not live yet) fully unrolled from d 128 where ptxas keeps it
+  // spill-free: sm_90 (on sm_80 it spills 4 bytes at d 128).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr int kSFirstUnroll = kHeadDim >= 128 ? kHeadDim / 16 : kSUnroll;
+#else
+  static constexpr int kSFirstUnroll = kSUnroll;
+#endif
   static constexpr int kKVUnroll = kHeadDim >= 256 ? 1 : 2;
   // Q/dO copies take the bounds-free path for whole tiles, except at d 256 with one buffer,
   // where its addresses cost the registers that keep the kernel spill-free on sm_90a.
@@ -447,8 +454,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         if constexpr (kMode != kGeneral) {
           // Free of per-element branches: each one is a taken jump, and in this loop they cost more
           // issue slots than the arithmetic.
-          s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(acc_s, acc_s, a_k_base,
-                                                                          b_pass, 0, 0);
+          s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSFirstUnroll>(acc_s, acc_s, a_k_base,
+                                                                               b_pass, 0, 0);
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
