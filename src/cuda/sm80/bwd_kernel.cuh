@@ -411,15 +411,22 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
 
     int m_at = m_begin, h = hk * p.head_group;  // this step's query block and head
     for (int it = 0; it < iters; ++it) {
-      // The buffer the prefetch overwrites was last read in step it − 1, which ended in a barrier.
       const bool wrap = m_at + 1 == m_end;
-      if (kStages == 1)
+      if constexpr (kStages == 1) {
+        // This step's own block, into the buffer step it − 1 read (it ended in a barrier).
         load_query_block(it, m_at, h);
-      else if (it + 1 < iters)
-        load_query_block(it + 1, wrap ? m_begin : m_at + 1, wrap ? h + 1 : h);
-      ptx::cp_async_commit();
-      ptx::cp_async_wait<kStages - 1>();
-      __syncthreads();
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
+        __syncthreads();
+      } else {
+        // One barrier both publishes this step's copy (the only one in flight) and tells that
+        // every warp is done with step it − 1: its P, dS and its Q/dO buffer, which the prefetch
+        // of step it + 1 overwrites. So a step needs no barrier at its end.
+        ptx::cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < iters) load_query_block(it + 1, wrap ? m_begin : m_at + 1, wrap ? h + 1 : h);
+        ptx::cp_async_commit();
+      }
 
       const int stage = it % kStages;
       const int i0 = m_at * kBlockM;
@@ -662,7 +669,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                               acc_dq[mt][nt][2 * half], acc_dq[mt][nt][2 * half + 1]);
           }
       }
-      __syncthreads();  // P, dS and this step's Q/dO buffer are free again
+      // With one Q/dO buffer, P, dS and the buffer are free again only after a barrier here.
+      if constexpr (kStages == 1) __syncthreads();
       if (++m_at == m_end) m_at = m_begin, ++h;
     }
 
