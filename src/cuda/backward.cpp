@@ -103,6 +103,7 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   const int64_t out_strides = p.dk_batch_stride | p.dk_row_stride | p.dk_head_stride |
                               p.dv_batch_stride | p.dv_row_stride | p.dv_head_stride;
   w.pair_store = out_strides % 2 == 0 && aligned(p.dk, 4) && aligned(p.dv, 4);
+  w.store16 = p.head_dim % 8 == 0 && out_strides % 8 == 0 && aligned(p.dk, 16) && aligned(p.dv, 16);
 
   const int key_blocks = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
   if (p.deterministic && key_blocks > 0 && p.batch > 0) {

@@ -208,6 +208,27 @@ __device__ __forceinline__ void load_tile_swizzled(Element* s, const Element* g,
   }
 }
 
+// Writes rows [0, rows_valid) and columns [0, d_valid) of a swizzled shared tile to a row-major
+// global tensor in 16-byte chunks: d_valid % 8 == 0 and 16-byte-aligned rows (BwdWorkspace::store16).
+template <int kRows, int kCols, int kThreads, typename Element>
+__device__ __forceinline__ void store_tile_swizzled(Element* g, int64_t row_stride,
+                                                    const Element* s, int rows_valid, int d_valid,
+                                                    int tid) {
+  constexpr int kChunks = kCols / 8;
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "tile store must split evenly");
+  const int row0 = tid / kChunks;
+  const int col = (tid % kChunks) * 8;
+  if (col >= d_valid) return;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowStep; ++i) {
+    const int row = row0 + i * kRowStep;
+    if (row < rows_valid)
+      *reinterpret_cast<uint4*>(g + row * row_stride + col) =
+          *reinterpret_cast<const uint4*>(s + swz<kCols>(row, col));
+  }
+}
+
 // threadIdx.x through a volatile read: the compiler may not hoist it, or values computed from it,
 // out of a loop.
 __device__ __forceinline__ int thread_index_volatile() {
@@ -676,6 +697,43 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
 
     // ---- dK (scaled by the softmax scale) and dV of this key block.
     const int kvg = warp % Cfg::kKVKeyGroups, kvc = warp / Cfg::kKVKeyGroups;
+    if (w.store16) {
+      // Staged through K's and V's buffers (the same shapes and swizzle), then written as whole
+      // 16-byte chunks of rows: full sectors and a quarter of the store instructions. With one CTA
+      // per SM nothing else runs while a CTA finishes, so at s = 512 this matters.
+      ptx::cp_async_wait<0>();  // K/V copies of a block with no visible query were never waited for
+      __syncthreads();          // every warp is done reading K and V
+      // Per-thread offsets from a volatile thread index, so none is hoisted out of the key-block
+      // loop to occupy a register through the steps.
+      const int tid3 = thread_index_volatile(), warp3 = tid3 >> 5, lane3 = tid3 & 31;
+      const uint32_t st_kv_base =
+          ptx::smem_addr(sK) +
+          2 * swz<kHeadDim>((warp3 % Cfg::kKVKeyGroups) * kKVMt * 16 + (lane3 >> 2),
+                            (warp3 / Cfg::kKVKeyGroups) * kKVCols + 2 * (lane3 & 3));
+#pragma unroll
+      for (int mt = 0; mt < kKVMt; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int nt = 0; nt < kKVCols / 8; ++nt) {
+            const uint32_t addr = frag_step<kHeadDim>(st_kv_base, mt * 16 + half * 8, nt * 8);
+            st_shared_u32(addr, ptx::pack2<Element>(acc_dk[mt][nt][2 * half] * p.scale,
+                                                    acc_dk[mt][nt][2 * half + 1] * p.scale));
+            st_shared_u32(addr + kVAfterK, ptx::pack2<Element>(acc_dv[mt][nt][2 * half],
+                                                               acc_dv[mt][nt][2 * half + 1]));
+          }
+      __syncthreads();
+      store_tile_swizzled<kBlockN, kHeadDim, kThreads>(
+          static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
+              (seq.k_row0 + j0) * p.dk_row_stride + hk * p.dk_head_stride,
+          p.dk_row_stride, sK, rows_k, d, tid3);
+      store_tile_swizzled<kBlockN, kHeadDim, kThreads>(
+          static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
+              (seq.k_row0 + j0) * p.dv_row_stride + hk * p.dv_head_stride,
+          p.dv_row_stride, sV, rows_k, d, tid3);
+      __syncthreads();  // the next key block's copies overwrite K and V
+      continue;
+    }
 #pragma unroll
     for (int mt = 0; mt < kKVMt; ++mt)
 #pragma unroll

@@ -31,6 +31,7 @@ struct BwdWorkspace {
   int stages = 0;             // Q/dO buffers of the main kernel (BwdTile::stages or min_stages)
   bool vec = false;           // q, k, v, dout rows 16-byte aligned and head_dim % 8 == 0
   bool pair_store = false;    // dk, dv element pairs (even columns) 4-byte aligned
+  bool store16 = false;       // dk, dv rows 16-byte aligned and head_dim % 8 == 0
 };
 
 // The main kernel: dK, dV (written) and dQ (added into dq_accum). Checks the launch, never
