@@ -14,7 +14,7 @@
 # ab.txt: per cell the base's TFLOP/s and each variant's, with the ratio of their means, and per
 # variant the median, minimum and maximum ratio over the cells.
 #
-# This is how the A/B numbers in src/cuda/sm80/*_notes.md and the commit messages were taken.
+# The A/B numbers in src/cuda/sm80/*_notes.md and the commit messages were taken this way.
 # It does not test the variants: run scripts/gpu-check.sh on the one you keep.
 set -uo pipefail
 
