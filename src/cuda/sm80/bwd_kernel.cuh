@@ -209,7 +209,8 @@ __device__ __forceinline__ void load_tile_swizzled(Element* s, const Element* g,
 }
 
 // Writes rows [0, rows_valid) and columns [0, d_valid) of a swizzled shared tile to a row-major
-// global tensor in 16-byte chunks: d_valid % 8 == 0 and 16-byte-aligned rows (BwdWorkspace::store16).
+// global tensor in 16-byte chunks: d_valid % 8 == 0 and 16-byte-aligned rows
+// (BwdWorkspace::store16).
 template <int kRows, int kCols, int kThreads, typename Element>
 __device__ __forceinline__ void store_tile_swizzled(Element* g, int64_t row_stride,
                                                     const Element* s, int rows_valid, int d_valid,
@@ -482,8 +483,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         if constexpr (kMode != kGeneral) {
           // Free of per-element branches: each one is a taken jump, and in this loop they cost more
           // issue slots than the arithmetic.
-          s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSFirstUnroll>(acc_s, acc_s, a_k_base,
-                                                                               b_pass, 0, 0);
+          s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSFirstUnroll>(
+              acc_s, acc_s, a_k_base, b_pass, 0, 0);
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
