@@ -103,7 +103,7 @@ struct BwdConfig {
   // Unrolling of the k loops. Fully unrolled, the fragment addresses' swizzle constants and the
   // loop branches disappear, but ptxas may preload fragments until it spills (Sᵀ/dPᵀ and dK/dV at
   // d 128), and at d 64 full unrolling of the Sᵀ/dPᵀ and dK/dV loops measured 2-5% slower on the
-  // H100 than unrolling by 2. dQ is unrolled fully everywhere; dK/dV at d 256 stays rolled.
+  // H100 than unrolling by 2. dQ is unrolled fully everywhere.
   static constexpr int kSUnroll = kHeadDim == 256 ? kHeadDim / 16 : 2;
   // Sᵀ alone (P's registers are not live yet) fully unrolled from d 128 where ptxas keeps it
   // spill-free: sm_90 (on sm_80 it spills 4 bytes at d 128).
@@ -112,7 +112,12 @@ struct BwdConfig {
 #else
   static constexpr int kSFirstUnroll = kSUnroll;
 #endif
-  static constexpr int kKVUnroll = kHeadDim >= 256 ? 1 : 2;
+  // d 256 forms Sᵀ and dPᵀ in one k loop (both products' MMAs interleaved, as the feature path
+  // does) and unrolls its dK/dV loop by 2 (fully, it spills 32 bytes on sm_90a). H100, A/B in one
+  // call: each +0.5 to +1.6% on the d 256 cells; the joint loop cost d 64 up to 1.8% and d 128
+  // 0.3%, where Sᵀ first and then P in place keeps.
+  static constexpr bool kFusedS = kHeadDim == 256;
+  static constexpr int kKVUnroll = 2;
   // Q/dO copies take the bounds-free path for whole tiles, except at d 256 with one buffer,
   // where its addresses cost the registers that keep the kernel spill-free on sm_90a.
   static constexpr bool kWholeTileLoads = kHeadDim < 256 || kStages == 2;
@@ -465,8 +470,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       // kSMt row tiles. Without score modifier or dropout (kPlain, masked by a select where the
       // tile straddles a mask edge: causal diagonal, window, ragged end) a pass covers kSPass
       // queries, Sᵀ first, then P in place while dPᵀ is formed (so only one product's fragments are
-      // live at a time). Other tiles (kGeneral) run in passes of 16 queries with both products in
-      // one loop: their per-element code needs the registers.
+      // live at a time; at d 256 both products share one loop, Cfg::kFusedS). Other tiles
+      // (kGeneral) run in passes of 16 queries with both products in one loop: their per-element
+      // code needs the registers.
       auto s_pass = [&](auto pass_tag, auto mode_tag, const int q_rel) {
         constexpr int kPass = decltype(pass_tag)::value;
         constexpr int kMode = decltype(mode_tag)::value;
@@ -483,8 +489,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         if constexpr (kMode != kGeneral) {
           // Free of per-element branches: each one is a taken jump, and in this loop they cost more
           // issue slots than the arithmetic.
-          s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSFirstUnroll>(
-              acc_s, acc_s, a_k_base, b_pass, 0, 0);
+          if constexpr (Cfg::kFusedS)
+            s_product<Element, kHeadDim, kSMt, kPass, true, Cfg::kSUnroll>(
+                acc_s, acc_dp, a_k_base, b_pass, kVAfterK, kDoAfterQ);
+          else
+            s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSFirstUnroll>(
+                acc_s, acc_s, a_k_base, b_pass, 0, 0);
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
@@ -515,8 +525,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                   acc_s[mt][nt][r] = visible ? acc_s[mt][nt][r] : 0.0f;
                 }
           }
-          s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(
-              acc_dp, acc_dp, a_k_base + kVAfterK, b_pass + kDoAfterQ, 0, 0);
+          if constexpr (!Cfg::kFusedS)
+            s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(
+                acc_dp, acc_dp, a_k_base + kVAfterK, b_pass + kDoAfterQ, 0, 0);
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
