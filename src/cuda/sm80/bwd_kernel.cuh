@@ -98,8 +98,15 @@ struct BwdConfig {
   // per 16 columns beside the dK/dV accumulators.
   static constexpr int kDqChunk = kDqCols < 32 ? kDqCols : 32;
   // Sᵀ and dPᵀ are produced in passes of kSPass queries, which bounds their registers (2 · kSMt ·
-  // kSPass / 4 per thread).
-  static constexpr int kSPass = kSCols < 32 ? kSCols : 32;
+  // kSPass / 4 per thread). Each pass reloads the warp's K and V fragments, so d 64 (a 32-key ×
+  // 64-query warp tile) runs one pass: 16 fewer ldmatrix per warp and step, 11% of them, the
+  // difference an ncu profile showed against FlashAttention-2 (bwd_notes.md). That leaves no
+  // register for anything the key-block loop keeps across its body (kLeanKeyLoop).
+  static constexpr int kSPass = kHeadDim == 64 ? kSCols : (kSCols < 32 ? kSCols : 32);
+  // The key-block loop's bound read from shared memory and the K/V copy offsets computed from a
+  // volatile thread index, so that ptxas holds neither across the loop body (at d 64 with one
+  // pass they were the only spills, 8-12 bytes; at d 128 the same change spills 8 bytes on sm_80).
+  static constexpr bool kLeanKeyLoop = kHeadDim == 64;
   // Unrolling of the k loops. Fully unrolled, the fragment addresses' swizzle constants and the
   // loop branches disappear, but ptxas may preload fragments until it spills (Sᵀ/dPᵀ and dK/dV at
   // d 128), and at d 64 full unrolling of the Sᵀ/dPᵀ and dK/dV loops measured 2-5% slower on the
@@ -374,7 +381,14 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   constexpr uint32_t kDoAfterQ = (Cfg::kOffDo - Cfg::kOffQ) * 2;
   constexpr uint32_t kDsAfterP = (Cfg::kOffDs - Cfg::kOffP) * 2;
 
-  for (int jb = jb_begin; jb < jb_end; ++jb) {
+  __shared__ int s_jb_end;  // kLeanKeyLoop: the loop bound, read back through a volatile load
+  if constexpr (Cfg::kLeanKeyLoop) {
+    if (tid == 0) s_jb_end = jb_end;
+    __syncthreads();
+  }
+  for (int jb = jb_begin;
+       jb < (Cfg::kLeanKeyLoop ? *static_cast<volatile int*>(&s_jb_end) : jb_end); ++jb) {
+    const int tid_kv = Cfg::kLeanKeyLoop ? thread_index_volatile() : tid;
     const int j0 = jb * kBlockN;
     const int rows_k = min(kBlockN, seq.len_k - j0);
     // Query rows that see a key of [j0, j0 + rows_k): key j is visible from row i iff j − right ≤ i
@@ -390,12 +404,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         sK,
         static_cast<const Element*>(p.k) + b * p.k_batch_stride +
             (seq.k_row0 + j0) * p.k_row_stride + hk * p.k_head_stride,
-        p.k_row_stride, rows_k, d, w.vec, tid);
+        p.k_row_stride, rows_k, d, w.vec, tid_kv);
     load_tile_swizzled<kBlockN, kHeadDim, kThreads, true>(
         sV,
         static_cast<const Element*>(p.v) + b * p.v_batch_stride +
             (seq.k_row0 + j0) * p.v_row_stride + hk * p.v_head_stride,
-        p.v_row_stride, rows_k, d, w.vec, tid);
+        p.v_row_stride, rows_k, d, w.vec, tid_kv);
 
     // Step `it` is query block m_begin + it % m_count of query head hk·group + it / m_count. The
     // loop steps the (block, head) pair rather than dividing; the prefetch (kStages − 1 ≤ 1 steps
