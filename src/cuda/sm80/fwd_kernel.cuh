@@ -360,39 +360,96 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
     // At d 256 (16-row warps, one CTA per SM) O is rescaled every step, as FlashAttention-2 does:
     // without the vote's branch the step is one block of code for the scheduler (H100, A/B in
     // one call: d 256 +0.4 to +1.9% at s <= 4k, even above; d 64 and 128 lost up to 1.8%).
+    //
+    // A thread holds kMFrags·2 row fragments (mf, half). With 128-key steps (d 64 on sm_90a) each
+    // fragment's max chain, shuffles and 32 exponentials are long, so the fragments go through
+    // each phase together (max, shuffles, correction, rescale, exponentials) and their latencies
+    // overlap instead of queueing behind one another's vote and branch; the row sum runs as two
+    // partial sums. With 64-key steps the extra live values cost more than the overlap gains, and
+    // each fragment goes through all phases before the next. H100, A/B in one call: d 64 +0.4 to
+    // +2.9% on every cell; the same at d 128 and 256 −0 to −2.4%.
+    if constexpr (kNFrags >= 16) {
+      constexpr int kRowFrags = kMFrags * 2;  // fragment f: mf = f / 2, half = f % 2
+      float mx[kRowFrags], base[kRowFrags], correction[kRowFrags];
 #pragma unroll
-    for (int mf = 0; mf < kMFrags; ++mf)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float mx = -INFINITY;
+      for (int f = 0; f < kRowFrags; ++f) {
+        mx[f] = -INFINITY;
 #pragma unroll
         for (int nf = 0; nf < kNFrags; ++nf)
-          mx = fmaxf(mx, fmaxf(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_old = stats.max(mf, half);
-        const float m_new = fmaxf(m_old, mx * p.scale_log2);
-        const float base = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-        const float correction = ptx::exp2_approx(m_old - base);
-        stats.max(mf, half) = m_new;
-        if (kHeadDim == 256 || __any_sync(0xffffffffu, m_new != m_old)) {
+          mx[f] = fmaxf(mx[f], fmaxf(s[f / 2][nf][2 * (f % 2)], s[f / 2][nf][2 * (f % 2) + 1]));
+      }
+#pragma unroll
+      for (int lanes = 1; lanes <= 2; lanes *= 2)
+#pragma unroll
+        for (int f = 0; f < kRowFrags; ++f)
+          mx[f] = fmaxf(mx[f], __shfl_xor_sync(0xffffffffu, mx[f], lanes));
+      bool moved[kRowFrags];
+#pragma unroll
+      for (int f = 0; f < kRowFrags; ++f) {
+        const float m_old = stats.max(f / 2, f % 2);
+        const float m_new = fmaxf(m_old, mx[f] * p.scale_log2);
+        base[f] = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
+        correction[f] = ptx::exp2_approx(m_old - base[f]);
+        moved[f] = m_new != m_old;
+        stats.max(f / 2, f % 2) = m_new;
+      }
+#pragma unroll
+      for (int f = 0; f < kRowFrags; ++f)
+        if (__any_sync(0xffffffffu, moved[f])) {
 #pragma unroll
           for (int df = 0; df < kDFrags; ++df) {
-            acc_o[mf][df][2 * half] *= correction;
-            acc_o[mf][df][2 * half + 1] *= correction;
+            acc_o[f / 2][df][2 * (f % 2)] *= correction[f];
+            acc_o[f / 2][df][2 * (f % 2) + 1] *= correction[f];
           }
         }
-        float sum = 0.0f;
+#pragma unroll
+      for (int f = 0; f < kRowFrags; ++f) {
+        float sum[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int nf = 0; nf < kNFrags; ++nf)
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const float pr = ptx::exp2_approx(fmaf(s[mf][nf][2 * half + j], p.scale_log2, -base));
-            s[mf][nf][2 * half + j] = pr;
-            sum += pr;
+            float& x = s[f / 2][nf][2 * (f % 2) + j];
+            x = ptx::exp2_approx(fmaf(x, p.scale_log2, -base[f]));
+            sum[nf % 2] += x;
           }
-        stats.sum(mf, half) = stats.sum(mf, half) * correction + sum;
+        stats.sum(f / 2, f % 2) = stats.sum(f / 2, f % 2) * correction[f] + (sum[0] + sum[1]);
       }
+    } else {
+#pragma unroll
+      for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int nf = 0; nf < kNFrags; ++nf)
+            mx = fmaxf(mx, fmaxf(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_old = stats.max(mf, half);
+          const float m_new = fmaxf(m_old, mx * p.scale_log2);
+          const float base = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
+          const float correction = ptx::exp2_approx(m_old - base);
+          stats.max(mf, half) = m_new;
+          if (kHeadDim == 256 || __any_sync(0xffffffffu, m_new != m_old)) {
+#pragma unroll
+            for (int df = 0; df < kDFrags; ++df) {
+              acc_o[mf][df][2 * half] *= correction;
+              acc_o[mf][df][2 * half + 1] *= correction;
+            }
+          }
+          float sum = 0.0f;
+#pragma unroll
+          for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const float pr = ptx::exp2_approx(fmaf(s[mf][nf][2 * half + j], p.scale_log2, -base));
+              s[mf][nf][2 * half + j] = pr;
+              sum += pr;
+            }
+          stats.sum(mf, half) = stats.sum(mf, half) * correction + sum;
+        }
+    }
 
     // Register-tight tiles round P to fp16/bf16 here, two columns per register: (g, 2t..2t+1)
     // and (g+8, 2t..2t+1) of each n8 fragment, the A layout of P·V. Others round it fragment by
@@ -523,6 +580,22 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride +
                 (seq.q_row0 + m0) * p.o_row_stride + h * p.o_head_stride;
   constexpr int kWarpChunks = Cfg::kWarpRows * Cfg::kChunksPerRow;
+  // d ≤ 128: whole rows of the warp go out as one 16-byte copy per chunk with no tests: short
+  // code for a part that runs once per CTA, from a cold instruction cache (H100, A/B in one
+  // call: +1 to +4.6% at s ≤ 2k). d 256 (one CTA per SM, 16-row warps) measured 1% slower with
+  // it and keeps the general loop alone.
+  if constexpr (kHeadDim <= 128) {
+    if (vec && warp_row0 + Cfg::kWarpRows <= rows_q && d == kHeadDim) {
+#pragma unroll
+      for (int c = lane; c < kWarpChunks; c += 32) {
+        const int r = warp_row0 + c / Cfg::kChunksPerRow;
+        const int col = (c % Cfg::kChunksPerRow) * 8;
+        *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + col) =
+            *reinterpret_cast<const uint4*>(sQ + r * kStride + col);
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int c = lane; c < kWarpChunks; c += 32) {
     const int r = warp_row0 + c / Cfg::kChunksPerRow;
