@@ -164,8 +164,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   }
 }
 
-// dq = scale · Σ_s accumulator[s]: rows laid on lane groups as in the preprocess, one 16-byte
-// chunk of dq per thread and pass.
+// dq = scale · Σ_s accumulator[s]: one 16-byte chunk of dq per thread and pass.
 template <typename Element>
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
     backward_convert_vec_kernel(const __grid_constant__ AttentionParams p, const BwdWorkspace w,
@@ -232,6 +231,16 @@ Status launch_rows(Kernel kernel, const char* name, const AttentionParams& p,
   return launch_check(name);
 }
 
+// A vector-path kernel: the fp16 or the bf16 instance, by p.dtype.
+template <typename Kernel>
+Status launch_vec(Kernel fp16_kernel, Kernel bf16_kernel, const char* name,
+                  const AttentionParams& p, const BwdWorkspace& w, cudaStream_t stream) {
+  const Kernel kernel = p.dtype == DType::kFloat16 ? fp16_kernel : bf16_kernel;
+  kernel<<<rows_grid(p), kWarpsPerCta * 32, 0, stream>>>(p, w, slice_elems(p, w),
+                                                     row_lane_bits(p.head_dim));
+  return launch_check(name);
+}
+
 }  // namespace
 
 Status launch_backward_preprocess(const AttentionParams& p, const BwdWorkspace& w,
@@ -240,11 +249,8 @@ Status launch_backward_preprocess(const AttentionParams& p, const BwdWorkspace& 
   const int64_t do_strides = p.do_batch_stride | p.do_row_stride | p.do_head_stride;
   if (p.batch == 0 || p.seqlen_q == 0 || !rows_vec(p, p.o, o_strides, p.dout, do_strides))
     return launch_rows(backward_preprocess_kernel, "preprocess", p, w, stream);
-  const auto kernel = p.dtype == DType::kFloat16 ? backward_preprocess_vec_kernel<__half>
-                                                 : backward_preprocess_vec_kernel<__nv_bfloat16>;
-  kernel<<<rows_grid(p), kWarpsPerCta * 32, 0, stream>>>(p, w, slice_elems(p, w),
-                                                     row_lane_bits(p.head_dim));
-  return launch_check("preprocess");
+  return launch_vec(backward_preprocess_vec_kernel<__half>,
+                    backward_preprocess_vec_kernel<__nv_bfloat16>, "preprocess", p, w, stream);
 }
 
 Status launch_backward_convert(const AttentionParams& p, const BwdWorkspace& w,
@@ -252,11 +258,8 @@ Status launch_backward_convert(const AttentionParams& p, const BwdWorkspace& w,
   const int64_t dq_strides = p.dq_batch_stride | p.dq_row_stride | p.dq_head_stride;
   if (p.batch == 0 || p.seqlen_q == 0 || !rows_vec(p, p.dq, dq_strides, p.dq, dq_strides))
     return launch_rows(backward_convert_kernel, "convert", p, w, stream);
-  const auto kernel = p.dtype == DType::kFloat16 ? backward_convert_vec_kernel<__half>
-                                                 : backward_convert_vec_kernel<__nv_bfloat16>;
-  kernel<<<rows_grid(p), kWarpsPerCta * 32, 0, stream>>>(p, w, slice_elems(p, w),
-                                                     row_lane_bits(p.head_dim));
-  return launch_check("convert");
+  return launch_vec(backward_convert_vec_kernel<__half>,
+                    backward_convert_vec_kernel<__nv_bfloat16>, "convert", p, w, stream);
 }
 
 }  // namespace flare::cuda::sm80
