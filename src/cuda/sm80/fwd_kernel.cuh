@@ -109,17 +109,25 @@ struct FwdConfig {
 
 inline constexpr float kLn2 = 0.6931471805599453f;
 
-// The max a row's exponentials are taken against, after a step whose scaled scores peak at
-// `seen` (log2 units). Lazily, the max moves only when `seen` exceeds it by more than
+// A row fragment's running max after a step whose scaled scores peak at `seen` (log2 units),
+// updated in place: the base the step's exponentials subtract, the factor for O and the row sum,
+// and whether the max moved. Lazily, the max moves only when `seen` exceeds it by more than
 // kLazyRescaleLog2: below that the step's probabilities are exp2(x − max) ≤ 2^8 and O and the row
 // sum keep their scale, so O's rescale (and its vote) is skipped. Softmax does not depend on the
 // reference it subtracts as long as O, the sum and the LSE share it, so only rounding changes:
 // fp32 sums and fp16/bf16 P round relative to their magnitude, and 2^8 is far from overflow.
 inline constexpr float kLazyRescaleLog2 = 8.0f;
+struct MaxStep {
+  float base, correction;
+  bool moved;
+};
 template <bool kLazy>
-__device__ __forceinline__ float next_row_max(float m_old, float seen) {
-  if constexpr (kLazy) return seen > m_old + kLazyRescaleLog2 ? seen : m_old;
-  return fmaxf(m_old, seen);
+__device__ __forceinline__ MaxStep advance_row_max(float& max, float seen) {
+  const float m_old = max;
+  const float m_new = kLazy ? (seen > m_old + kLazyRescaleLog2 ? seen : m_old) : fmaxf(m_old, seen);
+  const float base = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
+  max = m_new;
+  return {base, ptx::exp2_approx(m_old - base), m_new != m_old};
 }
 
 // The running softmax statistics of a thread's row fragments: base-2 row max and thread-partial
@@ -381,7 +389,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
     // partial sums. With 64-key steps the extra live values cost more than the overlap gains, and
     // each fragment goes through all phases before the next. H100, A/B in one call: d 64 +0.4 to
     // +2.9% on every cell; the same at d 128 and 256 −0 to −2.4%.
-    // d ≤ 192 moves a row's max lazily (next_row_max); d 256 rescales every step anyway.
+    // d ≤ 192 moves a row's max lazily (advance_row_max); d 256 rescales every step anyway.
     constexpr bool kLazyMax = kHeadDim != 256;
     if constexpr (kNFrags >= 16) {
       constexpr int kRowFrags = kMFrags * 2;  // fragment f: mf = f / 2, half = f % 2
@@ -401,12 +409,11 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
       bool moved[kRowFrags];
 #pragma unroll
       for (int f = 0; f < kRowFrags; ++f) {
-        const float m_old = stats.max(f / 2, f % 2);
-        const float m_new = next_row_max<kLazyMax>(m_old, mx[f] * p.scale_log2);
-        base[f] = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-        correction[f] = ptx::exp2_approx(m_old - base[f]);
-        moved[f] = m_new != m_old;
-        stats.max(f / 2, f % 2) = m_new;
+        const MaxStep step =
+            advance_row_max<kLazyMax>(stats.max(f / 2, f % 2), mx[f] * p.scale_log2);
+        base[f] = step.base;
+        correction[f] = step.correction;
+        moved[f] = step.moved;
       }
 #pragma unroll
       for (int f = 0; f < kRowFrags; ++f)
@@ -441,12 +448,9 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
             mx = fmaxf(mx, fmaxf(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_old = stats.max(mf, half);
-          const float m_new = next_row_max<kLazyMax>(m_old, mx * p.scale_log2);
-          const float base = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-          const float correction = ptx::exp2_approx(m_old - base);
-          stats.max(mf, half) = m_new;
-          if (kHeadDim == 256 || __any_sync(0xffffffffu, m_new != m_old)) {
+          const auto [base, correction, moved] =
+              advance_row_max<kLazyMax>(stats.max(mf, half), mx * p.scale_log2);
+          if (kHeadDim == 256 || __any_sync(0xffffffffu, moved)) {
 #pragma unroll
             for (int df = 0; df < kDFrags; ++df) {
               acc_o[mf][df][2 * half] *= correction;
