@@ -110,7 +110,7 @@ if [[ $tests -eq 0 ]]; then
   :
 elif command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    sanitize "$tool" test_gpu_forward '*SmallestHeadDimRaggedLengths/bf16_d64:*VarlenWithEmptySequences/bf16'
+    sanitize "$tool" test_gpu_forward '*SmallestHeadDimRaggedLengths/bf16_d64:*SmallestHeadDimRaggedLengths/bf16_d256:*VarlenWithEmptySequences/bf16'
     sanitize "$tool" test_gpu_backward 'GpuBackward.SeqlenMismatchAndFullyMaskedRows:GpuBackward.VarlenWithEmptySequences'
   done
 else

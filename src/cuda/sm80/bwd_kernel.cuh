@@ -63,6 +63,7 @@
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
+#include "cuda/ptx/thread_index.cuh"
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm80/bwd_tiles.h"
 #include "cuda/sm80/chunk_copy.cuh"
@@ -242,14 +243,6 @@ __device__ __forceinline__ void store_tile_swizzled(Element* g, int64_t row_stri
   }
 }
 
-// threadIdx.x through a volatile read: the compiler may not hoist it, or values computed from it,
-// out of a loop.
-__device__ __forceinline__ int thread_index_volatile() {
-  int tid;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
-  return tid;
-}
-
 // A 4-byte store to a shared-window address, so the P̃ᵀ/dSᵀ stores step their swizzled addresses
 // with frag_step like the loads. Kept beside its only user, as is the next one.
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t value) {
@@ -388,7 +381,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   }
   for (int jb = jb_begin;
        jb < (Cfg::kLeanKeyLoop ? *static_cast<volatile int*>(&s_jb_end) : jb_end); ++jb) {
-    const int tid_kv = Cfg::kLeanKeyLoop ? thread_index_volatile() : tid;
+    const int tid_kv = Cfg::kLeanKeyLoop ? ptx::thread_index_volatile() : tid;
     const int j0 = jb * kBlockN;
     const int rows_k = min(kBlockN, seq.len_k - j0);
     // Query rows that see a key of [j0, j0 + rows_k): key j is visible from row i iff j − right ≤ i
@@ -419,7 +412,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
     auto load_query_block = [&](int it, int m, int h) {
       const int stage = it % kStages;
       const int i0 = m * kBlockM;
-      const int tid = thread_index_volatile();  // keeps per-thread offsets out of the S passes
+      const int tid = ptx::thread_index_volatile();  // keeps per-thread offsets out of the S passes
       const int rows_q = min(kBlockM, seq.len_q - i0);
       load_tile_swizzled<kBlockM, kHeadDim, kThreads, Cfg::kWholeTileLoads>(
           sQ + stage * kBlockM * kHeadDim,
@@ -635,7 +628,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       // The dK/dV and dQ warp tiles and their fragment bases. Recomputed here from the thread
       // index each step (a volatile read, so it is not hoisted), which keeps four registers free
       // during the Sᵀ/dPᵀ passes, where the dK/dV accumulators leave none to spare.
-      const int tid2 = thread_index_volatile(), warp2 = tid2 >> 5, lane2 = tid2 & 31;
+      const int tid2 = ptx::thread_index_volatile(), warp2 = tid2 >> 5, lane2 = tid2 & 31;
       const int kvg = warp2 % Cfg::kKVKeyGroups;  // dK/dV: key group (kKVMt·16 keys)
       const int kvc = warp2 / Cfg::kKVKeyGroups;  //        column slice
       const int qg = warp2 % Cfg::kDqRowGroups;   // dQ: query group (kDqMt·16 queries)
@@ -731,7 +724,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       __syncthreads();          // every warp is done reading K and V
       // Per-thread offsets from a volatile thread index, so none is hoisted out of the key-block
       // loop to occupy a register through the steps.
-      const int tid3 = thread_index_volatile(), warp3 = tid3 >> 5, lane3 = tid3 & 31;
+      const int tid3 = ptx::thread_index_volatile(), warp3 = tid3 >> 5, lane3 = tid3 & 31;
       const uint32_t st_kv_base =
           ptx::smem_addr(sK) +
           2 * swz<kHeadDim>((warp3 % Cfg::kKVKeyGroups) * kKVMt * 16 + (lane3 >> 2),

@@ -25,7 +25,10 @@
 // bytes so ldmatrix's eight row addresses fall in distinct banks. K and V ping-pong through
 // cp.async: V_j is fetched while S = Q·K_jᵀ and the softmax run, K_{j+1} while O += P·V_j runs;
 // each copy hides behind the other operand's product, with a second CTA per SM (d ≤ 128) covering
-// what remains. Tiles hanging past the sequence end or past head_dim are zero-filled by the copy.
+// what remains. d 256 on sm_90a (one CTA per SM) runs a pipelined step instead: K and V
+// double-buffered, the next step's S formed beside this step's softmax, the two halves of the
+// warps in opposite orders, and the copies spread between MMAs (see the key loop).
+// Tiles hanging past the sequence end or past head_dim are zero-filled by the copy.
 // Tensors whose rows are not 16-byte aligned (odd head_dim, odd strides) take a scalar-load path
 // that fills the same tiles; the branch is uniform and costs the aligned path nothing.
 //
@@ -63,6 +66,7 @@
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
+#include "cuda/ptx/thread_index.cuh"
 #include "cuda/sm80/fwd_launch.h"
 #include "cuda/sm80/fwd_tiles.h"
 
@@ -100,8 +104,15 @@ struct FwdConfig {
   static constexpr bool kRegisterTight = kMFrags * (kDFrags + kNFrags) * 4 >= 192;
   static constexpr bool kStatsInSmem = kRegisterTight;
   static constexpr int kStatsBytes = kStatsInSmem ? kMFrags * 4 * kThreads * 4 : 0;
+  // Pipelined step (d 256 on sm_90a, 16-row warps at one CTA per SM): S_{j+1} = Q·K_{j+1}ᵀ is
+  // formed beside the softmax of S_j, K and V double-buffered (see the key loop). The same order
+  // at d 192, without its spread copies (24 chunks per row do not give each thread one column),
+  // measured 3-8% slower than the plain step on the H100.
+  static constexpr bool kPipelineS = !kPreHopper && kHeadDim == 256;
+  static constexpr int kKVBuffers = kPipelineS ? 2 : 1;
   static constexpr int kSmemBytes =
-      (kBlockM + 2 * kBlockN) * kSmemStride * static_cast<int>(sizeof(Element)) + kStatsBytes;
+      (kBlockM + 2 * kKVBuffers * kBlockN) * kSmemStride * static_cast<int>(sizeof(Element)) +
+      kStatsBytes;
   static_assert(kWarpRows % 16 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tile shape");
   static_assert(kBlockN * kChunksPerRow % kThreads == 0 && kBlockM * kChunksPerRow % kThreads == 0,
                 "tile copies must split evenly over the threads");
@@ -211,9 +222,9 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
 
   extern __shared__ __align__(16) unsigned char smem[];
   Element* sQ = reinterpret_cast<Element*>(smem);  // (kBlockM, kHeadDim); later O
-  Element* sK = sQ + kBlockM * kStride;             // (kBlockN, kHeadDim)
-  Element* sV = sK + kBlockN * kStride;             // (kBlockN, kHeadDim)
-  float* sStats = reinterpret_cast<float*>(sV + kBlockN * kStride);  // (4·kMFrags, kThreads)
+  Element* sK = sQ + kBlockM * kStride;             // kKVBuffers × (kBlockN, kHeadDim)
+  Element* sV = sK + Cfg::kKVBuffers * kBlockN * kStride;  // kKVBuffers × (kBlockN, kHeadDim)
+  float* sStats = reinterpret_cast<float*>(sV + Cfg::kKVBuffers * kBlockN * kStride);
 
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks first
   const int h = blockIdx.y;
@@ -283,26 +294,26 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
 
   const bool score_mods = p.softcap > 0.0f || p.alibi_slopes != nullptr;
 
-  // Per-lane ldmatrix addresses at fragment (0, 0); fragment offsets are compile-time constants.
+  // Per-lane ldmatrix addresses at fragment (0, 0) of buffer 0; fragment offsets are compile-time
+  // constants.
   const uint32_t sQ_lane =
       ptx::smem_addr(sQ) + ((warp_row0 + (lane & 15)) * kStride + (lane >> 4) * 8) * 2;
   const uint32_t sK_lane =
       ptx::smem_addr(sK) + (((lane & 7) + ((lane >> 4) << 3)) * kStride + ((lane >> 3) & 1) * 8) * 2;
   const uint32_t sV_lane =
       ptx::smem_addr(sV) + (((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8) * 2;
+  constexpr uint32_t kTileBytes = kBlockN * kStride * 2;  // one K or V buffer
 
-  ptx::cp_async_wait<0>();
-  __syncthreads();
+  using STile = float[kMFrags][kNFrags][4];      // S or P, (kWarpRows, kBlockN) per warp
+  using PTile = uint32_t[kMFrags][kNFrags][2];   // P rounded, packed pairs
+  // Register-tight and pipelined tiles round P to fp16/bf16 right after the softmax, two columns
+  // per register: (g, 2t..2t+1) and (g+8, 2t..2t+1) of each n8 fragment, the A layout of P·V.
+  // Others round it fragment by fragment inside P·V, where the conversions interleave with the MMAs.
+  constexpr bool kPackEarly = Cfg::kRegisterTight || Cfg::kPipelineS;
 
-  for (int n = n_begin; n < n_end; ++n) {
-    const int n0 = n * kBlockN;
-    load_tile<Cfg, kBlockN>(sV, kStepPointers ? gV : gV + int64_t{n0} * p.v_row_stride,
-                            p.v_row_stride, seq.len_k - n0, d, vec, tid);
-    if constexpr (kStepPointers) gV += kBlockN * p.v_row_stride;
-    ptx::cp_async_commit();
-
-    // S = Q·K_jᵀ
-    float s[kMFrags][kNFrags][4];  // (kWarpRows, kBlockN) per warp
+  // S = Q·Kᵀ for the K tile at lane address k_lane; between(kk) runs after the MMAs of k slice kk
+  // (the pipelined step places the softmax of the previous S there).
+  auto qk_product = [&](STile& s, uint32_t k_lane, auto&& between) {
 #pragma unroll
     for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
@@ -318,15 +329,20 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
 #pragma unroll
       for (int np = 0; np < kNFrags / 2; ++np) {
         uint32_t bk[4];
-        ptx::ldmatrix_x4(bk, sK_lane + (np * 16 * kStride + kk * 16) * 2);
+        ptx::ldmatrix_x4(bk, k_lane + (np * 16 * kStride + kk * 16) * 2);
 #pragma unroll
         for (int mf = 0; mf < kMFrags; ++mf) {
           ptx::mma_m16n8k16<Element>(s[mf][2 * np], a[mf], bk[0], bk[1]);
           ptx::mma_m16n8k16<Element>(s[mf][2 * np + 1], a[mf], bk[2], bk[3]);
         }
       }
+      between(kk);
     }
+  };
+  auto nothing = [](int) {};
 
+  // Score modifiers and the mask of the step at key n0.
+  auto modify_and_mask = [&](STile& s, int n0) {
     // Score modifiers, in the order of attention.h: scale, softcap, ALiBi. The result goes back
     // to raw units (÷ scale) so every path leaves S for the same FFMA with scale·log2(e), which
     // the hardware reads straight from the parameter bank — no register held across the loop.
@@ -373,24 +389,27 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
                 s[mf][nf][2 * half + j] = -INFINITY;
             }
     }
+  };
 
-    // Online softmax. O's rows are rescaled only when some lane of the warp raised that row
-    // fragment's max: past the first few steps the max rarely moves, and the rescale
-    // (2·kDFrags FMULs per row pair) is the largest non-MMA cost of a step. A skipped factor is
-    // 2^0 = 1 (or multiplies an O that is still 0), so skipping changes no bit of the result.
-    // At d 256 (16-row warps, one CTA per SM) O is rescaled every step, as FlashAttention-2 does:
-    // without the vote's branch the step is one block of code for the scheduler (H100, A/B in
-    // one call: d 256 +0.4 to +1.9% at s <= 4k, even above; d 64 and 128 lost up to 1.8%).
-    //
-    // A thread holds kMFrags·2 row fragments (mf, half). With 128-key steps (d 64 on sm_90a) each
-    // fragment's max chain, shuffles and 32 exponentials are long, so the fragments go through
-    // each phase together (max, shuffles, correction, rescale, exponentials) and their latencies
-    // overlap instead of queueing behind one another's vote and branch; the row sum runs as two
-    // partial sums. With 64-key steps the extra live values cost more than the overlap gains, and
-    // each fragment goes through all phases before the next. H100, A/B in one call: d 64 +0.4 to
-    // +2.9% on every cell; the same at d 128 and 256 −0 to −2.4%.
-    // d ≤ 192 moves a row's max lazily (advance_row_max); d 256 rescales every step anyway.
-    constexpr bool kLazyMax = kHeadDim != 256;
+  // Online softmax: S → P (unnormalised, fp32, in place), the row statistics and O's scale
+  // advanced. O's rows are rescaled only when some lane of the warp raised that row fragment's
+  // max: past the first few steps the max rarely moves, and the rescale (2·kDFrags FMULs per row
+  // pair) is the largest non-MMA cost of a step. A skipped factor is 2^0 = 1 (or multiplies an O
+  // that is still 0), so skipping changes no bit of the result. At d 256 (16-row warps, one CTA
+  // per SM) O is rescaled every step, as FlashAttention-2 does: without the vote's branch the
+  // step is one block of code for the scheduler (H100, A/B in one call: d 256 +0.4 to +1.9% at
+  // s <= 4k, even above; d 64 and 128 lost up to 1.8%).
+  //
+  // A thread holds kMFrags·2 row fragments (mf, half). With 128-key steps (d 64 on sm_90a) each
+  // fragment's max chain, shuffles and 32 exponentials are long, so the fragments go through
+  // each phase together (max, shuffles, correction, rescale, exponentials) and their latencies
+  // overlap instead of queueing behind one another's vote and branch; the row sum runs as two
+  // partial sums. With 64-key steps the extra live values cost more than the overlap gains, and
+  // each fragment goes through all phases before the next. H100, A/B in one call: d 64 +0.4 to
+  // +2.9% on every cell; the same at d 128 and 256 −0 to −2.4%.
+  // d ≤ 192 moves a row's max lazily (advance_row_max); d 256 rescales every step anyway.
+  constexpr bool kLazyMax = kHeadDim != 256;
+  auto softmax = [&](STile& s) {
     if constexpr (kNFrags >= 16) {
       constexpr int kRowFrags = kMFrags * 2;  // fragment f: mf = f / 2, half = f % 2
       float mx[kRowFrags], base[kRowFrags], correction[kRowFrags];
@@ -469,77 +488,65 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
           stats.sum(mf, half) = stats.sum(mf, half) * correction + sum;
         }
     }
+  };
 
-    // Register-tight tiles round P to fp16/bf16 here, two columns per register: (g, 2t..2t+1)
-    // and (g+8, 2t..2t+1) of each n8 fragment, the A layout of P·V. Others round it fragment by
-    // fragment inside P·V, where the conversions interleave with the MMAs.
-    constexpr bool kPackEarly = Cfg::kRegisterTight;
-    uint32_t p16[kMFrags][kNFrags][2];  // (kWarpRows, kBlockN) per warp, packed pairs
-    if constexpr (kPackEarly) {
+  auto pack_p = [&](const STile& s, PTile& p16) {
 #pragma unroll
-      for (int mf = 0; mf < kMFrags; ++mf)
+    for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
-        for (int nf = 0; nf < kNFrags; ++nf)
+      for (int nf = 0; nf < kNFrags; ++nf)
 #pragma unroll
-          for (int half = 0; half < 2; ++half)
-            p16[mf][nf][half] =
-                ptx::pack2<Element>(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]);
-    }
+        for (int half = 0; half < 2; ++half)
+          p16[mf][nf][half] = ptx::pack2<Element>(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]);
+  };
 
-    // Dropout after the row sum: LSE and the normaliser are those of the undropped softmax.
-    // The Philox draws run in a rolled loop that only sets bits of `keep`: unrolled, the
-    // compiler interleaves dozens of independent draws and spills S and O to make room.
-    // Register-tight tiles draw row by row (a loop per row, a shorter-lived mask; one loop over
-    // every row spills 8 bytes at d 128 on sm_90a) and clear a dropped element of the
-    // early-rounded P in its packed half (zero has all bits zero in fp16 and bf16: what rounding
-    // a zeroed fp32 value gives).
+  // Dropout after the row sum: LSE and the normaliser are those of the undropped softmax.
+  // The Philox draws run in a rolled loop that only sets bits of `keep`: unrolled, the
+  // compiler interleaves dozens of independent draws and spills S and O to make room.
+  // Early-rounded tiles draw row by row (a loop per row, a shorter-lived mask; one loop over
+  // every row spills 8 bytes at d 128 on sm_90a) and clear a dropped element of the
+  // early-rounded P in its packed half (zero has all bits zero in fp16 and bf16: what rounding
+  // a zeroed fp32 value gives).
+  auto dropout = [&](STile& s, PTile& p16, int n0) {
     constexpr int kRowGroups = kPackEarly ? kMFrags * 2 : 1;  // rows (mf, half) per loop: all or 1
     constexpr int kGroupDraws = kMFrags * 2 * kNFrags / kRowGroups;
     static_assert(kGroupDraws * 2 <= 64, "a loop's keep mask must fit in 64 bits");
     using KeepMask = std::conditional_t<kGroupDraws * 2 <= 32, uint32_t, uint64_t>;  // registers
-    if (p.dropout_p > 0.0f) {
-      const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
+    const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
 #pragma unroll
-      for (int grp = 0; grp < kRowGroups; ++grp) {
-        KeepMask keep = 0;  // bit 2·i + j: draw i of this group, column j of its pair
+    for (int grp = 0; grp < kRowGroups; ++grp) {
+      KeepMask keep = 0;  // bit 2·i + j: draw i of this group, column j of its pair
 #pragma unroll 1
-        for (int i = 0; i < kGroupDraws; ++i) {
-          const int idx = grp * kGroupDraws + i;  // idx = (mf·2 + half)·kNFrags + nf
-          const int row = m0 + warp_row0 + (idx / (2 * kNFrags)) * 16 +
-                          ((idx / kNFrags) & 1) * 8 + g;
-          const int col = n0 + (idx % kNFrags) * 8 + 2 * t;  // even: one draw covers both
-          const Philox4 r = dropout_words(p.seed, p.offset, bh, static_cast<uint32_t>(row),
-                                          static_cast<uint32_t>(col) >> 2);
-          const bool k0 = dropout_uniform(philox_word(r, col & 3)) >= p.dropout_p;
-          const bool k1 = dropout_uniform(philox_word(r, (col & 3) + 1)) >= p.dropout_p;
-          keep |= (KeepMask{k0} | KeepMask{k1} << 1) << (2 * i);
-        }
+      for (int i = 0; i < kGroupDraws; ++i) {
+        const int idx = grp * kGroupDraws + i;  // idx = (mf·2 + half)·kNFrags + nf
+        const int row = m0 + warp_row0 + (idx / (2 * kNFrags)) * 16 +
+                        ((idx / kNFrags) & 1) * 8 + g;
+        const int col = n0 + (idx % kNFrags) * 8 + 2 * t;  // even: one draw covers both
+        const Philox4 r = dropout_words(p.seed, p.offset, bh, static_cast<uint32_t>(row),
+                                        static_cast<uint32_t>(col) >> 2);
+        const bool k0 = dropout_uniform(philox_word(r, col & 3)) >= p.dropout_p;
+        const bool k1 = dropout_uniform(philox_word(r, (col & 3) + 1)) >= p.dropout_p;
+        keep |= (KeepMask{k0} | KeepMask{k1} << 1) << (2 * i);
+      }
 #pragma unroll
-        for (int i = 0; i < kGroupDraws; ++i) {
-          const int idx = grp * kGroupDraws + i;
-          const int mf = idx / (2 * kNFrags), half = (idx / kNFrags) & 1, nf = idx % kNFrags;
-          if constexpr (kPackEarly) {
-            p16[mf][nf][half] &= ((keep >> (2 * i)) & 1u ? 0x0000ffffu : 0u) |
-                                 ((keep >> (2 * i + 1)) & 1u ? 0xffff0000u : 0u);
-          } else {
+      for (int i = 0; i < kGroupDraws; ++i) {
+        const int idx = grp * kGroupDraws + i;
+        const int mf = idx / (2 * kNFrags), half = (idx / kNFrags) & 1, nf = idx % kNFrags;
+        if constexpr (kPackEarly) {
+          p16[mf][nf][half] &= ((keep >> (2 * i)) & 1u ? 0x0000ffffu : 0u) |
+                               ((keep >> (2 * i + 1)) & 1u ? 0xffff0000u : 0u);
+        } else {
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
-              if (!((keep >> (2 * i + j)) & 1u)) s[mf][nf][2 * half + j] = 0.0f;
-          }
+          for (int j = 0; j < 2; ++j)
+            if (!((keep >> (2 * i + j)) & 1u)) s[mf][nf][2 * half + j] = 0.0f;
         }
       }
     }
+  };
 
-    ptx::cp_async_wait<0>();
-    __syncthreads();  // V_j has landed; every warp is done reading K_j
-    if constexpr (kStepPointers) gK += kBlockN * p.k_row_stride;
-    if (n + 1 < n_end)
-      load_tile<Cfg, kBlockN>(
-          sK, kStepPointers ? gK : gK + int64_t{n0 + kBlockN} * p.k_row_stride, p.k_row_stride,
-          seq.len_k - n0 - kBlockN, d, vec, tid);
-    ptx::cp_async_commit();
-
-    // O += P·V_j; P's A fragment for keys 16·kk.. is two n8 fragments of S.
+  // O += P·V for the V tile at lane address v_lane; P's A fragment for keys 16·kk.. is two n8
+  // fragments of S.
+  auto pv_product = [&](const STile& s, const PTile& p16, uint32_t v_lane) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t pa[kMFrags][4];
@@ -560,7 +567,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
 #pragma unroll
       for (int dp = 0; dp < kHeadDim / 16; ++dp) {
         uint32_t bv[4];
-        ptx::ldmatrix_x4_trans(bv, sV_lane + (kk * 16 * kStride + dp * 16) * 2);
+        ptx::ldmatrix_x4_trans(bv, v_lane + (kk * 16 * kStride + dp * 16) * 2);
 #pragma unroll
         for (int mf = 0; mf < kMFrags; ++mf) {
           ptx::mma_m16n8k16<Element>(acc_o[mf][2 * dp], pa[mf], bv[0], bv[1]);
@@ -568,9 +575,136 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
         }
       }
     }
+  };
 
+  if constexpr (!Cfg::kPipelineS) {
     ptx::cp_async_wait<0>();
-    __syncthreads();  // K_{j+1} has landed; every warp is done reading V_j
+    __syncthreads();
+
+    for (int n = n_begin; n < n_end; ++n) {
+      const int n0 = n * kBlockN;
+      load_tile<Cfg, kBlockN>(sV, kStepPointers ? gV : gV + int64_t{n0} * p.v_row_stride,
+                              p.v_row_stride, seq.len_k - n0, d, vec, tid);
+      if constexpr (kStepPointers) gV += kBlockN * p.v_row_stride;
+      ptx::cp_async_commit();
+
+      STile s;
+      qk_product(s, sK_lane, nothing);
+      modify_and_mask(s, n0);
+      softmax(s);
+      PTile p16;
+      if constexpr (kPackEarly) pack_p(s, p16);
+      if (p.dropout_p > 0.0f) dropout(s, p16, n0);
+
+      ptx::cp_async_wait<0>();
+      __syncthreads();  // V_j has landed; every warp is done reading K_j
+      if constexpr (kStepPointers) gK += kBlockN * p.k_row_stride;
+      if (n + 1 < n_end)
+        load_tile<Cfg, kBlockN>(
+            sK, kStepPointers ? gK : gK + int64_t{n0 + kBlockN} * p.k_row_stride, p.k_row_stride,
+            seq.len_k - n0 - kBlockN, d, vec, tid);
+      ptx::cp_async_commit();
+
+      pv_product(s, p16, sV_lane);
+
+      ptx::cp_async_wait<0>();
+      __syncthreads();  // K_{j+1} has landed; every warp is done reading V_j
+    }
+  } else {
+    // Pipelined step (d 256 on sm_90a). Three changes to the order above, which together took
+    // the d 256 forward from 0.87× to 0.97× of FlashAttention-2 on the H100 (fwd_notes.md, v12):
+    // - S_{j+1} = Q·K_{j+1}ᵀ is formed in step j, beside the softmax of S_j, so a warp has MMAs
+    //   that do not wait for its softmax. K and V are double-buffered: K_j and V_j in buffer
+    //   (j − n_begin) % 2. Step j opens with its only barrier: K_{j+1} and V_j have landed and
+    //   every warp is done with step j − 1 (K_j's buffer, read for S_j then, and V_{j−1}'s), so
+    //   K_{j+2} and V_{j+1} can go out at once and have the whole step to land.
+    // - The two halves of the warps take the two parts in opposite orders: warps 0–3 form
+    //   S_{j+1} and then the softmax, warps 4–7 the softmax first. Warp w runs on scheduler w % 4,
+    //   so each scheduler has one warp on the tensor cores while the other does its exponentials
+    //   and O's rescale; in lockstep (every warp leaves the barrier together) both do the softmax
+    //   at once and the tensor cores idle. The branch also keeps ptxas from hoisting the MMAs
+    //   above the softmax, which it does to a softmax written between them.
+    // - Each thread's copies (kCopyChunks of K_{j+2}, as many of V_{j+1}, one 16-byte chunk per
+    //   row kRowStep apart at a fixed column) go out one after each k slice of Q·K_{j+1}ᵀ rather
+    //   than as a burst: after a burst the next instruction that reuses a copy's address
+    //   registers waits for the queue to read them, behind the ldmatrix traffic of eight warps.
+    //   Tiles that are not whole (ragged end, unaligned or padded rows) still go as a burst.
+    constexpr int kCpr = Cfg::kChunksPerRow, kRowStep = Cfg::kThreads / kCpr;
+    constexpr int kCopyChunks = kBlockN / kRowStep;  // per thread and tile
+    static_assert(Cfg::kThreads % kCpr == 0 && 2 * kCopyChunks == kHeadDim / 16,
+                  "the pipelined step places one chunk of K or V after each k slice");
+    auto k_src = [&](int n) { return gK + int64_t{n} * kBlockN * p.k_row_stride; };
+    auto v_src = [&](int n) { return gV + int64_t{n} * kBlockN * p.v_row_stride; };
+    const bool whole_rows = vec && d == kHeadDim;
+    if (n_begin + 1 < n_end)
+      load_tile<Cfg, kBlockN>(sK + kBlockN * kStride, k_src(n_begin + 1), p.k_row_stride,
+                              seq.len_k - (n_begin + 1) * kBlockN, d, vec, tid);
+    if (n_begin < n_end)
+      load_tile<Cfg, kBlockN>(sV, v_src(n_begin), p.v_row_stride, seq.len_k - n_begin * kBlockN,
+                              d, vec, tid);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();
+    __syncthreads();  // Q and K_0 have landed
+
+    STile s;
+    if (n_begin < n_end) qk_product(s, sK_lane, nothing);
+    for (int n = n_begin; n < n_end; ++n) {
+      const int n0 = n * kBlockN;
+      const uint32_t buf = (n - n_begin) & 1;
+      ptx::cp_async_wait<0>();
+      __syncthreads();  // K_{j+1} and V_j have landed; step j − 1 is done everywhere
+
+      // The copies' per-thread offsets come from a volatile thread index: derived from tid,
+      // ptxas holds them across the loop and spills.
+      const int tid_v = ptx::thread_index_volatile();
+      const bool spread_k = whole_rows && n0 + 3 * kBlockN <= seq.len_k;
+      const bool spread_v = whole_rows && n0 + 2 * kBlockN <= seq.len_k;
+      if (!spread_k && n + 2 < n_end)
+        load_tile<Cfg, kBlockN>(sK + buf * kBlockN * kStride, k_src(n + 2), p.k_row_stride,
+                                seq.len_k - n0 - 2 * kBlockN, d, vec, tid_v);
+      if (!spread_v && n + 1 < n_end)
+        load_tile<Cfg, kBlockN>(sV + (buf ^ 1) * kBlockN * kStride, v_src(n + 1),
+                                p.v_row_stride, seq.len_k - n0 - kBlockN, d, vec, tid_v);
+      const int row0 = tid_v / kCpr, col0 = (tid_v % kCpr) * 8;
+      const Element* const k_from = k_src(n + 2) + row0 * p.k_row_stride + col0;
+      const Element* const v_from = v_src(n + 1) + row0 * p.v_row_stride + col0;
+      const uint32_t k_to = ptx::smem_addr(sK + (buf * kBlockN + row0) * kStride + col0);
+      const uint32_t v_to = ptx::smem_addr(sV + ((buf ^ 1) * kBlockN + row0) * kStride + col0);
+      // After k slice kk: chunk kk of K_{j+2}, or chunk kk − kCopyChunks of V_{j+1}. Predicated,
+      // not branched, so the slices stay one block of code.
+      auto spread_copy = [&](int kk) {
+        if (kk < kCopyChunks)
+          ptx::cp_async_16_zfill_if(spread_k, k_to + kk * kRowStep * kStride * 2,
+                                    k_from + int64_t{kk * kRowStep} * p.k_row_stride, true);
+        else
+          ptx::cp_async_16_zfill_if(
+              spread_v, v_to + (kk - kCopyChunks) * kRowStep * kStride * 2,
+              v_from + int64_t{(kk - kCopyChunks) * kRowStep} * p.v_row_stride, true);
+      };
+
+      modify_and_mask(s, n0);
+      PTile p16;
+      if (n + 1 < n_end) {
+        const bool softmax_first = ptx::thread_index_volatile() >= Cfg::kThreads / 2;
+        STile s_next;
+        if (softmax_first) softmax(s);
+        qk_product(s_next, sK_lane + (buf ^ 1) * kTileBytes, spread_copy);
+        if (!softmax_first) softmax(s);
+        pack_p(s, p16);
+#pragma unroll
+        for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+          for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[mf][nf][i] = s_next[mf][nf][i];
+      } else {
+        softmax(s);
+        pack_p(s, p16);
+      }
+      ptx::cp_async_commit();
+      if (p.dropout_p > 0.0f) dropout(s, p16, n0);
+      pv_product(s, p16, sV_lane + buf * kTileBytes);
+    }
   }
 
   // Epilogue: normalise, write LSE, stage O through this warp's own rows of sQ (no other warp
@@ -639,15 +773,27 @@ Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
     return Status::unsupported("q: batch = " + std::to_string(p.batch) +
                                " exceeds the CUDA forward's maximum 65535 (grid z)");
   auto* kernel = attention_forward_kernel<kDType, kHeadDim>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Cfg::kSmemBytes);
+  // The device code this device runs was compiled for sm_80–sm_89 (PTX below 9.0: sm_80 itself, or
+  // compute_80 compiled just in time on a later GPU) or for sm_90a; size shared memory for it, so
+  // a device that allows less than the sm_90a plan still runs the sm_80 one.
+  int smem = Cfg::kSmemBytes;
+  cudaError_t err = cudaSuccess;
+  if constexpr (FwdConfig<kDType, kHeadDim, true>::kSmemBytes != Cfg::kSmemBytes) {
+    cudaFuncAttributes attr{};
+    err = cudaFuncGetAttributes(&attr, kernel);
+    if (err != cudaSuccess)
+      return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) +
+                                  "): cudaFuncGetAttributes: " + cudaGetErrorString(err));
+    if (attr.ptxVersion < 90) smem = FwdConfig<kDType, kHeadDim, true>::kSmemBytes;
+  }
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess)
     return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) + "): " +
-                                std::to_string(Cfg::kSmemBytes) + " bytes of shared memory: " +
+                                std::to_string(smem) + " bytes of shared memory: " +
                                 cudaGetErrorString(err));
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
                   static_cast<unsigned>(p.batch));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  kernel<<<grid, Cfg::kThreads, smem, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) +
