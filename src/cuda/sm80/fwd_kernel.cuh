@@ -304,11 +304,12 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
       ptx::smem_addr(sV) + (((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8) * 2;
   constexpr uint32_t kTileBytes = kBlockN * kStride * 2;  // one K or V buffer
 
-  using STile = float[kMFrags][kNFrags][4];      // S or P, (kWarpRows, kBlockN) per warp
-  using PTile = uint32_t[kMFrags][kNFrags][2];   // P rounded, packed pairs
+  using STile = float[kMFrags][kNFrags][4];     // S or P, (kWarpRows, kBlockN) per warp
+  using PTile = uint32_t[kMFrags][kNFrags][2];  // P rounded, packed pairs
   // Register-tight and pipelined tiles round P to fp16/bf16 right after the softmax, two columns
   // per register: (g, 2t..2t+1) and (g+8, 2t..2t+1) of each n8 fragment, the A layout of P·V.
-  // Others round it fragment by fragment inside P·V, where the conversions interleave with the MMAs.
+  // Others round it fragment by fragment inside P·V, where the conversions interleave with the
+  // MMAs.
   constexpr bool kPackEarly = Cfg::kRegisterTight || Cfg::kPipelineS;
 
   // S = Q·Kᵀ for the K tile at lane address k_lane; between(kk) runs after the MMAs of k slice kk
