@@ -612,8 +612,8 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
       __syncthreads();  // K_{j+1} has landed; every warp is done reading V_j
     }
   } else {
-    // Pipelined step (d 256 on sm_90a). Three changes to the order above, which together took
-    // the d 256 forward from 0.87× to 0.97× of FlashAttention-2 on the H100 (fwd_notes.md, v12):
+    // Pipelined step (d 256 on sm_90a). Three changes to the order above, together +7 to +12% on
+    // every d 256 cell of the H100 grid (fwd_notes.md, v12):
     // - S_{j+1} = Q·K_{j+1}ᵀ is formed in step j, beside the softmax of S_j, so a warp has MMAs
     //   that do not wait for its softmax. K and V are double-buffered: K_j and V_j in buffer
     //   (j − n_begin) % 2. Step j opens with its only barrier: K_{j+1} and V_j have landed and
