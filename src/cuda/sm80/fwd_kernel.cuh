@@ -396,10 +396,12 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   // advanced. O's rows are rescaled only when some lane of the warp raised that row fragment's
   // max: past the first few steps the max rarely moves, and the rescale (2·kDFrags FMULs per row
   // pair) is the largest non-MMA cost of a step. A skipped factor is 2^0 = 1 (or multiplies an O
-  // that is still 0), so skipping changes no bit of the result. At d 256 (16-row warps, one CTA
-  // per SM) O is rescaled every step, as FlashAttention-2 does: without the vote's branch the
-  // step is one block of code for the scheduler (H100, A/B in one call: d 256 +0.4 to +1.9% at
-  // s <= 4k, even above; d 64 and 128 lost up to 1.8%).
+  // that is still 0), so skipping changes no bit of the result. The plain d 256 step (sm_80–
+  // sm_89; 16-row warps, one CTA per SM) rescales O every step, as FlashAttention-2 does: without
+  // the vote's branch the step is one block of code for the scheduler (H100, A/B in one call:
+  // d 256 +0.4 to +1.9% at s <= 4k, even above; d 64 and 128 lost up to 1.8%). The pipelined
+  // d 256 step runs the softmax beside the other warp half's MMAs, where the skipped FMULs count
+  // and the branch costs nothing: there the vote is back (+1.1 to +2.2% on every d 256 cell).
   //
   // A thread holds kMFrags·2 row fragments (mf, half). With 128-key steps (d 64 on sm_90a) each
   // fragment's max chain, shuffles and 32 exponentials are long, so the fragments go through
@@ -408,8 +410,8 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   // partial sums. With 64-key steps the extra live values cost more than the overlap gains, and
   // each fragment goes through all phases before the next. H100, A/B in one call: d 64 +0.4 to
   // +2.9% on every cell; the same at d 128 and 256 −0 to −2.4%.
-  // d ≤ 192 moves a row's max lazily (advance_row_max); d 256 rescales every step anyway.
-  constexpr bool kLazyMax = kHeadDim != 256;
+  // Rows' maxima move lazily (advance_row_max) wherever O's rescale is voted on.
+  constexpr bool kLazyMax = kHeadDim != 256 || Cfg::kPipelineS;
   auto softmax = [&](STile& s) {
     if constexpr (kNFrags >= 16) {
       constexpr int kRowFrags = kMFrags * 2;  // fragment f: mf = f / 2, half = f % 2
@@ -470,7 +472,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const auto [base, correction, moved] =
               advance_row_max<kLazyMax>(stats.max(mf, half), mx * p.scale_log2);
-          if (kHeadDim == 256 || __any_sync(0xffffffffu, moved)) {
+          if ((kHeadDim == 256 && !Cfg::kPipelineS) || __any_sync(0xffffffffu, moved)) {
 #pragma unroll
             for (int df = 0; df < kDFrags; ++df) {
               acc_o[mf][df][2 * half] *= correction;
