@@ -736,11 +736,12 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride +
                 (seq.q_row0 + m0) * p.o_row_stride + h * p.o_head_stride;
   constexpr int kWarpChunks = Cfg::kWarpRows * Cfg::kChunksPerRow;
-  // d ≤ 128: whole rows of the warp go out as one 16-byte copy per chunk with no tests: short
-  // code for a part that runs once per CTA, from a cold instruction cache (H100, A/B in one
-  // call: +1 to +4.6% at s ≤ 2k). d 256 (one CTA per SM, 16-row warps) measured 1% slower with
-  // it and keeps the general loop alone.
-  if constexpr (kHeadDim <= 128) {
+  // d ≤ 128 and the pipelined d 256 step: whole rows of the warp go out as one 16-byte copy per
+  // chunk with no tests: short code for a part that runs once per CTA, from a cold instruction
+  // cache (H100, A/B in one call: d ≤ 128 +1 to +4.6% at s ≤ 2k; pipelined d 256 +1.2 to +4.3%
+  // at s ≤ 1k, +0.5 to +0.9% at 2k-4k, even above). The plain d 256 step measured 1% slower
+  // with it and keeps the general loop alone.
+  if constexpr (kHeadDim <= 128 || Cfg::kPipelineS) {
     if (vec && warp_row0 + Cfg::kWarpRows <= rows_q && d == kHeadDim) {
 #pragma unroll
       for (int c = lane; c < kWarpChunks; c += 32) {
