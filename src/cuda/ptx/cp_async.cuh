@@ -20,18 +20,16 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem, const void* gme
                : "memory");
 }
 
-// The same copy, issued only when `issue` (a predicated instruction, not a branch: code that must
-// stay one basic block for the scheduler can carry it).
-__device__ __forceinline__ void cp_async_16_zfill_if(bool issue, uint32_t smem, const void* gmem,
-                                                     bool valid) {
-  const int src_bytes = valid ? 16 : 0;
+// Copies 16 bytes only when `issue` (a predicated instruction, not a branch: code that must stay
+// one basic block for the scheduler can carry it).
+__device__ __forceinline__ void cp_async_16_if(bool issue, uint32_t smem, const void* gmem) {
   asm volatile(
       "{\n"
       "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %3, 0;\n"
-      "  @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+      "  setp.ne.b32 p, %2, 0;\n"
+      "  @p cp.async.cg.shared.global [%0], [%1], 16;\n"
       "}\n" ::"r"(smem),
-      "l"(gmem), "r"(src_bytes), "r"(static_cast<int>(issue))
+      "l"(gmem), "r"(static_cast<int>(issue))
       : "memory");
 }
 

@@ -367,9 +367,13 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   // bytes after K, Q and P, so they share the bases (and each step's XOR) of their partners.
   const uint32_t a_k_base = frag_base_x<kHeadDim>(ptx::smem_addr(sK), kg * kSMt * 16, 0, lane);
   const uint32_t b_q_base = frag_base_y<kHeadDim>(ptx::smem_addr(sQ), cs * kSCols, 0, lane);
-  // Where this lane stores its P̃ᵀ / dSᵀ pairs: row kg·kSMt·16 + g, column cs·kSCols + 2t.
-  const uint32_t st_p_base =
-      ptx::smem_addr(sP) + 2 * swz<kBlockM>(kg * kSMt * 16 + g, cs * kSCols + 2 * t);
+  // Where thread `th` stores its P̃ᵀ / dSᵀ pairs: row kg·kSMt·16 + g, column cs·kSCols + 2t.
+  auto p_store_base = [&](int th) {
+    const int l = th & 31, w = th >> 5;
+    return ptx::smem_addr(sP) + 2 * swz<kBlockM>((w % Cfg::kSKeyGroups) * kSMt * 16 + (l >> 2),
+                                                 (w / Cfg::kSKeyGroups) * kSCols + 2 * (l & 3));
+  };
+  const uint32_t st_p_base = p_store_base(tid);
   constexpr uint32_t kVAfterK = (Cfg::kOffV - Cfg::kOffK) * 2;
   constexpr uint32_t kDoAfterQ = (Cfg::kOffDo - Cfg::kOffQ) * 2;
   constexpr uint32_t kDsAfterP = (Cfg::kOffDs - Cfg::kOffP) * 2;
@@ -604,14 +608,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         // 1). kLeanKeyLoop recomputes the lane's base here from a volatile thread index: held from
         // the kernel's start, it is a value ptxas spills once the warp halves' dQ/dK-dV orders
         // (below) are in.
-        uint32_t st_p = st_p_base;
-        if constexpr (Cfg::kLeanKeyLoop) {
-          const int tid_p = ptx::thread_index_volatile(), lane_p = tid_p & 31;
-          const int warp_p = tid_p >> 5;
-          st_p = ptx::smem_addr(sP) +
-                 2 * swz<kBlockM>((warp_p % Cfg::kSKeyGroups) * kSMt * 16 + (lane_p >> 2),
-                                  (warp_p / Cfg::kSKeyGroups) * kSCols + 2 * (lane_p & 3));
-        }
+        const uint32_t st_p =
+            Cfg::kLeanKeyLoop ? p_store_base(ptx::thread_index_volatile()) : st_p_base;
 #pragma unroll
         for (int mt = 0; mt < kSMt; ++mt)
 #pragma unroll

@@ -677,12 +677,11 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
       // not branched, so the slices stay one block of code.
       auto spread_copy = [&](int kk) {
         if (kk < kCopyChunks)
-          ptx::cp_async_16_zfill_if(spread_k, k_to + kk * kRowStep * kStride * 2,
-                                    k_from + int64_t{kk * kRowStep} * p.k_row_stride, true);
+          ptx::cp_async_16_if(spread_k, k_to + kk * kRowStep * kStride * 2,
+                              k_from + int64_t{kk * kRowStep} * p.k_row_stride);
         else
-          ptx::cp_async_16_zfill_if(
-              spread_v, v_to + (kk - kCopyChunks) * kRowStep * kStride * 2,
-              v_from + int64_t{(kk - kCopyChunks) * kRowStep} * p.v_row_stride, true);
+          ptx::cp_async_16_if(spread_v, v_to + (kk - kCopyChunks) * kRowStep * kStride * 2,
+                              v_from + int64_t{(kk - kCopyChunks) * kRowStep} * p.v_row_stride);
       };
 
       modify_and_mask(s, n0);
