@@ -39,6 +39,10 @@
 // And fragment addresses are one per-lane base per operand stream, stepped by an XOR and an
 // immediate, rather than a swizzle recomputed per ldmatrix.
 //
+// Skewed steps (d 128 where the device has sm_90's shared memory): three Q/dO buffers and two P/dS
+// buffers let a step's two phases (Sᵀ/dPᵀ → P̃ᵀ, dSᵀ; then dV, dK, dQ) run under one barrier per
+// step, with warps 4-7 a phase ahead of warps 0-3 (see the loop).
+//
 // Determinism. By default CTAs of different key blocks add into one dQ accumulator with atomics:
 // the sum is exact up to fp32 rounding but its order varies. In deterministic mode the launcher
 // gives each CTA a run of consecutive key blocks and its own accumulator slice (dq_split_stride);
@@ -106,8 +110,9 @@ struct BwdConfig {
   static constexpr int kSPass = kHeadDim == 64 ? kSCols : (kSCols < 32 ? kSCols : 32);
   // The key-block loop's bound read from shared memory and the K/V copy offsets computed from a
   // volatile thread index, so that ptxas holds neither across the loop body (at d 64 with one
-  // pass they were the only spills, 8-12 bytes; at d 128 the same change spills 8 bytes on sm_80).
-  static constexpr bool kLeanKeyLoop = kHeadDim == 64;
+  // pass they were the only spills, 8-12 bytes). d 128 with two Q/dO buffers (the sm_80 kernel)
+  // takes it too since its steps became the phase1/phase2 lambdas (without, 4 bytes on sm_80).
+  static constexpr bool kLeanKeyLoop = kHeadDim == 64 || (kHeadDim == 128 && kStages == 2);
   // Unrolling of the k loops. Fully unrolled, the fragment addresses' swizzle constants and the
   // loop branches disappear, but ptxas may preload fragments until it spills (Sᵀ/dPᵀ and dK/dV at
   // d 128), and at d 64 full unrolling of the Sᵀ/dPᵀ and dK/dV loops measured 2-5% slower on the
@@ -148,7 +153,12 @@ struct BwdConfig {
   static constexpr int kOffDo = kOffQ + kStages * kBlockM * kHeadDim;  // (stages, kBlockM, d)
   static constexpr int kOffP = kOffDo + kStages * kBlockM * kHeadDim;  // (kBlockN, kBlockM)
   static constexpr int kOffDs = kOffP + kBlockN * kBlockM;             // (kBlockN, kBlockM)
-  static constexpr int kElems = kOffDs + kBlockN * kBlockM;
+  // Three Q/dO buffers run the skewed steps (see the kernel), which need a second P/dS buffer
+  // (P₁, dS₁ after P₀, dS₀, so dS stays kDsAfterP bytes after its P).
+  static constexpr bool kSkewed = kStages == 3;
+  static constexpr int kPdsBuffers = kSkewed ? 2 : 1;
+  static constexpr uint32_t kPdsBytes = 2 * kBlockN * kBlockM * 2;
+  static constexpr int kElems = kOffP + kPdsBuffers * 2 * kBlockN * kBlockM;
   static constexpr int kSmemBytes = kElems * 2 + 2 * kStages * kBlockM * 4;
   static_assert(kSmemBytes == bwd_smem_bytes(kHeadDim, kStages), "shared-memory plan out of sync");
 };
@@ -323,6 +333,10 @@ __device__ __forceinline__ void s_product(float (&acc)[kMt][kPass / 8][4],
 
 // How a backward tile forms P and dS (see the Sᵀ passes).
 inline constexpr int kPlain = 0, kGeneral = 1;
+// The order of a warp's phase-2 products: dQ first on warps 4-7 and last on 0-3, dK/dV first, dQ
+// first; and the one the skewed steps use.
+inline constexpr int kByHalf = 0, kDkdvFirst = 1, kDqFirst = 2;
+inline constexpr int kSkewOrder = kDkdvFirst;
 
 template <DType kDType, int kHeadDim, int kStagesUsed>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
@@ -378,7 +392,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   constexpr uint32_t kDoAfterQ = (Cfg::kOffDo - Cfg::kOffQ) * 2;
   constexpr uint32_t kDsAfterP = (Cfg::kOffDs - Cfg::kOffP) * 2;
 
-  __shared__ int s_jb_end;  // kLeanKeyLoop: the loop bound, read back through a volatile load
+  __shared__ int s_jb_end;    // kLeanKeyLoop: the loop bound, read back through a volatile load
+  __shared__ int2 s_step[3];  // kSkewed: (query block, head) of the step in each Q/dO buffer
+  auto s_step_read = [&](int stage) {
+    const volatile int2* const v = &s_step[stage];
+    return make_int2(v->x, v->y);
+  };
   if constexpr (Cfg::kLeanKeyLoop) {
     if (tid == 0) s_jb_end = jb_end;
     __syncthreads();
@@ -409,14 +428,15 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         p.v_row_stride, rows_k, d, w.vec, tid_kv);
 
     // Step `it` is query block m_begin + it % m_count of query head hk·group + it / m_count. The
-    // loop steps the (block, head) pair rather than dividing; the prefetch (kStages − 1 ≤ 1 steps
-    // ahead) derives its pair from the current one.
-    static_assert(kStages == 1 || kStages == 2, "the prefetch runs at most one step ahead");
+    // loop steps the (block, head) pair rather than dividing; the prefetch (kStages − 1 ≤ 2 steps
+    // ahead) derives its pair from the ones it holds.
+    static_assert(kStages >= 1 && kStages <= 3, "the prefetch runs at most two steps ahead");
     const int m_end = m_begin + m_count;
     auto load_query_block = [&](int it, int m, int h) {
       const int stage = it % kStages;
       const int i0 = m * kBlockM;
       const int tid = ptx::thread_index_volatile();  // keeps per-thread offsets out of the S passes
+      if (Cfg::kSkewed && tid == 0) s_step[stage] = make_int2(m, h);
       const int rows_q = min(kBlockM, seq.len_q - i0);
       load_tile_swizzled<kBlockM, kHeadDim, kThreads, Cfg::kWholeTileLoads>(
           sQ + stage * kBlockM * kHeadDim,
@@ -447,26 +467,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
     float acc_dk[kKVMt][kKVCols / 8][4] = {};  // (kKVMt·16 keys, kKVCols) per warp
     float acc_dv[kKVMt][kKVCols / 8][4] = {};
 
-    int m_at = m_begin, h = hk * p.head_group;  // this step's query block and head
-    for (int it = 0; it < iters; ++it) {
-      const bool wrap = m_at + 1 == m_end;
-      if constexpr (kStages == 1) {
-        // This step's own block, into the buffer step it − 1 read (it ended in a barrier).
-        load_query_block(it, m_at, h);
-        ptx::cp_async_commit();
-        ptx::cp_async_wait<0>();
-        __syncthreads();
-      } else {
-        // One barrier both publishes this step's copy (the only one in flight) and tells that
-        // every warp is done with step it − 1: its P, dS and its Q/dO buffer, which the prefetch
-        // of step it + 1 overwrites. So a step needs no barrier at its end.
-        ptx::cp_async_wait<0>();
-        __syncthreads();
-        if (it + 1 < iters) load_query_block(it + 1, wrap ? m_begin : m_at + 1, wrap ? h + 1 : h);
-        ptx::cp_async_commit();
-      }
-
-      const int stage = it % kStages;
+    // Phase 1 of a query step (query block m_at of head h, Q/dO buffer `stage`): Sᵀ and dPᵀ, then
+    // P̃ᵀ and dSᵀ into the P/dS buffer `pds` bytes after the first.
+    auto phase1 = [&](const int stage, const uint32_t pds, const int m_at, const int h) {
       const int i0 = m_at * kBlockM;
       const uint32_t stage_bytes = stage * kBlockM * kHeadDim * 2;
       const float* const sLses = sLse + stage * kBlockM;
@@ -609,15 +612,14 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         // the kernel's start, it is a value ptxas spills once the warp halves' dQ/dK-dV orders
         // (below) are in.
         const uint32_t st_p =
-            Cfg::kLeanKeyLoop ? p_store_base(ptx::thread_index_volatile()) : st_p_base;
+            (Cfg::kLeanKeyLoop ? p_store_base(ptx::thread_index_volatile()) : st_p_base) + pds;
 #pragma unroll
         for (int mt = 0; mt < kSMt; ++mt)
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-              const uint32_t addr =
-                  frag_step<kBlockM>(st_p, mt * 16 + half * 8, q_rel + nt * 8);
+              const uint32_t addr = frag_step<kBlockM>(st_p, mt * 16 + half * 8, q_rel + nt * 8);
               st_shared_u32(
                   addr, ptx::pack2<Element>(acc_s[mt][nt][2 * half], acc_s[mt][nt][2 * half + 1]));
               st_shared_u32(addr + kDsAfterP, ptx::pack2<Element>(acc_dp[mt][nt][2 * half],
@@ -636,7 +638,15 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         for (int q_rel = 0; q_rel < kSCols; q_rel += 16)
           s_pass(std::integral_constant<int, 16>{}, std::integral_constant<int, kGeneral>{}, q_rel);
       }
-      __syncthreads();
+    };
+
+    // Phase 2: dV, dK and dQ from that step's P/dS buffer. kOrder: the products' order (kByHalf:
+    // dQ first on warps 4-7, last on 0-3).
+    auto phase2 = [&](const int stage, const uint32_t pds, const int m_at, const int h,
+                      auto order_tag) {
+      constexpr int kOrder = decltype(order_tag)::value;
+      const int i0 = m_at * kBlockM;
+      const uint32_t stage_bytes = stage * kBlockM * kHeadDim * 2;
 
       // The dK/dV and dQ warp tiles and their fragment bases. Recomputed here from the thread
       // index each step (a volatile read, so it is not hoisted), which keeps four registers free
@@ -647,10 +657,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       const int qg = warp2 % Cfg::kDqRowGroups;   // dQ: query group (kDqMt·16 queries)
       const int dcs = warp2 / Cfg::kDqRowGroups;  //     column slice
       const uint32_t a_p_base =
-          frag_base_x<kBlockM>(ptx::smem_addr(sP), kvg * kKVMt * 16, 0, lane2);
+          frag_base_x<kBlockM>(ptx::smem_addr(sP), kvg * kKVMt * 16, 0, lane2) + pds;
       const uint32_t bt_q_base = frag_base_x<kHeadDim>(ptx::smem_addr(sQ), 0, kvc * kKVCols, lane2);
       const uint32_t at_ds_base =
-          frag_base_y<kBlockM>(ptx::smem_addr(sDs), 0, qg * kDqMt * 16, lane2);
+          frag_base_y<kBlockM>(ptx::smem_addr(sDs), 0, qg * kDqMt * 16, lane2) + pds;
       const uint32_t bt_k_base = frag_base_x<kHeadDim>(ptx::smem_addr(sK), 0, dcs * kDqCols, lane2);
 
       // ---- dV += P̃ᵀ·dO, dK += dSᵀ·Q: keys kvg·kKVMt·16 + [0, kKVMt·16), columns kvc·kKVCols +
@@ -732,16 +742,105 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       // (one CTA per SM leaves each barrier in lockstep). H100, A/B in one call: +2.3 to +4.6% on
       // every d 64 and d 128 backward cell, +1 to +2.7% at d 256. (dQ first for every warp
       // measured −2 to −6%, bwd_notes.md v7.)
-      if (tid2 >= kThreads / 2) {
+      if (kOrder == kDqFirst || (kOrder == kByHalf && tid2 >= kThreads / 2)) {
         dq_product();
         dkdv_product();
       } else {
         dkdv_product();
         dq_product();
       }
-      // With one Q/dO buffer, P, dS and the buffer are free again only after a barrier here.
-      if constexpr (kStages == 1) __syncthreads();
-      if (++m_at == m_end) m_at = m_begin, ++h;
+    };
+
+    if constexpr (!Cfg::kSkewed) {
+      int m_at = m_begin, h = hk * p.head_group;  // this step's query block and head
+      for (int it = 0; it < iters; ++it) {
+        const bool wrap = m_at + 1 == m_end;
+        if constexpr (kStages == 1) {
+          // This step's own block, into the buffer step it − 1 read (it ended in a barrier).
+          load_query_block(it, m_at, h);
+          ptx::cp_async_commit();
+          ptx::cp_async_wait<0>();
+          __syncthreads();
+        } else {
+          // One barrier both publishes this step's copy (the only one in flight) and tells that
+          // every warp is done with step it − 1: its P, dS and its Q/dO buffer, which the prefetch
+          // of step it + 1 overwrites. So a step needs no barrier at its end.
+          ptx::cp_async_wait<0>();
+          __syncthreads();
+          if (it + 1 < iters) load_query_block(it + 1, wrap ? m_begin : m_at + 1, wrap ? h + 1 : h);
+          ptx::cp_async_commit();
+        }
+
+        const int stage = it % kStages;
+        phase1(stage, 0, m_at, h);
+        __syncthreads();
+        phase2(stage, 0, m_at, h, std::integral_constant<int, kByHalf>{});
+        // With one Q/dO buffer, P, dS and the buffer are free again only after a barrier here.
+        if constexpr (kStages == 1) __syncthreads();
+        if (++m_at == m_end) m_at = m_begin, ++h;
+      }
+    } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+      // Three Q/dO buffers and two P/dS buffers need more shared memory than sm_80-sm_89 have;
+      // the launcher never runs this code there (it falls back to kTile.min_stages).
+      __trap();
+#else
+      // Skewed steps (three Q/dO buffers, two P/dS buffers, one barrier per step). Between
+      // barriers B(k) and B(k + 1) each warp runs phase 2 of step k and phase 1 of step k + 1,
+      // warps 4-7 phase 1 first and warps 0-3 phase 2 first, so each scheduler's two warps do
+      // different work (Sᵀ/dPᵀ and exponentials beside dK/dV and the dQ reductions) instead of
+      // leaving every barrier in lockstep. B(k) proves every warp done with phase 1 of step k (its
+      // P/dS buffer full) and with phase 2 of step k − 1 (the other P/dS buffer and step k − 1's
+      // Q/dO buffer free: the copy of step k + 2 goes there next); each thread waits for its own
+      // copy of step k + 1 before arriving, so B(k) also publishes that block. H100, A/B in one
+      // call: +2.4% median over the d 128 backward cells (+3% from s = 4k). Spelled as one loop
+      // over alternating phases (one code site per phase; the two orders written out twice spill
+      // over 100 bytes), and the halves reach the barrier at different sites. The loop holds
+      // only the (block, head) pair of the last copy issued; each step's pair waits in
+      // s_step[its Q/dO buffer] for the phases (two steps' pairs in registers spill at d 128).
+      int m_last = m_begin, h_last = hk * p.head_group;
+      if (iters > 0) load_query_block(0, m_last, h_last);
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<0>();
+      __syncthreads();
+      if (iters > 1) {
+        if (++m_last == m_end) m_last = m_begin, ++h_last;
+        load_query_block(1, m_last, h_last);
+      }
+      ptx::cp_async_commit();
+      // Even u: phase 1 of step u/2. Odd u: phase 2 of step u/2 − late, late = 1 on warps 4-7,
+      // which arrive at the barrier after phase 2; warps 0-3 arrive after phase 1.
+      const int late = ptx::thread_index_volatile() >= kThreads / 2 ? 1 : 0;
+      int k = 0;  // barriers passed
+      for (int u = 0; u < 2 * iters + 2; ++u) {
+        if ((u & 1) == 0) {
+          const int step = u >> 1;
+          if (step < iters) {
+            const int stage = step % kStages;
+            const int2 mh = s_step_read(stage);
+            phase1(stage, (step & 1) * Cfg::kPdsBytes, mh.x, mh.y);
+          }
+        } else {
+          const int step = (u >> 1) - late;
+          if (step >= 0 && step < iters) {
+            const int stage = step % kStages;
+            const int2 mh = s_step_read(stage);
+            phase2(stage, (step & 1) * Cfg::kPdsBytes, mh.x, mh.y,
+                   std::integral_constant<int, kSkewOrder>{});
+          }
+        }
+        if ((u & 1) == late && k < iters) {
+          ptx::cp_async_wait<0>();
+          __syncthreads();
+          if (k + 2 < iters) {
+            if (++m_last == m_end) m_last = m_begin, ++h_last;
+            load_query_block(k + 2, m_last, h_last);
+          }
+          ptx::cp_async_commit();
+          ++k;
+        }
+      }
+#endif
     }
 
     // ---- dK (scaled by the softmax scale) and dV of this key block.
@@ -833,8 +932,21 @@ template <DType kDType, int kHeadDim>
 Status launch_backward_main(const AttentionParams& p, const BwdWorkspace& w, int key_blocks,
                             cudaStream_t stream) {
   constexpr BwdTile kTile = bwd_tile(kHeadDim);
-  if (w.stages == kTile.stages)
+  if (w.stages == kTile.stages) {
+    if constexpr (BwdConfig<kHeadDim, kTile.stages>::kSkewed) {
+      // The skewed steps exist only in sm_90 device code: a device that runs code built for an
+      // earlier architecture (whatever its shared memory) takes the fallback.
+      cudaFuncAttributes attr{};
+      const cudaError_t err =
+          cudaFuncGetAttributes(&attr, attention_backward_kernel<kDType, kHeadDim, kTile.stages>);
+      if (err != cudaSuccess)
+        return Status::device_error(std::string("backward: cudaFuncGetAttributes: ") +
+                                    cudaGetErrorString(err));
+      if (attr.ptxVersion < 90)
+        return launch_backward_stages<kDType, kHeadDim, kTile.min_stages>(p, w, key_blocks, stream);
+    }
     return launch_backward_stages<kDType, kHeadDim, kTile.stages>(p, w, key_blocks, stream);
+  }
   if constexpr (kTile.min_stages != kTile.stages) {
     if (w.stages == kTile.min_stages)
       return launch_backward_stages<kDType, kHeadDim, kTile.min_stages>(p, w, key_blocks, stream);

@@ -13,8 +13,11 @@
 // accumulators a CTA carries across the whole walk: 2 · kBlockN·d / threads fp32 values per
 // thread, 64 (d 64) or 128 (d 128, d 256).
 //   d ≤ 64:  kBlockM 128, kBlockN 128, 8 warps, Q/dO double-buffered (160 KiB).
-//   d ≤ 128: kBlockM 64, kBlockN 128, 8 warps, Q/dO double-buffered (160 KiB: inside the A100's
-//            163 KiB opt-in limit only because the tiles are swizzled, not padded).
+//   d ≤ 128: kBlockM 64, kBlockN 128, 8 warps. Where the device allows (sm_90 code, 225.5 KiB of
+//            its 227 KiB): three Q/dO buffers and two P/dS buffers, the skewed steps of
+//            bwd_kernel.cuh (one barrier per step, the warp halves a phase apart). Else Q/dO
+//            double-buffered (160 KiB: inside the A100's 163 KiB opt-in limit only because the
+//            tiles are swizzled, not padded).
 //   d ≤ 256: kBlockM 64, kBlockN 64, 8 warps, Q/dO double-buffered (208 KiB) where the device
 //            allows it (sm_90: 227 KiB), else one buffer (144 KiB; the A100's 163 KiB), where
 //            each step waits for its own copy.
@@ -28,7 +31,7 @@ struct BwdTile {
   int block_m;   // queries per step
   int block_n;   // keys per CTA
   int warps;
-  int stages;      // Q/dO buffers (2: the next query block loads during this one)
+  int stages;      // Q/dO buffers (2: the next query block loads during this one; 3: skewed steps)
   int min_stages;  // the fallback where `stages` exceed the device's shared memory
   int s_keys;      // keys of a warp's Sᵀ/dPᵀ tile (16 or 32)
   int kv_keys;     // keys of a warp's dK/dV tile (16 or 32)
@@ -37,7 +40,7 @@ struct BwdTile {
 
 inline constexpr BwdTile kBwdTiles[] = {
     {64, 128, 128, 8, 2, 2, 32, 32, 32},
-    {128, 64, 128, 8, 2, 2, 32, 32, 32},
+    {128, 64, 128, 8, 3, 2, 32, 32, 32},
     {256, 64, 64, 8, 2, 1, 32, 32, 32},
 };
 
@@ -55,11 +58,13 @@ constexpr BwdTile bwd_tile(int bucket) {
 }
 
 // Dynamic shared memory of the main kernel (2-byte elements): K and V (kBlockN, d); Q and dO
-// (stages, kBlockM, d); P and dS (kBlockN, kBlockM); per query row, LSE and D (stages, kBlockM).
+// (stages, kBlockM, d); P and dS (kBlockN, kBlockM), twice with three stages; per query row, LSE
+// and D (stages, kBlockM).
 constexpr int bwd_smem_bytes(int bucket, int stages) {
   const BwdTile t = bwd_tile(bucket);
+  const int pds_buffers = stages == 3 ? 2 : 1;  // the skewed steps double P and dS
   return 2 * (2 * t.block_n * bucket + 2 * stages * t.block_m * bucket +
-              2 * t.block_n * t.block_m) +
+              pds_buffers * 2 * t.block_n * t.block_m) +
          4 * 2 * stages * t.block_m;
 }
 
