@@ -25,6 +25,7 @@
 #include "core/backends.h"
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm80/bwd_tiles.h"
+#include "cuda/sm80/tile_order.h"
 #include "cuda/testing.h"
 
 namespace flare {
@@ -113,6 +114,12 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
     w.num_splits = (key_blocks + w.kv_blocks_per_cta - 1) / w.kv_blocks_per_cta;
     w.dq_split_stride = static_cast<int64_t>(p.heads_q) * p.total_q * w.bucket;
   }
+
+  // Grouped CTA order under causal or windowed masks: a kv head's CTAs reread its query heads'
+  // Q and dO (2 bytes each) and add into their fp32 dQ rows.
+  w.tile_group = sm80::tile_group(p.has_window(), int64_t{8} * p.seqlen_q * w.bucket * p.head_group,
+                                  (key_blocks + w.kv_blocks_per_cta - 1) / w.kv_blocks_per_cta,
+                                  static_cast<int64_t>(p.heads_kv) * p.batch);
 
   const int64_t rows = static_cast<int64_t>(p.heads_q) * p.total_q;
   const size_t dsum_bytes = static_cast<size_t>(rows) * sizeof(float);

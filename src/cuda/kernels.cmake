@@ -4,8 +4,8 @@
 # The variant table below is the one list of compiled kernels: each (dtype, head-dim bucket)
 # becomes one generated translation unit, and the same list is written to
 # <build>/generated/flare/cuda_fwd_variants.inc, which the runtime dispatch (cuda_backend.cpp) and
-# the GPU tests include. 2 dtypes × 6 buckets = 12 forward units, each compiled once per entry of
-# CMAKE_CUDA_ARCHITECTURES (default 80;90a): small enough for a 2-core CI machine.
+# the GPU tests include. 2 dtypes × 6 buckets × 2 CTA orders = 24 forward units, each compiled once
+# per entry of CMAKE_CUDA_ARCHITECTURES (default 80;90a): small enough for a 2-core CI machine.
 set(FLARE_CUDA_FWD_DTYPES kFloat16 kBFloat16)
 set(FLARE_CUDA_FWD_HEAD_DIMS 32 64 96 128 192 256)
 
@@ -16,14 +16,28 @@ set(flare_gen_dir ${PROJECT_BINARY_DIR}/generated)
 # flare_cuda_variants(PASS HEAD_DIMS...): one translation unit per (dtype, head-dim bucket) from
 # src/cuda/sm80/<PASS>_instance.cu.in, and the list itself as flare/cuda_<PASS>_variants.inc, a
 # sequence of FLARE_CUDA_<PASS>_VARIANT(dtype, head_dim) lines for the dispatch and the tests.
+# The forward has two units per variant, one per CTA order (FLARE_GROUPED, sm80/tile_order.h):
+# each kernel alone in its unit, since two instantiations in one unit change how the compiler
+# inlines their shared helpers, and with it their register allocation (measured: the launch-order
+# d=256 kernel spilled beside its grouped twin and is byte-identical to the old one alone).
 function(flare_cuda_variants pass)
   string(TOUPPER ${pass} PASS)
+  set(orders false)
+  if(pass STREQUAL "fwd")
+    set(orders false true)
+  endif()
   set(lines "")
   foreach(FLARE_DTYPE IN LISTS FLARE_CUDA_FWD_DTYPES)
     foreach(FLARE_HEAD_DIM IN LISTS ARGN)
-      set(unit ${flare_gen_dir}/flare/sm80/${pass}_${FLARE_DTYPE}_d${FLARE_HEAD_DIM}.cu)
-      configure_file(${PROJECT_SOURCE_DIR}/src/cuda/sm80/${pass}_instance.cu.in ${unit} @ONLY)
-      target_sources(flare PRIVATE ${unit})
+      foreach(FLARE_GROUPED IN LISTS orders)
+        set(suffix "")
+        if(FLARE_GROUPED)
+          set(suffix "_grouped")
+        endif()
+        set(unit ${flare_gen_dir}/flare/sm80/${pass}_${FLARE_DTYPE}_d${FLARE_HEAD_DIM}${suffix}.cu)
+        configure_file(${PROJECT_SOURCE_DIR}/src/cuda/sm80/${pass}_instance.cu.in ${unit} @ONLY)
+        target_sources(flare PRIVATE ${unit})
+      endforeach()
       string(APPEND lines "FLARE_CUDA_${PASS}_VARIANT(${FLARE_DTYPE}, ${FLARE_HEAD_DIM})\n")
     endforeach()
   endforeach()

@@ -71,6 +71,7 @@
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm80/bwd_tiles.h"
 #include "cuda/sm80/chunk_copy.cuh"
+#include "cuda/sm80/tile_order.cuh"
 
 namespace flare::cuda::sm80 {
 
@@ -357,11 +358,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   float* const sLse = reinterpret_cast<float*>(smem + 2 * Cfg::kElems);  // (stages, kBlockM)
   float* const sDsum = sLse + kStages * kBlockM;                         // (stages, kBlockM)
 
-  const int hk = blockIdx.y;
-  const int b = blockIdx.z;
+  const TileSlot slot = tile_slot(w.tile_group);  // rank 0: key blocks seen by the most queries
+  const int hk = slot.head;
+  const int b = slot.batch;
   const SequenceInfo seq = sequence_info(p, b);
   const int key_blocks = (seq.len_k + kBlockN - 1) / kBlockN;
-  const int jb_begin = blockIdx.x * w.kv_blocks_per_cta;
+  const int jb_begin = slot.rank * w.kv_blocks_per_cta;
   const int jb_end = min(jb_begin + w.kv_blocks_per_cta, key_blocks);
   if (jb_begin >= jb_end) return;  // varlen: this sequence has fewer keys than the longest
 
@@ -373,7 +375,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   const int d = p.head_dim;
   const int diag = seq.len_k - seq.len_q;  // key position of query row 0 (bottom-right aligned)
   const int64_t q_packed0 = packed_q_row0(p, b, seq);
-  float* const dq_accum = w.dq_accum + blockIdx.x * w.dq_split_stride;
+  float* const dq_accum = w.dq_accum + slot.rank * w.dq_split_stride;
   const bool has_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
   const bool has_dropout = p.dropout_p > 0.0f;
 

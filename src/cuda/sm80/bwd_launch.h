@@ -32,6 +32,7 @@ struct BwdWorkspace {
   bool vec = false;           // q, k, v, dout rows 16-byte aligned and head_dim % 8 == 0
   bool pair_store = false;    // dk, dv element pairs (even columns) 4-byte aligned
   bool store16 = false;       // dk, dv rows 16-byte aligned and head_dim % 8 == 0
+  int tile_group = 1;         // the main grid's CTA order (sm80/tile_order.cuh)
 };
 
 // The main kernel: dK, dV (written) and dQ (added into dq_accum). Checks the launch, never
