@@ -7,12 +7,6 @@
 
 namespace flare::cuda::sm80 {
 
-struct TileSlot {
-  int rank;   // 0: the head's heaviest tile
-  int head;   // grid y
-  int batch;  // grid z
-};
-
 // The CTA and grid indices; kVolatile reads them through volatile moves, so that a slot computed
 // again (after a kernel's main loop) is recomputed there rather than held in registers across it.
 template <bool kVolatile>
@@ -29,20 +23,13 @@ __device__ __forceinline__ uint4 grid_position() {
   }
 }
 
-// This CTA's slot: launch order for group 1, else grouped order (see above).
+// This CTA's slot: launch order for group 1, else grouped order (tile_order.h).
 template <bool kVolatile = false>
 __device__ __forceinline__ TileSlot tile_slot(int group) {
   const uint4 at = grid_position<kVolatile>();
   if (group == 1) return {static_cast<int>(at.x), static_cast<int>(at.y), static_cast<int>(at.z)};
   const int tiles = gridDim.x, heads = at.w;
-  const int heads_total = heads * gridDim.z;
-  const int linear = at.x + tiles * (at.y + heads * at.z);
-  const int first = linear / (group * tiles) * group;  // the group's first (head, batch)
-  const int size = min(group, heads_total - first);    // the last group may be smaller
-  const int r = linear - first * tiles;
-  const int rank = r / size;
-  const int hb = first + (r - rank * size);
-  return {rank, hb % heads, hb / heads};
+  return grouped_slot(at.x + tiles * (at.y + heads * at.z), tiles, heads, heads * gridDim.z, group);
 }
 
 }  // namespace flare::cuda::sm80

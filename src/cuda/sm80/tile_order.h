@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "core/host_device.h"
+
 namespace flare::cuda::sm80 {
 
 // L2 bytes a group's heads may occupy: a third of the H100's 50 MB.
@@ -31,6 +33,24 @@ inline int tile_group(bool varying, int64_t head_bytes, int64_t tiles, int64_t h
   int group = 1;
   while (group * int64_t{2} <= g) group *= 2;
   return group;
+}
+
+struct TileSlot {
+  int rank;   // 0: the head's heaviest tile
+  int head;   // grid y
+  int batch;  // grid z
+};
+
+// The slot of the CTA at `linear` (x + tiles·(y + heads·z)) of a (tiles, heads, batches) grid in
+// grouped order: group g holds heads·batches indices [g·G, g·G + size), size = G except in a
+// smaller last group, and within it index r = rank·size + member. Every slot once (tested).
+FLARE_HD TileSlot grouped_slot(int linear, int tiles, int heads, int heads_total, int group) {
+  const int first = linear / (group * tiles) * group;  // the group's first (head, batch)
+  const int size = group < heads_total - first ? group : heads_total - first;
+  const int r = linear - first * tiles;
+  const int rank = r / size;
+  const int hb = first + (r - rank * size);
+  return {rank, hb % heads, hb / heads};
 }
 
 }  // namespace flare::cuda::sm80
