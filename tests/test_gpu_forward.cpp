@@ -139,6 +139,28 @@ TEST_P(GpuForwardFeature, SlidingWindows) {
   }
 }
 
+// The grouped CTA order (src/cuda/sm80/tile_order.h) under causal and windowed masks, with 15
+// (batch, head) pairs: groups of 8, the last one smaller. d 128 and 256 take the grouped kernel.
+TEST_P(GpuForwardFeature, GroupedOrderUnevenLastGroup) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (int d : {128, 256})
+    for (bool window : {false, true}) {
+      ProblemSpec s = spec(d, 40);
+      s.batch = 3;
+      s.heads_q = 5;
+      s.heads_kv = 5;
+      s.seqlen_q = 300;
+      s.seqlen_k = 330;
+      if (window) {
+        s.options.window_left = 70;
+        s.options.window_right = 5;
+      } else {
+        s.options.causal = true;
+      }
+      check_forward(s);
+    }
+}
+
 TEST_P(GpuForwardFeature, GroupedQueryAttention) {
   FLARE_SKIP_WITHOUT_CUDA();
   const int heads[][2] = {{8, 1}, {8, 2}};
