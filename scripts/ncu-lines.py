@@ -16,7 +16,8 @@ profiles (e.g. flare's backward against PyTorch's FlashAttention-2 backward on t
   cuobjdump -xelf all <object>.o && nvdisasm -g -c <unit>.sm_90a.cubin > kernel.sass
   scripts/ncu-lines.py lines prof.csv.gz kernel.sass <mangled kernel name> [N]
   scripts/ncu-lines.py ops prof.csv.gz [other.csv.gz]     # opcode totals, or the diff of two
-  scripts/ncu-lines.py stalls prof.csv.gz                 # stall reasons, all samples
+  scripts/ncu-lines.py stalls prof.csv.gz [other.csv.gz]  # stall reasons, or both side by side
+  scripts/ncu-lines.py size prof.csv.gz [other.csv.gz ...] # code footprint and hot-set size
 
 The SASS must come from the same compiler and flags as the profiled binary (same sm_90a code);
 the join checks every instruction's opcode and reports mismatches.
@@ -65,16 +66,51 @@ def cmd_ops(paths):
     print("%-10s" % "total" + "".join("%13.2fM" % (sum(t.values()) / 1e6) for t in totals))
 
 
-def cmd_stalls(path):
+def stall_totals(path):
     hdr, data = load(path)
     cols = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
     totals = collections.Counter()
     for r in data:
         for c in cols:
-            totals[c] += num(r[c])
-    all_samples = sum(totals.values()) or 1.0
-    for c, n in totals.most_common(14):
-        print("%-26s %5.1f%%" % (c[len("stall_"):], 100 * n / all_samples))
+            totals[c[len("stall_"):]] += num(r[c])
+    return totals
+
+
+def cmd_stalls(paths):
+    """Stall reasons as shares of all samples; with two profiles of the same problem, each
+    reason's sample counts side by side and the difference as a share of the second's samples
+    (the ncu sampling interval is the same for both, so samples compare as time)."""
+    totals = [stall_totals(p) for p in paths]
+    if len(totals) == 1:
+        all_samples = sum(totals[0].values()) or 1.0
+        for c, n in totals[0].most_common(14):
+            print("%-20s %5.1f%%" % (c, 100 * n / all_samples))
+        return
+    a, b = totals
+    peer = sum(b.values()) or 1.0
+    print("%-20s %10s %10s %9s" % ("reason", paths[0].split("/")[-1][:10],
+                                   paths[1].split("/")[-1][:10], "diff/peer"))
+    for c in sorted(set(a) | set(b), key=lambda c: -abs(a[c] - b[c])):
+        if a[c] or b[c]:
+            print("%-20s %10d %10d %+8.1f%%" % (c, a[c], b[c], 100 * (a[c] - b[c]) / peer))
+    print("%-20s %10d %10d %+8.1f%%" % ("all", sum(a.values()), peer,
+                                        100 * (sum(a.values()) - peer) / peer))
+
+
+def cmd_size(paths):
+    """Code footprint: SASS instructions in the kernel, those executed at all, and the fewest
+    that account for 95% of the executed instructions (the hot loop the instruction caches hold)."""
+    print("%-30s %8s %9s %8s" % ("profile", "sass", "executed", "hot 95%"))
+    for path in paths:
+        _, data = load(path)
+        counts = sorted((num(r["Instructions Executed"]) for r in data), reverse=True)
+        total, acc, hot = sum(counts), 0.0, 0
+        for n in counts:
+            if acc >= 0.95 * total:
+                break
+            acc, hot = acc + n, hot + 1
+        print("%-30s %8d %9d %8d" % (path.split("/")[-1][:30], len(counts),
+                                      sum(1 for n in counts if n > 0), hot))
 
 
 def line_table(sass_path, kernel):
@@ -127,8 +163,10 @@ def cmd_lines(prof, sass_path, kernel, top):
 def main(argv):
     if len(argv) >= 3 and argv[1] == "ops":
         cmd_ops(argv[2:4])
-    elif len(argv) == 3 and argv[1] == "stalls":
-        cmd_stalls(argv[2])
+    elif len(argv) in (3, 4) and argv[1] == "stalls":
+        cmd_stalls(argv[2:4])
+    elif len(argv) >= 3 and argv[1] == "size":
+        cmd_size(argv[2:])
     elif len(argv) in (5, 6) and argv[1] == "lines":
         cmd_lines(argv[2], argv[3], argv[4], int(argv[5]) if len(argv) == 6 else 40)
     else:
