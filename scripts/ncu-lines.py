@@ -26,6 +26,7 @@ import collections
 import csv
 import gzip
 import re
+import signal
 import sys
 
 
@@ -174,4 +175,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
     main(sys.argv)
