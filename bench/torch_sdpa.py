@@ -10,6 +10,9 @@ measures it), one input set per case (each tensor is 64 MiB, larger than L2). FL
 4·b·s²·h·d, halved for causal; backward 2.5× forward. Writes bench/results' JSON schema.
 
 usage: torch_sdpa.py --json OUT.json [--pass fwd|bwd|fwdbwd|all] [--warmup 5] [--iters 30]
+                     [--d D] [--h H]
+--d runs one head_dim (e.g. 192, outside the grid) and --h pins the query heads (default 2048 / d),
+as the same options of `flare bench` do.
 """
 import argparse
 import datetime
@@ -55,10 +58,10 @@ def time_case(backend, b, s, h, d, causal, pass_, warmup, iters):
     return ms, torch.cuda.max_memory_allocated()
 
 
-def run_grid(pass_, warmup, iters):
+def run_grid(pass_, warmup, iters, head_dims=HEAD_DIMS, heads=None):
     rows = []
-    for d in HEAD_DIMS:
-        h = HIDDEN // d
+    for d in head_dims:
+        h = heads or HIDDEN // d
         for b, s in GRID_BS:
             for causal in (False, True):
                 for impl, backend in BACKENDS.items():
@@ -84,12 +87,19 @@ def main():
     ap.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd", "bwd", "fwdbwd", "all"])
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--d", type=int, help="one head_dim instead of the grid's (as `flare bench --d`)")
+    ap.add_argument("--h", type=int, help="query heads instead of 2048 / d (as `flare bench --h`)")
     args = ap.parse_args()
+    if args.d is not None and not 1 <= args.d <= 256:
+        ap.error("--d must be in 1..256")
+    if args.h is not None and args.h < 1:
+        ap.error("--h must be at least 1")
+    head_dims = [args.d] if args.d else HEAD_DIMS
 
     passes = ["fwd", "bwd", "fwdbwd"] if args.pass_ == "all" else [args.pass_]
     rows = []
     for pass_ in passes:
-        rows += run_grid(pass_, args.warmup, args.iters)
+        rows += run_grid(pass_, args.warmup, args.iters, head_dims, args.h)
     commit = git_commit()
     out = {"card": torch.cuda.get_device_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -102,7 +102,23 @@ struct BwdConfig {
   static constexpr int kDqCols = kHeadDim / (kWarps / kDqRowGroups);
   // dQ is produced in column chunks of at most 32 so its accumulator stays at 16·kDqMt registers
   // per 16 columns beside the dK/dV accumulators.
-  static constexpr int kDqChunk = kDqCols < 32 ? kDqCols : 32;
+  // d 192 gives each warp 48 columns: one chunk of 48 (ptxas keeps it spill-free; the d 192
+  // dK/dV accumulators are 96 registers, not 128).
+  static constexpr int kDqChunk = kDqCols <= 32 || kDqCols % 32 != 0 ? kDqCols : 32;
+  // Column pieces. frag_step moves a fragment address by XOR-ing the column's chunk bits, which is
+  // exact only when the warp's first column leaves those bits free: its slice must start on a
+  // 64-column boundary or be no wider than the step pattern it repeats (d 64-256: 32 or 64
+  // columns). d 192's 48-column slices do not, so there each warp takes 16-column pieces 64
+  // columns apart (warp c of 4: columns 16c + 64j), whose chunks differ only above bit 2.
+  static constexpr bool kKVStrided = 64 % kKVCols != 0 && kKVCols % 64 != 0;
+  static constexpr bool kDqStrided = 64 % kDqCols != 0 && kDqCols % 64 != 0;
+  static constexpr int kKVCol0 = kKVStrided ? 16 : kKVCols;   // × the warp's column slice
+  static constexpr int kKVPiece = kKVStrided ? 16 * (kWarps / kKVKeyGroups) : 16;
+  static constexpr int kDqCol0 = kDqStrided ? 16 : kDqCols;
+  static constexpr int kDqPiece = kDqStrided ? 16 * (kWarps / kDqRowGroups) : 16;
+  // Column of n8 tile nt among a warp's pieces, from the first.
+  __host__ __device__ static constexpr int kv_col(int nt) { return (nt / 2) * kKVPiece + (nt % 2) * 8; }
+  __host__ __device__ static constexpr int dq_col(int nt) { return (nt / 2) * kDqPiece + (nt % 2) * 8; }
   // Sᵀ and dPᵀ are produced in passes of kSPass queries, which bounds their registers (2 · kSMt ·
   // kSPass / 4 per thread). Each pass reloads the warp's K and V fragments, so d 64 (a 32-key ×
   // 64-query warp tile) runs one pass: 16 fewer ldmatrix per warp and step, 11% of them, the
@@ -112,13 +128,15 @@ struct BwdConfig {
   // The key-block loop's bound read from shared memory and the K/V copy offsets computed from a
   // volatile thread index, so that ptxas holds neither across the loop body (at d 64 with one
   // pass they were the only spills, 8-12 bytes). d 128 with two Q/dO buffers (the sm_80 kernel)
-  // takes it too since its steps became the phase1/phase2 lambdas (without, 4 bytes on sm_80).
-  static constexpr bool kLeanKeyLoop = kHeadDim == 64 || (kHeadDim == 128 && kStages == 2);
+  // takes it too since its steps became the phase1/phase2 lambdas (without, 4 bytes on sm_80),
+  // and d 192 (without, 4 bytes on sm_90a).
+  static constexpr bool kLeanKeyLoop =
+      kHeadDim == 64 || kHeadDim == 192 || (kHeadDim == 128 && kStages == 2);
   // Unrolling of the k loops. Fully unrolled, the fragment addresses' swizzle constants and the
   // loop branches disappear, but ptxas may preload fragments until it spills (Sᵀ/dPᵀ and dK/dV at
   // d 128), and at d 64 full unrolling of the Sᵀ/dPᵀ and dK/dV loops measured 2-5% slower on the
   // H100 than unrolling by 2. dQ is unrolled fully everywhere.
-  static constexpr int kSUnroll = kHeadDim == 256 ? kHeadDim / 16 : 2;
+  static constexpr int kSUnroll = kHeadDim >= 192 ? kHeadDim / 16 : 2;
   // Sᵀ alone (P's registers are not live yet) fully unrolled from d 128 where ptxas keeps it
   // spill-free: sm_90 (on sm_80 it spills 4 bytes at d 128).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -126,11 +144,11 @@ struct BwdConfig {
 #else
   static constexpr int kSFirstUnroll = kSUnroll;
 #endif
-  // d 256 forms Sᵀ and dPᵀ in one k loop (both products' MMAs interleaved, as the feature path
-  // does) and unrolls its dK/dV loop by 2 (fully, it spills 32 bytes on sm_90a). H100, A/B in one
-  // call: each +0.5 to +1.6% on the d 256 cells; the joint loop cost d 64 up to 1.8% and d 128
-  // 0.3%, where Sᵀ first and then P in place keeps.
-  static constexpr bool kFusedS = kHeadDim == 256;
+  // d 256 (and d 192, the same tile) forms Sᵀ and dPᵀ in one k loop (both products' MMAs
+  // interleaved, as the feature path does) and unrolls its dK/dV loop by 2 (fully, it spills 32
+  // bytes on sm_90a). H100, A/B in one call: each +0.5 to +1.6% on the d 256 cells; the joint loop
+  // cost d 64 up to 1.8% and d 128 0.3%, where Sᵀ first and then P in place keeps.
+  static constexpr bool kFusedS = kHeadDim >= 192;
   static constexpr int kKVUnroll = 2;
   // Q/dO copies take the bounds-free path for whole tiles, except at d 256 with one buffer,
   // where its addresses cost the registers that keep the kernel spill-free on sm_90a.
@@ -199,6 +217,15 @@ __device__ __forceinline__ uint32_t frag_step(uint32_t base, int dr, int dc) {
   return (base ^ static_cast<uint32_t>((chunk & 7) << 4)) + dr * (kCols * 2) + (chunk & ~7) * 16;
 }
 
+// Rows a tile copy advances per pass: the largest power of two whose rows of kChunks 16-byte chunks
+// the threads cover (d 64-256 with 256 threads: all threads; d 192: 8 rows by 192 threads), so
+// rows kRowStep apart share their swizzle and every thread copies the same column.
+__host__ __device__ constexpr int copy_row_step(int threads, int chunks) {
+  int step = 1;
+  while (2 * step * chunks <= threads) step *= 2;
+  return step;
+}
+
 // Copies a (rows_valid ≤ kRows, d_valid ≤ kCols) tile of a row-major global tensor into a swizzled
 // shared tile, zero-filling the rest. `vec`: rows 16-byte aligned and d_valid % 8 == 0, so whole
 // chunks go through cp.async; otherwise elements are read one by one and stored synchronously
@@ -207,8 +234,11 @@ template <int kRows, int kCols, int kThreads, bool kWholeTilePath, typename Elem
 __device__ __forceinline__ void load_tile_swizzled(Element* s, const Element* g, int64_t row_stride,
                                                    int rows_valid, int d_valid, bool vec, int tid) {
   constexpr int kChunks = kCols / 8;
-  constexpr int kRowStep = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "tile copy must split evenly");
+  constexpr int kRowStep = copy_row_step(kThreads, kChunks);
+  static_assert(kRows % kRowStep == 0, "tile copy must split evenly");
+  if constexpr (kRowStep * kChunks < kThreads) {
+    if (tid >= kRowStep * kChunks) return;  // d 192: whole warps left without a chunk
+  }
   const int row0 = tid / kChunks;
   const int col = (tid % kChunks) * 8;
   if (kWholeTilePath && vec && rows_valid >= kRows && d_valid == kCols) {
@@ -240,8 +270,11 @@ __device__ __forceinline__ void store_tile_swizzled(Element* g, int64_t row_stri
                                                     const Element* s, int rows_valid, int d_valid,
                                                     int tid) {
   constexpr int kChunks = kCols / 8;
-  constexpr int kRowStep = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "tile store must split evenly");
+  constexpr int kRowStep = copy_row_step(kThreads, kChunks);
+  static_assert(kRows % kRowStep == 0, "tile store must split evenly");
+  if constexpr (kRowStep * kChunks < kThreads) {
+    if (tid >= kRowStep * kChunks) return;
+  }
   const int row0 = tid / kChunks;
   const int col = (tid % kChunks) * 8;
   if (col >= d_valid) return;
@@ -661,13 +694,16 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       const int dcs = warp2 / Cfg::kDqRowGroups;  //     column slice
       const uint32_t a_p_base =
           frag_base_x<kBlockM>(ptx::smem_addr(sP), kvg * kKVMt * 16, 0, lane2) + pds;
-      const uint32_t bt_q_base = frag_base_x<kHeadDim>(ptx::smem_addr(sQ), 0, kvc * kKVCols, lane2);
+      const uint32_t bt_q_base =
+          frag_base_x<kHeadDim>(ptx::smem_addr(sQ), 0, kvc * Cfg::kKVCol0, lane2);
       const uint32_t at_ds_base =
           frag_base_y<kBlockM>(ptx::smem_addr(sDs), 0, qg * kDqMt * 16, lane2) + pds;
-      const uint32_t bt_k_base = frag_base_x<kHeadDim>(ptx::smem_addr(sK), 0, dcs * kDqCols, lane2);
+      const uint32_t bt_k_base =
+          frag_base_x<kHeadDim>(ptx::smem_addr(sK), 0, dcs * Cfg::kDqCol0, lane2);
 
-      // ---- dV += P̃ᵀ·dO, dK += dSᵀ·Q: keys kvg·kKVMt·16 + [0, kKVMt·16), columns kvc·kKVCols +
-      // [0, kKVCols). Each B fragment (dOᵀ, Qᵀ) feeds kKVMt row tiles.
+      // ---- dV += P̃ᵀ·dO, dK += dSᵀ·Q: keys kvg·kKVMt·16 + [0, kKVMt·16), the warp's kKVCols
+      // columns (kvc·kKVCols + [0, kKVCols), or d 192's pieces). Each B fragment (dOᵀ, Qᵀ) feeds
+      // kKVMt row tiles.
       auto dkdv_product = [&]() {
 #pragma unroll(Cfg::kKVUnroll)
         for (int ks = 0; ks < kBlockM / 16; ++ks) {
@@ -681,7 +717,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
 #pragma unroll
           for (int np = 0; np < kKVCols / 16; ++np) {
             uint32_t b_do[4], b_q[4];
-            const uint32_t b_addr = frag_step<kHeadDim>(bt_q_base, ks * 16, np * 16) + stage_bytes;
+            const uint32_t b_addr =
+                frag_step<kHeadDim>(bt_q_base, ks * 16, Cfg::kv_col(2 * np)) + stage_bytes;
             ptx::ldmatrix_x4_trans(b_do, b_addr + kDoAfterQ);
             ptx::ldmatrix_x4_trans(b_q, b_addr);
 #pragma unroll
@@ -695,12 +732,13 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         }
       };
 
-      // ---- dQ += dS·K: queries qg·kDqMt·16 + [0, kDqMt·16), columns dcs·kDqCols + [0, kDqCols),
-      // by chunks. Each B fragment (Kᵀ) feeds kDqMt row tiles.
+      // ---- dQ += dS·K: queries qg·kDqMt·16 + [0, kDqMt·16), the warp's kDqCols columns (as
+      // dK/dV's), by chunks. Each B fragment (Kᵀ) feeds kDqMt row tiles.
       auto dq_product = [&]() {
 #pragma unroll
         for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
-          const int c0 = dcs * kDqCols + chunk * kDqChunk;  // first column of this chunk
+          const int n0 = chunk * (kDqChunk / 8);  // the chunk's first n8 tile among the warp's
+          const int c0 = dcs * Cfg::kDqCol0 + Cfg::dq_col(n0);  // first column of this chunk
           float acc_dq[kDqMt][kDqChunk / 8][4] = {};
           auto dq_step = [&](int ks) {
             uint32_t a_ds[kDqMt][4];
@@ -711,7 +749,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
             for (int np = 0; np < kDqChunk / 16; ++np) {
               uint32_t b_k[4];
               ptx::ldmatrix_x4_trans(
-                  b_k, frag_step<kHeadDim>(bt_k_base, ks * 16, chunk * kDqChunk + np * 16));
+                  b_k, frag_step<kHeadDim>(bt_k_base, ks * 16, Cfg::dq_col(n0 + 2 * np)));
 #pragma unroll
               for (int mt = 0; mt < kDqMt; ++mt) {
                 ptx::mma_m16n8k16<Element>(acc_dq[mt][2 * np], a_ds[mt], b_k[0], b_k[1]);
@@ -734,7 +772,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
               if (i_first + mt * 16 + half * 8 >= seq.len_q) continue;
 #pragma unroll
               for (int nt = 0; nt < kDqChunk / 8; ++nt)
-                atomic_add_pair(dq_base + (mt * 16 + half * 8) * kHeadDim + nt * 8,
+                atomic_add_pair(dq_base + (mt * 16 + half * 8) * kHeadDim +
+                                    (Cfg::dq_col(n0 + nt) - Cfg::dq_col(n0)),
                                 acc_dq[mt][nt][2 * half], acc_dq[mt][nt][2 * half + 1]);
             }
         }
@@ -860,14 +899,15 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       const uint32_t st_kv_base =
           ptx::smem_addr(sK) +
           2 * swz<kHeadDim>((warp3 % Cfg::kKVKeyGroups) * kKVMt * 16 + (lane3 >> 2),
-                            (warp3 / Cfg::kKVKeyGroups) * kKVCols + 2 * (lane3 & 3));
+                            (warp3 / Cfg::kKVKeyGroups) * Cfg::kKVCol0 + 2 * (lane3 & 3));
 #pragma unroll
       for (int mt = 0; mt < kKVMt; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int nt = 0; nt < kKVCols / 8; ++nt) {
-            const uint32_t addr = frag_step<kHeadDim>(st_kv_base, mt * 16 + half * 8, nt * 8);
+            const uint32_t addr =
+                frag_step<kHeadDim>(st_kv_base, mt * 16 + half * 8, Cfg::kv_col(nt));
             st_shared_u32(addr, ptx::pack2<Element>(acc_dk[mt][nt][2 * half] * p.scale,
                                                     acc_dk[mt][nt][2 * half + 1] * p.scale));
             st_shared_u32(addr + kVAfterK, ptx::pack2<Element>(acc_dv[mt][nt][2 * half],
@@ -897,7 +937,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                                 (seq.k_row0 + j) * p.dv_row_stride + hk * p.dv_head_stride;
 #pragma unroll
         for (int nt = 0; nt < kKVCols / 8; ++nt) {
-          const int col = kvc * kKVCols + nt * 8 + 2 * t;
+          const int col = kvc * Cfg::kKVCol0 + Cfg::kv_col(nt) + 2 * t;
           if (col >= d) continue;
           store_pair(dk_row + col, acc_dk[mt][nt][2 * half] * p.scale,
                      acc_dk[mt][nt][2 * half + 1] * p.scale, col + 1 < d, w.pair_store);

@@ -18,6 +18,8 @@
 //            bwd_kernel.cuh (one barrier per step, the warp halves a phase apart). Else Q/dO
 //            double-buffered (160 KiB: inside the A100's 163 KiB opt-in limit only because the
 //            tiles are swizzled, not padded).
+//   d ≤ 192: kBlockM 64, kBlockN 64, 8 warps, Q/dO double-buffered (161 KiB, inside the A100's
+//            163 KiB). 24 chunks per row: tile copies run on 192 of the 256 threads.
 //   d ≤ 256: kBlockM 64, kBlockN 64, 8 warps, Q/dO double-buffered (208 KiB) where the device
 //            allows it (sm_90: 227 KiB), else one buffer (144 KiB; the A100's 163 KiB), where
 //            each step waits for its own copy.
@@ -41,6 +43,7 @@ struct BwdTile {
 inline constexpr BwdTile kBwdTiles[] = {
     {64, 128, 128, 8, 2, 2, 32, 32, 32},
     {128, 64, 128, 8, 3, 2, 32, 32, 32},
+    {192, 64, 64, 8, 2, 2, 32, 32, 32},
     {256, 64, 64, 8, 2, 1, 32, 32, 32},
 };
 
