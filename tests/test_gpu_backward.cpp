@@ -92,7 +92,8 @@ constexpr DType kDtypes[] = {DType::kFloat16, DType::kBFloat16};
 std::vector<int> head_dims_of(int bucket) {
   switch (bucket) {
     case 64: return {64, 40, 59};
-    case 128: return {128, 80, 111};
+    case 96: return {96, 72, 90};
+    case 128: return {128, 104, 111};
     case 192: return {192, 136, 150};
     case 256: return {256, 200};
     default: return {bucket};
@@ -170,6 +171,10 @@ TEST_F(GpuBackward, LongSequences) {
   check_backward(s);
   // d=192: copies by 192 of the 256 threads (24 chunks per row), GQA 2:1, a ragged last block.
   s = make_spec(DType::kBFloat16, 1, 700, 700, 2, 1, 192);
+  check_backward(s);
+  // d=96: 4-chunk swizzle groups, dQ tiles of 16 queries, causal GQA 2:1 over several key blocks.
+  s = make_spec(DType::kFloat16, 1, 600, 650, 4, 2, 96);
+  s.options.causal = true;
   check_backward(s);
 }
 

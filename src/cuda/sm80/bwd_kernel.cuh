@@ -102,23 +102,31 @@ struct BwdConfig {
   static constexpr int kDqCols = kHeadDim / (kWarps / kDqRowGroups);
   // dQ is produced in column chunks of at most 32 so its accumulator stays at 16·kDqMt registers
   // per 16 columns beside the dK/dV accumulators.
-  // d 192 gives each warp 48 columns: one chunk of 48 (ptxas keeps it spill-free; the d 192
-  // dK/dV accumulators are 96 registers, not 128).
+  // d 96 and d 192 give each warp 48 columns: one chunk of 48 (ptxas keeps it spill-free; their
+  // dK/dV accumulators are 48 and 96 registers, not 128).
   static constexpr int kDqChunk = kDqCols <= 32 || kDqCols % 32 != 0 ? kDqCols : 32;
-  // Column pieces. frag_step moves a fragment address by XOR-ing the column's chunk bits, which is
-  // exact only when the warp's first column leaves those bits free: its slice must start on a
-  // 64-column boundary or be no wider than the step pattern it repeats (d 64-256: 32 or 64
-  // columns). d 192's 48-column slices do not, so there each warp takes 16-column pieces 64
-  // columns apart (warp c of 4: columns 16c + 64j), whose chunks differ only above bit 2.
-  static constexpr bool kKVStrided = 64 % kKVCols != 0 && kKVCols % 64 != 0;
-  static constexpr bool kDqStrided = 64 % kDqCols != 0 && kDqCols % 64 != 0;
-  static constexpr int kKVCol0 = kKVStrided ? 16 : kKVCols;   // × the warp's column slice
+  // Column pieces. frag_step moves a fragment address by XOR-ing the column's chunk bits inside a
+  // swizzle group (kGroupCols columns), which is exact only when the warp's first column leaves
+  // those bits free: its slice must start on a group boundary or be no wider than the steps it
+  // repeats (d 64-256: 32 or 64 columns in 64-column groups). 48-column slices (d 96 in 32-column
+  // groups, d 192 in 64-column ones) do not, so there each warp takes 16-column pieces a group
+  // apart (warp c of n: columns 16c + 16n·j), whose chunks differ only above the group's bits.
+  static constexpr int kGroupCols = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr bool kKVStrided = kGroupCols % kKVCols != 0 && kKVCols % kGroupCols != 0;
+  static constexpr bool kDqStrided = kGroupCols % kDqCols != 0 && kDqCols % kGroupCols != 0;
+  static constexpr int kKVCol0 = kKVStrided ? 16 : kKVCols;  // × the warp's column slice
   static constexpr int kKVPiece = kKVStrided ? 16 * (kWarps / kKVKeyGroups) : 16;
   static constexpr int kDqCol0 = kDqStrided ? 16 : kDqCols;
   static constexpr int kDqPiece = kDqStrided ? 16 * (kWarps / kDqRowGroups) : 16;
+  static_assert((!kKVStrided || kKVPiece == kGroupCols) && (!kDqStrided || kDqPiece == kGroupCols),
+                "strided pieces must sit one swizzle group apart");
   // Column of n8 tile nt among a warp's pieces, from the first.
-  __host__ __device__ static constexpr int kv_col(int nt) { return (nt / 2) * kKVPiece + (nt % 2) * 8; }
-  __host__ __device__ static constexpr int dq_col(int nt) { return (nt / 2) * kDqPiece + (nt % 2) * 8; }
+  __host__ __device__ static constexpr int kv_col(int nt) {
+    return (nt / 2) * kKVPiece + (nt % 2) * 8;
+  }
+  __host__ __device__ static constexpr int dq_col(int nt) {
+    return (nt / 2) * kDqPiece + (nt % 2) * 8;
+  }
   // Sᵀ and dPᵀ are produced in passes of kSPass queries, which bounds their registers (2 · kSMt ·
   // kSPass / 4 per thread). Each pass reloads the warp's K and V fragments, so d 64 (a 32-key ×
   // 64-query warp tile) runs one pass: 16 fewer ldmatrix per warp and step, 11% of them, the
@@ -129,9 +137,9 @@ struct BwdConfig {
   // volatile thread index, so that ptxas holds neither across the loop body (at d 64 with one
   // pass they were the only spills, 8-12 bytes). d 128 with two Q/dO buffers (the sm_80 kernel)
   // takes it too since its steps became the phase1/phase2 lambdas (without, 4 bytes on sm_80),
-  // and d 192 (without, 4 bytes on sm_90a).
+  // and d 96 and 192 (without, 72 and 4 bytes on sm_90a).
   static constexpr bool kLeanKeyLoop =
-      kHeadDim == 64 || kHeadDim == 192 || (kHeadDim == 128 && kStages == 2);
+      kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 192 || (kHeadDim == 128 && kStages == 2);
   // Unrolling of the k loops. Fully unrolled, the fragment addresses' swizzle constants and the
   // loop branches disappear, but ptxas may preload fragments until it spills (Sᵀ/dPᵀ and dK/dV at
   // d 128), and at d 64 full unrolling of the Sᵀ/dPᵀ and dK/dV loops measured 2-5% slower on the
@@ -162,8 +170,8 @@ struct BwdConfig {
   static_assert(kDqCols % kDqChunk == 0 && kSCols % kSPass == 0, "passes and chunks");
   static_assert(kSPass % 16 == 0 && kKVCols % 16 == 0 && kDqChunk % 16 == 0,
                 "ldmatrix.x4 loads two n8 fragments at a time");
-  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0,
-                "swizzled rows need at least eight 16-byte chunks");
+  static_assert(kHeadDim % 32 == 0 && kBlockM % 64 == 0,
+                "swizzled rows need whole groups of four (d 96) or eight 16-byte chunks");
   static_assert(kThreads >= kBlockM, "one thread per query row loads LSE and D");
   // Shared-memory plan, in 2-byte elements from the start, then the fp32 row vectors.
   static constexpr int kOffK = 0;                                      // (kBlockN, d)
@@ -185,20 +193,30 @@ struct BwdConfig {
 inline constexpr float kBwdLog2e = 1.4426950408889634f;
 
 // Element offset of (row, col) in a shared tile of kCols-element rows whose 16-byte chunks are
-// XOR-swizzled with row % 8. Chunks stay whole, so cp.async and ldmatrix addresses stay aligned.
+// XOR-swizzled within groups of kSwzGroup: rows that are multiples of 128 bytes XOR each 8-chunk
+// group with row % 8; d 96's 192-byte rows XOR each 4-chunk group with (row / 2) % 4 — eight
+// consecutive rows then put one chunk column on eight distinct bank quads too (odd rows start 64
+// bytes into the banks). Chunks stay whole, so cp.async and ldmatrix addresses stay aligned, and
+// the pattern repeats every 8 rows.
+template <int kCols>
+inline constexpr int kSwzGroup = kCols % 64 == 0 ? 8 : 4;
 template <int kCols>
 __device__ __forceinline__ int swz(int row, int col) {
   const int chunk = col >> 3;
-  return row * kCols + (((chunk ^ row) & 7) | (chunk & ~7)) * 8 + (col & 7);
+  if constexpr (kSwzGroup<kCols> == 8)
+    return row * kCols + (((chunk ^ row) & 7) | (chunk & ~7)) * 8 + (col & 7);
+  else
+    return row * kCols + (((chunk ^ (row >> 1)) & 3) | (chunk & ~3)) * 8 + (col & 7);
 }
 
 // ldmatrix lane addressing, as shared-window byte addresses. Pattern X: the A operand from a (row,
 // k)-stored tile, or the B operand through .trans from a (k, n)-stored tile. Pattern Y: the B
 // operand from an (n, k)-stored tile, or the A operand through .trans from a (k, m)-stored tile. A
 // base is computed once per kernel for the lane's row and chunk (r0 % 8 == 0); frag_step then moves
-// it by a compile-time (dr, dc) — dr % 8 == 0, dc % 8 == 0 — with one XOR on the chunk bits and one
-// add, which is exact because tiles start on 128-byte boundaries, rows are multiples of 128 bytes,
-// and the base's own low chunk bits never overlap dc / 8's.
+// it by a compile-time (dr, dc) — dr % 8 == 0, dc % 8 == 0 — with one XOR on the chunk bits inside
+// a swizzle group and one add, which is exact because tiles start on 128-byte boundaries, rows
+// are multiples of the group's bytes (128, or 64 for d 96's 4-chunk groups), and the base's own
+// low chunk bits never overlap dc / 8's.
 template <int kCols>
 __device__ __forceinline__ uint32_t frag_base_x(uint32_t tile, int r0, int c0, int lane) {
   const int row = r0 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -213,8 +231,10 @@ __device__ __forceinline__ uint32_t frag_base_y(uint32_t tile, int r0, int c0, i
 }
 template <int kCols>
 __device__ __forceinline__ uint32_t frag_step(uint32_t base, int dr, int dc) {
+  constexpr int kMask = kSwzGroup<kCols> - 1;
   const int chunk = dc >> 3;
-  return (base ^ static_cast<uint32_t>((chunk & 7) << 4)) + dr * (kCols * 2) + (chunk & ~7) * 16;
+  return (base ^ static_cast<uint32_t>((chunk & kMask) << 4)) + dr * (kCols * 2) +
+         (chunk & ~kMask) * 16;
 }
 
 // Rows a tile copy advances per pass: the largest power of two whose rows of kChunks 16-byte chunks
