@@ -91,6 +91,7 @@ constexpr DType kDtypes[] = {DType::kFloat16, DType::kBFloat16};
 // (odd ones also force the scalar copy path, since their rows are not 16-byte aligned).
 std::vector<int> head_dims_of(int bucket) {
   switch (bucket) {
+    case 32: return {32, 16, 27};
     case 64: return {64, 40, 59};
     case 96: return {96, 72, 90};
     case 128: return {128, 104, 111};
@@ -174,6 +175,9 @@ TEST_F(GpuBackward, LongSequences) {
   check_backward(s);
   // d=96: 4-chunk swizzle groups, dQ tiles of 16 queries, causal GQA 2:1 over several key blocks.
   s = make_spec(DType::kFloat16, 1, 600, 650, 4, 2, 96);
+  s.options.causal = true;
+  check_backward(s);
+  s = make_spec(DType::kBFloat16, 1, 1025, 1025, 2, 2, 32);
   s.options.causal = true;
   check_backward(s);
 }

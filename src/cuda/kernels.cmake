@@ -59,9 +59,9 @@ target_compile_options(flare PRIVATE
   $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${FLARE_PTXAS_VERBOSE}>>:-Xptxas=-v>)
 
 # ---- backward (src/cuda/backward.cpp, src/cuda/sm80/bwd_*) -----------------------------------
-# One generated unit per (dtype, head-dim bucket) of the main kernel, 2 × 5 = 10, plus the
+# One generated unit per (dtype, head-dim bucket) of the main kernel, 2 × 6 = 12, plus the
 # dtype-generic preprocess/convert kernels. flare/cuda_bwd_variants.inc drives the dispatch switch
 # in backward.cpp and the GPU tests; every bucket needs a row in sm80/bwd_tiles.h.
-set(FLARE_CUDA_BWD_HEAD_DIMS 64 96 128 192 256)
+set(FLARE_CUDA_BWD_HEAD_DIMS 32 64 96 128 192 256)
 flare_cuda_variants(bwd ${FLARE_CUDA_BWD_HEAD_DIMS})
 target_sources(flare PRIVATE src/cuda/backward.cpp src/cuda/sm80/bwd_prepost.cu)

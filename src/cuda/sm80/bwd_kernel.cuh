@@ -132,14 +132,14 @@ struct BwdConfig {
   // 64-query warp tile) runs one pass: 16 fewer ldmatrix per warp and step, 11% of them, the
   // difference an ncu profile showed against FlashAttention-2 (bwd_notes.md). That leaves no
   // register for anything the key-block loop keeps across its body (kLeanKeyLoop).
-  static constexpr int kSPass = kHeadDim == 64 ? kSCols : (kSCols < 32 ? kSCols : 32);
+  static constexpr int kSPass = kHeadDim <= 64 ? kSCols : (kSCols < 32 ? kSCols : 32);
   // The key-block loop's bound read from shared memory and the K/V copy offsets computed from a
   // volatile thread index, so that ptxas holds neither across the loop body (at d 64 with one
   // pass they were the only spills, 8-12 bytes). d 128 with two Q/dO buffers (the sm_80 kernel)
   // takes it too since its steps became the phase1/phase2 lambdas (without, 4 bytes on sm_80),
   // and d 96 and 192 (without, 72 and 4 bytes on sm_90a).
   static constexpr bool kLeanKeyLoop =
-      kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 192 || (kHeadDim == 128 && kStages == 2);
+      kHeadDim <= 96 || kHeadDim == 192 || (kHeadDim == 128 && kStages == 2);
   // Unrolling of the k loops. Fully unrolled, the fragment addresses' swizzle constants and the
   // loop branches disappear, but ptxas may preload fragments until it spills (Sᵀ/dPᵀ and dK/dV at
   // d 128), and at d 64 full unrolling of the Sᵀ/dPᵀ and dK/dV loops measured 2-5% slower on the
