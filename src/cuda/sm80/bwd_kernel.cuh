@@ -128,8 +128,8 @@ struct BwdConfig {
     return (nt / 2) * kDqPiece + (nt % 2) * 8;
   }
   // Sᵀ and dPᵀ are produced in passes of kSPass queries, which bounds their registers (2 · kSMt ·
-  // kSPass / 4 per thread). Each pass reloads the warp's K and V fragments, so d 64 (a 32-key ×
-  // 64-query warp tile) runs one pass: 16 fewer ldmatrix per warp and step, 11% of them, the
+  // kSPass / 4 per thread). Each pass reloads the warp's K and V fragments, so d ≤ 64 (a 32-key
+  // × 64-query warp tile) runs one pass: 16 fewer ldmatrix per warp and step, 11% of them, the
   // difference an ncu profile showed against FlashAttention-2 (bwd_notes.md). That leaves no
   // register for anything the key-block loop keeps across its body (kLeanKeyLoop).
   static constexpr int kSPass = kHeadDim <= 64 ? kSCols : (kSCols < 32 ? kSCols : 32);

@@ -11,7 +11,10 @@
 // memory reads per MMA set the pace (ldmatrix.x4 per 16 MMAs, d 128: Sᵀ/dPᵀ 12 → 8, dK/dV 9 → 6,
 // dQ 10 → 8 going from 16- to 32-row warp tiles). The register budget is set by the dK and dV
 // accumulators a CTA carries across the whole walk: 2 · kBlockN·d / threads fp32 values per
-// thread, 64 (d 64) or 128 (d 128, d 256).
+// thread: 32 (d 32), 64 (d 64), 96 (d 96, d 192) or 128 (d 128, d 256). Every forward bucket has a
+// backward bucket of the same width, so no head dim computes on more than 31 zero columns.
+//   d ≤ 32:  kBlockM 128, kBlockN 128, 8 warps, Q/dO double-buffered (114 KiB); 64-byte rows in
+//            4-chunk swizzle groups (as d 96).
 //   d ≤ 64:  kBlockM 128, kBlockN 128, 8 warps, Q/dO double-buffered (160 KiB).
 //   d ≤ 96:  kBlockM 64, kBlockN 128, 8 warps, Q/dO double-buffered (129 KiB); dQ warp tiles of
 //            16 queries × 48 columns. 12 chunks per row: 4-chunk swizzle groups, copies on 192
