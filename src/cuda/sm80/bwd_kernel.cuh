@@ -39,9 +39,9 @@
 // And fragment addresses are one per-lane base per operand stream, stepped by an XOR and an
 // immediate, rather than a swizzle recomputed per ldmatrix.
 //
-// Skewed steps (d 128 where the device has sm_90's shared memory): three Q/dO buffers and two P/dS
-// buffers let a step's two phases (Sᵀ/dPᵀ → P̃ᵀ, dSᵀ; then dV, dK, dQ) run under one barrier per
-// step, with warps 4-7 a phase ahead of warps 0-3 (see the loop).
+// Skewed steps (d 32, 96 and 128 where the device has sm_90's shared memory): three Q/dO buffers
+// and two P/dS buffers let a step's two phases (Sᵀ/dPᵀ → P̃ᵀ, dSᵀ; then dV, dK, dQ) run under one
+// barrier per step, with warps 4-7 a phase ahead of warps 0-3 (see the loop).
 //
 // Determinism. By default CTAs of different key blocks add into one dQ accumulator with atomics:
 // the sum is exact up to fp32 rounding but its order varies. In deterministic mode the launcher
