@@ -103,7 +103,7 @@ struct BwdConfig {
   // dQ is produced in column chunks of at most 32 so its accumulator stays at 16·kDqMt registers
   // per 16 columns beside the dK/dV accumulators.
   // d 96 and d 192 give each warp 48 columns: one chunk of 48 (ptxas keeps it spill-free; their
-  // dK/dV accumulators are 48 and 96 registers, not 128).
+  // dK/dV accumulators are 96 registers, not 128).
   static constexpr int kDqChunk = kDqCols <= 32 || kDqCols % 32 != 0 ? kDqCols : 32;
   // Column pieces. frag_step moves a fragment address by XOR-ing the column's chunk bits inside a
   // swizzle group (kGroupCols columns), which is exact only when the warp's first column leaves
@@ -112,21 +112,19 @@ struct BwdConfig {
   // groups, d 192 in 64-column ones) do not, so there each warp takes 16-column pieces a group
   // apart (warp c of n: columns 16c + 16n·j), whose chunks differ only above the group's bits.
   static constexpr int kGroupCols = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr bool kKVStrided = kGroupCols % kKVCols != 0 && kKVCols % kGroupCols != 0;
-  static constexpr bool kDqStrided = kGroupCols % kDqCols != 0 && kDqCols % kGroupCols != 0;
-  static constexpr int kKVCol0 = kKVStrided ? 16 : kKVCols;  // × the warp's column slice
-  static constexpr int kKVPiece = kKVStrided ? 16 * (kWarps / kKVKeyGroups) : 16;
-  static constexpr int kDqCol0 = kDqStrided ? 16 : kDqCols;
-  static constexpr int kDqPiece = kDqStrided ? 16 * (kWarps / kDqRowGroups) : 16;
-  static_assert((!kKVStrided || kKVPiece == kGroupCols) && (!kDqStrided || kDqPiece == kGroupCols),
-                "strided pieces must sit one swizzle group apart");
-  // Column of n8 tile nt among a warp's pieces, from the first.
-  __host__ __device__ static constexpr int kv_col(int nt) {
-    return (nt / 2) * kKVPiece + (nt % 2) * 8;
-  }
-  __host__ __device__ static constexpr int dq_col(int nt) {
-    return (nt / 2) * kDqPiece + (nt % 2) * 8;
-  }
+  template <int kCols, int kSlices>
+  struct ColumnPieces {
+    static constexpr bool kStrided = kGroupCols % kCols != 0 && kCols % kGroupCols != 0;
+    static constexpr int kCol0 = kStrided ? 16 : kCols;  // × the warp's column slice
+    static constexpr int kPiece = kStrided ? 16 * kSlices : 16;
+    static_assert(!kStrided || kPiece == kGroupCols, "strided pieces must sit a group apart");
+    // Column of n8 tile nt among the warp's pieces, from its first column.
+    __host__ __device__ static constexpr int col(int nt) {
+      return (nt / 2) * kPiece + (nt % 2) * 8;
+    }
+  };
+  using KVPieces = ColumnPieces<kKVCols, kWarps / kKVKeyGroups>;
+  using DqPieces = ColumnPieces<kDqCols, kWarps / kDqRowGroups>;
   // Sᵀ and dPᵀ are produced in passes of kSPass queries, which bounds their registers (2 · kSMt ·
   // kSPass / 4 per thread). Each pass reloads the warp's K and V fragments, so d ≤ 64 (a 32-key
   // × 64-query warp tile) runs one pass: 16 fewer ldmatrix per warp and step, 11% of them, the
@@ -238,7 +236,7 @@ __device__ __forceinline__ uint32_t frag_step(uint32_t base, int dr, int dc) {
 }
 
 // Rows a tile copy advances per pass: the largest power of two whose rows of kChunks 16-byte chunks
-// the threads cover (d 64-256 with 256 threads: all threads; d 192: 8 rows by 192 threads), so
+// the threads cover (256 threads: all of them for d 32, 64, 128, 256; 192 for d 96 and 192), so
 // rows kRowStep apart share their swizzle and every thread copies the same column.
 __host__ __device__ constexpr int copy_row_step(int threads, int chunks) {
   int step = 1;
@@ -715,15 +713,15 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       const uint32_t a_p_base =
           frag_base_x<kBlockM>(ptx::smem_addr(sP), kvg * kKVMt * 16, 0, lane2) + pds;
       const uint32_t bt_q_base =
-          frag_base_x<kHeadDim>(ptx::smem_addr(sQ), 0, kvc * Cfg::kKVCol0, lane2);
+          frag_base_x<kHeadDim>(ptx::smem_addr(sQ), 0, kvc * Cfg::KVPieces::kCol0, lane2);
       const uint32_t at_ds_base =
           frag_base_y<kBlockM>(ptx::smem_addr(sDs), 0, qg * kDqMt * 16, lane2) + pds;
       const uint32_t bt_k_base =
-          frag_base_x<kHeadDim>(ptx::smem_addr(sK), 0, dcs * Cfg::kDqCol0, lane2);
+          frag_base_x<kHeadDim>(ptx::smem_addr(sK), 0, dcs * Cfg::DqPieces::kCol0, lane2);
 
       // ---- dV += P̃ᵀ·dO, dK += dSᵀ·Q: keys kvg·kKVMt·16 + [0, kKVMt·16), the warp's kKVCols
-      // columns (kvc·kKVCols + [0, kKVCols), or d 192's pieces). Each B fragment (dOᵀ, Qᵀ) feeds
-      // kKVMt row tiles.
+      // columns (kvc·kKVCols + [0, kKVCols), or strided pieces at d 96 and 192). Each B fragment
+      // (dOᵀ, Qᵀ) feeds kKVMt row tiles.
       auto dkdv_product = [&]() {
 #pragma unroll(Cfg::kKVUnroll)
         for (int ks = 0; ks < kBlockM / 16; ++ks) {
@@ -738,7 +736,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
           for (int np = 0; np < kKVCols / 16; ++np) {
             uint32_t b_do[4], b_q[4];
             const uint32_t b_addr =
-                frag_step<kHeadDim>(bt_q_base, ks * 16, Cfg::kv_col(2 * np)) + stage_bytes;
+                frag_step<kHeadDim>(bt_q_base, ks * 16, Cfg::KVPieces::col(2 * np)) + stage_bytes;
             ptx::ldmatrix_x4_trans(b_do, b_addr + kDoAfterQ);
             ptx::ldmatrix_x4_trans(b_q, b_addr);
 #pragma unroll
@@ -758,7 +756,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
 #pragma unroll
         for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
           const int n0 = chunk * (kDqChunk / 8);  // the chunk's first n8 tile among the warp's
-          const int c0 = dcs * Cfg::kDqCol0 + Cfg::dq_col(n0);  // first column of this chunk
+          const int c0 =
+              dcs * Cfg::DqPieces::kCol0 + Cfg::DqPieces::col(n0);  // first column of this chunk
           float acc_dq[kDqMt][kDqChunk / 8][4] = {};
           auto dq_step = [&](int ks) {
             uint32_t a_ds[kDqMt][4];
@@ -769,7 +768,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
             for (int np = 0; np < kDqChunk / 16; ++np) {
               uint32_t b_k[4];
               ptx::ldmatrix_x4_trans(
-                  b_k, frag_step<kHeadDim>(bt_k_base, ks * 16, Cfg::dq_col(n0 + 2 * np)));
+                  b_k, frag_step<kHeadDim>(bt_k_base, ks * 16, Cfg::DqPieces::col(n0 + 2 * np)));
 #pragma unroll
               for (int mt = 0; mt < kDqMt; ++mt) {
                 ptx::mma_m16n8k16<Element>(acc_dq[mt][2 * np], a_ds[mt], b_k[0], b_k[1]);
@@ -793,7 +792,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
 #pragma unroll
               for (int nt = 0; nt < kDqChunk / 8; ++nt)
                 atomic_add_pair(dq_base + (mt * 16 + half * 8) * kHeadDim +
-                                    (Cfg::dq_col(n0 + nt) - Cfg::dq_col(n0)),
+                                    (Cfg::DqPieces::col(n0 + nt) - Cfg::DqPieces::col(n0)),
                                 acc_dq[mt][nt][2 * half], acc_dq[mt][nt][2 * half + 1]);
             }
         }
@@ -919,7 +918,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       const uint32_t st_kv_base =
           ptx::smem_addr(sK) +
           2 * swz<kHeadDim>((warp3 % Cfg::kKVKeyGroups) * kKVMt * 16 + (lane3 >> 2),
-                            (warp3 / Cfg::kKVKeyGroups) * Cfg::kKVCol0 + 2 * (lane3 & 3));
+                            (warp3 / Cfg::kKVKeyGroups) * Cfg::KVPieces::kCol0 + 2 * (lane3 & 3));
 #pragma unroll
       for (int mt = 0; mt < kKVMt; ++mt)
 #pragma unroll
@@ -927,7 +926,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
 #pragma unroll
           for (int nt = 0; nt < kKVCols / 8; ++nt) {
             const uint32_t addr =
-                frag_step<kHeadDim>(st_kv_base, mt * 16 + half * 8, Cfg::kv_col(nt));
+                frag_step<kHeadDim>(st_kv_base, mt * 16 + half * 8, Cfg::KVPieces::col(nt));
             st_shared_u32(addr, ptx::pack2<Element>(acc_dk[mt][nt][2 * half] * p.scale,
                                                     acc_dk[mt][nt][2 * half + 1] * p.scale));
             st_shared_u32(addr + kVAfterK, ptx::pack2<Element>(acc_dv[mt][nt][2 * half],
@@ -957,7 +956,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                                 (seq.k_row0 + j) * p.dv_row_stride + hk * p.dv_head_stride;
 #pragma unroll
         for (int nt = 0; nt < kKVCols / 8; ++nt) {
-          const int col = kvc * Cfg::kKVCol0 + Cfg::kv_col(nt) + 2 * t;
+          const int col = kvc * Cfg::KVPieces::kCol0 + Cfg::KVPieces::col(nt) + 2 * t;
           if (col >= d) continue;
           store_pair(dk_row + col, acc_dk[mt][nt][2 * half] * p.scale,
                      acc_dk[mt][nt][2 * half + 1] * p.scale, col + 1 < d, w.pair_store);
