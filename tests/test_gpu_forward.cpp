@@ -5,7 +5,8 @@
 // it serves, with ragged sequence lengths, causal and not. Then every runtime branch of the kernel:
 // causal with s_q != s_k both ways (rows that see no key), sliding windows, GQA/MQA, varlen with
 // empty sequences, softcap, ALiBi, dropout, padded (16-byte aligned) and odd (unaligned) strides,
-// odd head dims, seqlen 1 and 1025, inputs of magnitude 1e3. Each check follows DESIGN.md's rule
+// odd head dims, seqlen 1 and 1025, inputs of magnitude 1e3; buckets with a short-walk tile run
+// both tiles, forced, under each mask. Each check follows DESIGN.md's rule
 // (test_util.h: within_tolerance against the reference computed in the same low precision).
 // Outputs are poisoned with NaN on the device first, so an unwritten element fails. Without a
 // CUDA device every test skips, saying so.
@@ -15,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/sm80/fwd_tiles.h"
+#include "cuda/testing.h"
 #include "gpu_util.h"
 #include "test_util.h"
 
@@ -288,6 +291,76 @@ TEST_P(GpuForwardFeature, LargeMagnitudeInputs) {
     s.options.causal = causal;
     check_forward(s);
   }
+}
+
+// ---- both tiles of buckets that have a short-walk tile (sm80/fwd_tiles.h) --------------------
+
+// Forces one tile choice for the scope (cuda/testing.h): 1 the primary tile, 2 the short-walk one.
+struct ForceTiles {
+  explicit ForceTiles(int choice) { cuda::testing::force_forward_tiles(choice); }
+  ~ForceTiles() { cuda::testing::force_forward_tiles(0); }
+};
+
+// The automatic choice sends causal and windowed problems with short key walks (every other test
+// here) to the short-walk tile and the rest to the primary one; each runs every mask here.
+TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  int tested = 0;
+  for (const Variant& v : compiled_variants()) {
+    if (!cuda::sm80::has_short_fwd_tile(v.bucket)) continue;
+    for (int choice : {1, 2}) {
+      ForceTiles force(choice);
+      SCOPED_TRACE(std::string(choice == 1 ? "primary" : "short-walk") + " tile");
+      for (int d : {v.bucket, smallest_head_dim(v)})
+        for (bool causal : {false, true}) {
+          ProblemSpec s = base_spec(v.dtype, d, 40);
+          s.seqlen_q = 97 + d % 7;
+          s.seqlen_k = 300;
+          s.options.causal = causal;
+          check_forward(s);
+        }
+      ProblemSpec rows = base_spec(v.dtype, v.bucket, 41);  // the first 203 rows see no key
+      rows.seqlen_q = 300;
+      rows.seqlen_k = 97;
+      rows.options.causal = true;
+      check_forward(rows);
+      ProblemSpec window = base_spec(v.dtype, v.bucket, 42);
+      window.seqlen_q = 290;
+      window.seqlen_k = 310;
+      window.heads_q = 4;
+      window.heads_kv = 2;
+      window.options.window_left = 70;
+      window.options.window_right = 5;
+      check_forward(window);
+      ProblemSpec varlen = base_spec(v.dtype, v.bucket, 43);
+      varlen.varlen_q = {0, 97, 1, 300, 5, 130};
+      varlen.varlen_k = {7, 120, 0, 301, 0, 129};
+      varlen.options.causal = true;
+      check_forward(varlen);
+      ProblemSpec mods = base_spec(v.dtype, v.bucket, 44);
+      mods.seqlen_q = 150;
+      mods.seqlen_k = 210;
+      mods.alibi = true;
+      mods.options.softcap = 10.0f;
+      mods.options.window_left = 70;
+      mods.options.causal = true;
+      mods.options.dropout_p = 0.1f;
+      mods.options.dropout_seed = 42 + test_seed();
+      check_forward(mods);
+      ProblemSpec odd = base_spec(v.dtype, v.bucket - 3, 45);  // unaligned rows, odd head_dim
+      odd.pad = 3;
+      odd.options.causal = true;
+      check_forward(odd);
+      ProblemSpec large = base_spec(v.dtype, v.bucket, 46);
+      large.magnitude = 1e3f;
+      large.seqlen_q = large.seqlen_k = 1025;
+      large.batch = 1;
+      large.options.causal = true;
+      check_forward(large);
+    }
+    ++tested;
+  }
+  EXPECT_GT(tested, 0) << "no compiled bucket has a short-walk tile";
 }
 
 std::string dtype_param_name(const ::testing::TestParamInfo<DType>& param) {

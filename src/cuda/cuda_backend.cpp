@@ -7,13 +7,23 @@
 // that holds it. Anything outside the table is answered kUnsupported by name, never a fallthrough.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <string>
 
 #include "core/backends.h"
 #include "cuda/sm80/fwd_launch.h"
+#include "cuda/testing.h"
 
 namespace flare {
 namespace cuda {
+namespace testing {
+namespace {
+std::atomic<int> forced_tiles{0};
+}  // namespace
+void force_forward_tiles(int choice) { forced_tiles.store(choice); }
+int forced_forward_tiles() { return forced_tiles.load(); }
+}  // namespace testing
+
 namespace {
 
 constexpr int variant_key(DType dtype, int head_dim) {

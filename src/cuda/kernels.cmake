@@ -4,10 +4,12 @@
 # The variant table below is the one list of compiled kernels: each (dtype, head-dim bucket)
 # becomes one generated translation unit, and the same list is written to
 # <build>/generated/flare/cuda_fwd_variants.inc, which the runtime dispatch (cuda_backend.cpp) and
-# the GPU tests include. 2 dtypes × 6 buckets × 2 CTA orders = 24 forward units, each compiled once
-# per entry of CMAKE_CUDA_ARCHITECTURES (default 80;90a): small enough for a 2-core CI machine.
+# the GPU tests include. 2 dtypes × 6 buckets × 2 CTA orders = 24 forward units, and 4 more for the
+# buckets with a short-walk tile (sm80/fwd_tiles.h), each compiled once per entry of
+# CMAKE_CUDA_ARCHITECTURES (default 80;90a): small enough for a 2-core CI machine.
 set(FLARE_CUDA_FWD_DTYPES kFloat16 kBFloat16)
 set(FLARE_CUDA_FWD_HEAD_DIMS 32 64 96 128 192 256)
+set(FLARE_CUDA_FWD_SHORT_HEAD_DIMS 256)  # must match kFwdShortTiles
 
 option(FLARE_PTXAS_VERBOSE "Print ptxas register/spill reports for every CUDA kernel" OFF)
 
@@ -29,14 +31,23 @@ function(flare_cuda_variants pass)
   set(lines "")
   foreach(FLARE_DTYPE IN LISTS FLARE_CUDA_FWD_DTYPES)
     foreach(FLARE_HEAD_DIM IN LISTS ARGN)
+      set(tiles false)
+      if(pass STREQUAL "fwd" AND FLARE_HEAD_DIM IN_LIST FLARE_CUDA_FWD_SHORT_HEAD_DIMS)
+        set(tiles false true)
+      endif()
       foreach(FLARE_GROUPED IN LISTS orders)
-        set(suffix "")
-        if(FLARE_GROUPED)
-          set(suffix "_grouped")
-        endif()
-        set(unit ${flare_gen_dir}/flare/sm80/${pass}_${FLARE_DTYPE}_d${FLARE_HEAD_DIM}${suffix}.cu)
-        configure_file(${PROJECT_SOURCE_DIR}/src/cuda/sm80/${pass}_instance.cu.in ${unit} @ONLY)
-        target_sources(flare PRIVATE ${unit})
+        foreach(FLARE_SHORT IN LISTS tiles)
+          set(suffix "")
+          if(FLARE_SHORT)
+            string(APPEND suffix "_short")
+          endif()
+          if(FLARE_GROUPED)
+            string(APPEND suffix "_grouped")
+          endif()
+          set(unit ${flare_gen_dir}/flare/sm80/${pass}_${FLARE_DTYPE}_d${FLARE_HEAD_DIM}${suffix}.cu)
+          configure_file(${PROJECT_SOURCE_DIR}/src/cuda/sm80/${pass}_instance.cu.in ${unit} @ONLY)
+          target_sources(flare PRIVATE ${unit})
+        endforeach()
       endforeach()
       string(APPEND lines "FLARE_CUDA_${PASS}_VARIANT(${FLARE_DTYPE}, ${FLARE_HEAD_DIM})\n")
     endforeach()

@@ -10,4 +10,10 @@ namespace flare::cuda::testing {
 // tested through this. Process-wide; for single-threaded tests.
 void force_backward_stages(int stages);
 
+// Forces the forward's tile choice for buckets that have a short-walk tile (sm80/fwd_tiles.h): 1
+// the primary tile, 2 the short-walk tile, under every mask; 0 restores the automatic choice.
+// Process-wide; for single-threaded tests.
+void force_forward_tiles(int choice);
+int forced_forward_tiles();
+
 }  // namespace flare::cuda::testing

@@ -80,11 +80,12 @@ using ElementOf = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfl
 
 // kPreHopper: the configuration of the sm_80–sm_89 device code, whose key step may be shorter
 // (fwd_tiles.h's block_n_sm80); block_m and warps, all the host sees besides shared memory, are
-// the same, and the host sizes shared memory for the larger of the two.
-template <DType kDType, int kHeadDim, bool kPreHopper = false>
+// the same, and the host sizes shared memory for the larger of the two. kShort: the bucket's
+// short-walk tile (fwd_tiles.h, kFwdShortTiles) instead of its primary one.
+template <DType kDType, int kHeadDim, bool kPreHopper = false, bool kShort = false>
 struct FwdConfig {
   using Element = ElementOf<kDType>;
-  static constexpr FwdTile kTile = fwd_tile(kHeadDim);
+  static constexpr FwdTile kTile = fwd_tile(kHeadDim, kShort);
   static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kFwdTiles");
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kPreHopper ? kTile.block_n_sm80 : kTile.block_n;
@@ -104,14 +105,21 @@ struct FwdConfig {
   // and the next K tile's copy), and the K/V pointers step instead of being recomputed. The other
   // tiles keep the v3 code: applied to every tile, these changes cost d 64 at 128×64 4% on the H100
   // (fwd_notes.md, v4).
-  static constexpr bool kRegisterTight = kMFrags * (kDFrags + kNFrags) * 4 >= 192;
+  // The d 256 short-walk tile (16-row warps, 4 warps, two CTAs per SM) is register-tight too: it
+  // spills 16-20 bytes on sm_90a otherwise.
+  static constexpr bool kRegisterTight =
+      kMFrags * (kDFrags + kNFrags) * 4 >= 192 || (kHeadDim == 256 && kWarps == 4);
   static constexpr bool kStatsInSmem = kRegisterTight;
   static constexpr int kStatsBytes = kStatsInSmem ? kMFrags * 4 * kThreads * 4 : 0;
   // Pipelined step (d 256 on sm_90a, 16-row warps at one CTA per SM): S_{j+1} = Q·K_{j+1}ᵀ is
   // formed beside the softmax of S_j, K and V double-buffered (see the key loop). The same order
   // at d 192, without its spread copies (24 chunks per row do not give each thread one column),
-  // measured 3-8% slower than the plain step on the H100.
-  static constexpr bool kPipelineS = !kPreHopper && kHeadDim == 256;
+  // measured 3-8% slower than the plain step on the H100. Not the short-walk tile: its two CTAs
+  // per SM desynchronise on their own.
+  static constexpr bool kPipelineS = !kPreHopper && kHeadDim == 256 && !kShort;
+  // The plain d 256 step of one CTA of 8 warps per SM (sm_80–sm_89) rescales O every step and
+  // takes the general epilogue; the others vote on O's rescale and take the short epilogue.
+  static constexpr bool kPlainD256 = kHeadDim == 256 && !kPipelineS && kWarps == 8;
   static constexpr int kKVBuffers = kPipelineS ? 2 : 1;
   static constexpr int kSmemBytes =
       (kBlockM + 2 * kKVBuffers * kBlockN) * kSmemStride * static_cast<int>(sizeof(Element)) +
@@ -209,17 +217,17 @@ __device__ __forceinline__ void load_tile(typename Cfg::Element* s,
 
 // kGrouped: the CTA's slot follows tile_group (tile_order.cuh); otherwise launch order, and the
 // code is what it was before the grouped order existed (its timings were taken with it).
-template <DType kDType, int kHeadDim, bool kGrouped>
-__global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
+template <DType kDType, int kHeadDim, bool kGrouped, bool kShort>
+__global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kThreads)
     attention_forward_kernel(const __grid_constant__ AttentionParams p, const int tile_group) {
+  using HostCfg = FwdConfig<kDType, kHeadDim, false, kShort>;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  using Cfg = FwdConfig<kDType, kHeadDim, true>;
+  using Cfg = FwdConfig<kDType, kHeadDim, true, kShort>;
 #else
-  using Cfg = FwdConfig<kDType, kHeadDim, false>;
+  using Cfg = HostCfg;
 #endif
-  static_assert(Cfg::kThreads == FwdConfig<kDType, kHeadDim>::kThreads &&
-                    Cfg::kBlockM == FwdConfig<kDType, kHeadDim>::kBlockM &&
-                    Cfg::kSmemBytes <= FwdConfig<kDType, kHeadDim>::kSmemBytes,
+  static_assert(Cfg::kThreads == HostCfg::kThreads && Cfg::kBlockM == HostCfg::kBlockM &&
+                    Cfg::kSmemBytes <= HostCfg::kSmemBytes,
                 "the launcher's grid, block and shared memory must fit every arch's tile");
   using Element = typename Cfg::Element;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStride = Cfg::kSmemStride;
@@ -443,7 +451,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   // each fragment goes through all phases before the next. H100, A/B in one call: d 64 +0.4 to
   // +2.9% on every cell; the same at d 128 and 256 −0 to −2.4%.
   // Rows' maxima move lazily (advance_row_max) wherever O's rescale is voted on.
-  constexpr bool kLazyMax = kHeadDim != 256 || Cfg::kPipelineS;
+  constexpr bool kLazyMax = !Cfg::kPlainD256;
   auto softmax = [&](STile& s) {
     if constexpr (kNFrags >= 16) {
       constexpr int kRowFrags = kMFrags * 2;  // fragment f: mf = f / 2, half = f % 2
@@ -504,7 +512,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const auto [base, correction, moved] =
               advance_row_max<kLazyMax>(stats.max(mf, half), mx * p.scale_log2);
-          if ((kHeadDim == 256 && !Cfg::kPipelineS) || __any_sync(0xffffffffu, moved)) {
+          if (Cfg::kPlainD256 || __any_sync(0xffffffffu, moved)) {
 #pragma unroll
             for (int df = 0; df < kDFrags; ++df) {
               acc_o[mf][df][2 * half] *= correction;
@@ -774,12 +782,12 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   Element* gO = static_cast<Element*>(p.o) + out.batch * p.o_batch_stride +
                 (out_seq.q_row0 + out_m0) * p.o_row_stride + out.head * p.o_head_stride;
   constexpr int kWarpChunks = Cfg::kWarpRows * Cfg::kChunksPerRow;
-  // d ≤ 128 and the pipelined d 256 step: whole rows of the warp go out as one 16-byte copy per
-  // chunk with no tests: short code for a part that runs once per CTA, from a cold instruction
-  // cache (H100, A/B in one call: d ≤ 128 +1 to +4.6% at s ≤ 2k; pipelined d 256 +1.2 to +4.3%
-  // at s ≤ 1k, +0.5 to +0.9% at 2k-4k, even above). The plain d 256 step measured 1% slower
-  // with it and keeps the general loop alone.
-  if constexpr (kHeadDim <= 128 || Cfg::kPipelineS) {
+  // d ≤ 128 and the pipelined and short-walk d 256 tiles: whole rows of the warp go out as one
+  // 16-byte copy per chunk with no tests: short code for a part that runs once per CTA, from a
+  // cold instruction cache (H100, A/B in one call: d ≤ 128 +1 to +4.6% at s ≤ 2k; pipelined d 256
+  // +1.2 to +4.3% at s ≤ 1k, +0.5 to +0.9% at 2k-4k, even above). The plain d 256 step measured
+  // 1% slower with it and keeps the general loop alone.
+  if constexpr (kHeadDim <= 128 || (kHeadDim == 256 && !Cfg::kPlainD256)) {
     if (vec && warp_row0 + Cfg::kWarpRows <= out_rows && d == kHeadDim) {
 #pragma unroll
       for (int c = lane; c < kWarpChunks; c += 32) {
@@ -806,27 +814,28 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim>::kThreads)
   }
 }
 
-template <DType kDType, int kHeadDim, bool kGrouped>
+template <DType kDType, int kHeadDim, bool kGrouped, bool kShort>
 Status launch_forward_order(const AttentionParams& p, int tile_group, cudaStream_t stream) {
-  using Cfg = FwdConfig<kDType, kHeadDim>;
+  using Cfg = FwdConfig<kDType, kHeadDim, false, kShort>;
+  using PreHopperCfg = FwdConfig<kDType, kHeadDim, true, kShort>;
   const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if (m_blocks == 0 || p.batch == 0) return {};
   if (p.batch > 65535)
     return Status::unsupported("q: batch = " + std::to_string(p.batch) +
                                " exceeds the CUDA forward's maximum 65535 (grid z)");
-  auto* kernel = attention_forward_kernel<kDType, kHeadDim, kGrouped>;
+  auto* kernel = attention_forward_kernel<kDType, kHeadDim, kGrouped, kShort>;
   // The device code this device runs was compiled for sm_80–sm_89 (PTX below 9.0: sm_80 itself, or
   // compute_80 compiled just in time on a later GPU) or for sm_90a; size shared memory for it, so
   // a device that allows less than the sm_90a plan still runs the sm_80 one.
   int smem = Cfg::kSmemBytes;
   cudaError_t err = cudaSuccess;
-  if constexpr (FwdConfig<kDType, kHeadDim, true>::kSmemBytes != Cfg::kSmemBytes) {
+  if constexpr (PreHopperCfg::kSmemBytes != Cfg::kSmemBytes) {
     cudaFuncAttributes attr{};
     err = cudaFuncGetAttributes(&attr, kernel);
     if (err != cudaSuccess)
       return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) +
                                   "): cudaFuncGetAttributes: " + cudaGetErrorString(err));
-    if (attr.ptxVersion < 90) smem = FwdConfig<kDType, kHeadDim, true>::kSmemBytes;
+    if (attr.ptxVersion < 90) smem = PreHopperCfg::kSmemBytes;
   }
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess)

@@ -5,35 +5,70 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/params.h"
+#include "core/score_mod.h"
 #include "cuda/sm80/fwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
+#include "cuda/testing.h"
 #include "flare/status.h"
 
 namespace flare::cuda::sm80 {
 
 // Enqueues the forward kernel of one CTA order (kGrouped: tile_order.h's grouped order with
-// `tile_group`; else launch order) on `stream`; checks the launch, never synchronises.
-template <DType kDType, int kHeadDim, bool kGrouped>
+// `tile_group`; else launch order) and tile (kShort: the bucket's short-walk tile, fwd_tiles.h) on
+// `stream`; checks the launch, never synchronises.
+template <DType kDType, int kHeadDim, bool kGrouped, bool kShort>
 Status launch_forward_order(const AttentionParams& p, int tile_group, cudaStream_t stream);
 
-// Enqueues the forward on `stream`: grouped CTA order under causal or windowed masks, where a
-// head's query blocks differ in cost (K and V of a query head are shared by head_group query
-// heads). Per bucket, from A/Bs on the H100 (fwd_notes.md v13): d 128 takes the grouped kernel for
-// every mask (its code alone measured 2.4-3.2% faster on the non-causal cells too); d 64 keeps the
-// launch-order kernel (grouped: −1 to −5% at causal s ≤ 2k, +1 to +2% above).
-template <DType kDType, int kHeadDim>
-Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t m_blocks =
-      (int64_t{p.seqlen_q} + fwd_tile(kHeadDim).block_m - 1) / fwd_tile(kHeadDim).block_m;
+// The mean number of keys a query row sees, from 16 rows spread over the (longest) sequence.
+inline int mean_visible_keys(const AttentionParams& p) {
+  if (p.seqlen_q <= 0) return 0;
+  constexpr int kSamples = 16;
+  int64_t sum = 0;
+  for (int i = 0; i < kSamples; ++i) {
+    const int row = static_cast<int>(int64_t{p.seqlen_q - 1} * i / (kSamples - 1));
+    const KeyRange r = visible_keys(row, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    sum += std::max(0, r.hi - r.lo);
+  }
+  return static_cast<int>(sum / kSamples);
+}
+
+// Where rows see at most this many keys on average under a causal or windowed mask, a bucket's
+// short-walk tile runs (H100, d 256: causal s = 2k, a mean of 1024 keys, +2.5%; s = 4k, 2048,
+// −2%).
+inline constexpr int kShortWalkKeys = 1536;
+
+// Enqueues the forward on `stream` with one tile: grouped CTA order under causal or windowed
+// masks, where a head's query blocks differ in cost (K and V of a query head are shared by
+// head_group query heads). Per bucket, from A/Bs on the H100 (fwd_notes.md v13): d 128 takes the
+// grouped kernel for every mask (its code alone measured 2.4-3.2% faster on the non-causal cells
+// too); d 64 keeps the launch-order kernel (grouped: −1 to −5% at causal s ≤ 2k, +1 to +2% above).
+template <DType kDType, int kHeadDim, bool kShort>
+Status launch_forward_tile(const AttentionParams& p, cudaStream_t stream) {
+  constexpr int kBlockM = fwd_tile(kHeadDim, kShort).block_m;
+  const int64_t m_blocks = (int64_t{p.seqlen_q} + kBlockM - 1) / kBlockM;
   const int group = tile_group(
       p.has_window(), int64_t{4} * p.seqlen_k * kHeadDim / (p.head_group > 0 ? p.head_group : 1),
       m_blocks, int64_t{p.heads_q} * p.batch);
   if (kHeadDim == 128 || (group > 1 && kHeadDim != 64))
-    return launch_forward_order<kDType, kHeadDim, true>(p, group, stream);
-  return launch_forward_order<kDType, kHeadDim, false>(p, 1, stream);
+    return launch_forward_order<kDType, kHeadDim, true, kShort>(p, group, stream);
+  return launch_forward_order<kDType, kHeadDim, false, kShort>(p, 1, stream);
+}
+
+// Enqueues the forward on `stream`: the bucket's short-walk tile where it has one and rows see few
+// keys under a causal or windowed mask (or where a test forces it), else its primary tile.
+template <DType kDType, int kHeadDim>
+Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (has_short_fwd_tile(kHeadDim)) {
+    const int forced = testing::forced_forward_tiles();
+    const bool short_walk =
+        forced != 0 ? forced == 2 : p.has_window() && mean_visible_keys(p) <= kShortWalkKeys;
+    if (short_walk) return launch_forward_tile<kDType, kHeadDim, true>(p, stream);
+  }
+  return launch_forward_tile<kDType, kHeadDim, false>(p, stream);
 }
 
 }  // namespace flare::cuda::sm80

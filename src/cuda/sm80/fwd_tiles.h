@@ -30,6 +30,13 @@
 //             register-tight mode at 128×64×8 −1%; K/V double-buffered ±1%. On sm_90a d 256
 //             runs this tile with the pipelined step (fwd_kernel.cuh; K/V double-buffered,
 //             202 KB of shared memory): +7 to +12% over the plain step.
+// A bucket may also have a short-walk tile (kFwdShortTiles), which the launcher takes under causal
+// or windowed masks where query rows see few keys on average (fwd_launch.h):
+//   d 256:    64×64, 4 warps, two CTAs per SM (flash-attention's H100 choice), register-tight,
+//             rows' maxima moved lazily, the short epilogue. Against the pipelined 128×64 tile on
+//             the H100 (A/B in one call, bf16, standard grid): causal s = 512 / 1k / 2k / 4k
+//             +13 / +6 / +2.5 / −2%; non-causal −7 to −11% at every s. Short key walks leave
+//             each CTA's start and end exposed at one CTA per SM; two CTAs cover each other's.
 // Results behind these lines: bench/results/2026-11-26-h100-fwd-*.json, src/cuda/sm80/fwd_notes.md.
 #pragma once
 
@@ -48,11 +55,22 @@ inline constexpr FwdTile kFwdTiles[] = {
     {128, 128, 64, 4, 32}, {192, 128, 64, 8, 64}, {256, 128, 64, 8, 64},
 };
 
-// The tile of a compiled bucket; {0, ...} when the bucket is missing (a static_assert catches it).
-constexpr FwdTile fwd_tile(int bucket) {
-  for (const FwdTile& t : kFwdTiles)
-    if (t.head_dim == bucket) return t;
+inline constexpr FwdTile kFwdShortTiles[] = {
+    {256, 64, 64, 4, 64},
+};
+
+// The tile of a compiled bucket (kShort: its short-walk tile); {0, ...} when the bucket has none
+// (a static_assert catches a missing primary tile; has_short_fwd_tile asks for the other).
+constexpr FwdTile fwd_tile(int bucket, bool short_walk = false) {
+  if (short_walk) {
+    for (const FwdTile& t : kFwdShortTiles)
+      if (t.head_dim == bucket) return t;
+  } else {
+    for (const FwdTile& t : kFwdTiles)
+      if (t.head_dim == bucket) return t;
+  }
   return {0, 0, 0, 0, 0};
 }
+constexpr bool has_short_fwd_tile(int bucket) { return fwd_tile(bucket, true).head_dim == bucket; }
 
 }  // namespace flare::cuda::sm80
