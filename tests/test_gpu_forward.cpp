@@ -70,6 +70,19 @@ ProblemSpec base_spec(DType dtype, int head_dim, uint64_t salt) {
   return s;
 }
 
+// `s` as a 150×210 problem with every score modifier and dropout on, under a causal window.
+ProblemSpec with_every_modifier(ProblemSpec s) {
+  s.seqlen_q = 150;
+  s.seqlen_k = 210;
+  s.alibi = true;
+  s.options.softcap = 10.0f;
+  s.options.window_left = 70;
+  s.options.causal = true;
+  s.options.dropout_p = 0.1f;
+  s.options.dropout_seed = 42 + test_seed();
+  return s;
+}
+
 std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
   return std::string(info.param.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
          std::to_string(info.param.bucket);
@@ -221,18 +234,7 @@ TEST_P(GpuForwardFeature, SoftcapAndAlibiTogether) {
 // Each tile shape (32-row warps at N=64 and N=32, 16-row warps) with every score modifier on.
 TEST_P(GpuForwardFeature, AllModifiersInEveryTileShape) {
   FLARE_SKIP_WITHOUT_CUDA();
-  for (int d : {64, 128, 256}) {
-    ProblemSpec s = spec(d, 23);
-    s.seqlen_q = 150;
-    s.seqlen_k = 210;
-    s.alibi = true;
-    s.options.softcap = 10.0f;
-    s.options.window_left = 70;
-    s.options.causal = true;
-    s.options.dropout_p = 0.1f;
-    s.options.dropout_seed = 42 + test_seed();
-    check_forward(s);
-  }
+  for (int d : {64, 128, 256}) check_forward(with_every_modifier(spec(d, 23)));
 }
 
 TEST_P(GpuForwardFeature, DropoutMatchesTheCpuMask) {
@@ -337,16 +339,7 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
       varlen.varlen_k = {7, 120, 0, 301, 0, 129};
       varlen.options.causal = true;
       check_forward(varlen);
-      ProblemSpec mods = base_spec(v.dtype, v.bucket, 44);
-      mods.seqlen_q = 150;
-      mods.seqlen_k = 210;
-      mods.alibi = true;
-      mods.options.softcap = 10.0f;
-      mods.options.window_left = 70;
-      mods.options.causal = true;
-      mods.options.dropout_p = 0.1f;
-      mods.options.dropout_seed = 42 + test_seed();
-      check_forward(mods);
+      check_forward(with_every_modifier(base_spec(v.dtype, v.bucket, 44)));
       ProblemSpec odd = base_spec(v.dtype, v.bucket - 3, 45);  // unaligned rows, odd head_dim
       odd.pad = 3;
       odd.options.causal = true;
