@@ -1,11 +1,13 @@
 // Tests of the CUDA grids' CTA order (src/cuda/sm80/tile_order.h), which is host code: the grouped
 // order must give every (tile, head, batch) slot to exactly one CTA for any grid shape and group,
-// put each group's heavier ranks before its lighter ones, and pick groups by the stated rule.
+// put each group's heavier ranks before its lighter ones, and pick groups by the stated rule. And
+// the forward's choice between a bucket's tiles (src/cuda/sm80/fwd_tiles.h), host code too.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
 
+#include "cuda/sm80/fwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
 
 namespace flare {
@@ -79,6 +81,44 @@ TEST(TileOrder, GroupRule) {
     }
   // The H100 grid's causal forward at s = 1k, d = 256: K and V 1 MiB per head, 128 heads.
   EXPECT_EQ(tile_group(true, int64_t{4} * 1024 * 256, 8, 128), 16);
+}
+
+// The short-walk rule: masks whose rows see at most kShortWalkKeys keys on average, never the
+// unmasked (or only ragged) problems, whatever their length.
+TEST(FwdTiles, ShortWalkTileForMasksWithShortKeyWalks) {
+  using cuda::sm80::kShortWalkKeys;
+  using cuda::sm80::mean_visible_keys;
+  using cuda::sm80::takes_short_fwd_tile;
+  auto problem = [](int s_q, int s_k, int left, int right) {
+    AttentionParams p;
+    p.seqlen_q = s_q;
+    p.seqlen_k = s_k;
+    p.window_left = left;
+    p.window_right = right;
+    return p;
+  };
+  // Causal (window_right = 0): a row i of s × s sees i + 1 keys, a mean of about s / 2.
+  EXPECT_NEAR(mean_visible_keys(problem(2048, 2048, -1, 0)), 1024, 1);
+  EXPECT_NEAR(mean_visible_keys(problem(4096, 4096, -1, 0)), 2048, 1);
+  EXPECT_TRUE(takes_short_fwd_tile(problem(512, 512, -1, 0)));
+  EXPECT_TRUE(takes_short_fwd_tile(problem(2048, 2048, -1, 0)));
+  EXPECT_FALSE(takes_short_fwd_tile(problem(4096, 4096, -1, 0)));
+  // Bottom-right aligned: 1k queries over 8k keys see 7k+ keys each.
+  EXPECT_FALSE(takes_short_fwd_tile(problem(1024, 8192, -1, 0)));
+  // A sliding window bounds the walk at any length (256 keys a row but for the first rows, which
+  // the sample's row 0 stands for); a wide one does not.
+  EXPECT_NEAR(mean_visible_keys(problem(65536, 65536, 255, 0)), 256, 256 / 16 + 1);
+  EXPECT_TRUE(takes_short_fwd_tile(problem(65536, 65536, 255, 0)));
+  EXPECT_FALSE(takes_short_fwd_tile(problem(65536, 65536, 2 * kShortWalkKeys, 0)));
+  // No mask: every row sees every key, and the primary tile runs even for short sequences.
+  EXPECT_FALSE(takes_short_fwd_tile(problem(512, 512, -1, -1)));
+  EXPECT_FALSE(takes_short_fwd_tile(problem(64, 64, -1, -1)));
+  // Rows that see no key count as zero, and an empty problem asks nothing.
+  EXPECT_EQ(mean_visible_keys(problem(300, 0, -1, 0)), 0);
+  EXPECT_EQ(mean_visible_keys(problem(0, 0, -1, 0)), 0);
+  // Only d 256 has a short-walk tile now; the other buckets never ask.
+  EXPECT_TRUE(cuda::sm80::has_short_fwd_tile(256));
+  EXPECT_FALSE(cuda::sm80::has_short_fwd_tile(128));
 }
 
 }  // namespace

@@ -5,11 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "core/params.h"
-#include "core/score_mod.h"
 #include "cuda/sm80/fwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
 #include "cuda/testing.h"
@@ -22,24 +20,6 @@ namespace flare::cuda::sm80 {
 // `stream`; checks the launch, never synchronises.
 template <DType kDType, int kHeadDim, bool kGrouped, bool kShort>
 Status launch_forward_order(const AttentionParams& p, int tile_group, cudaStream_t stream);
-
-// The mean number of keys a query row sees, from 16 rows spread over the (longest) sequence.
-inline int mean_visible_keys(const AttentionParams& p) {
-  if (p.seqlen_q <= 0) return 0;
-  constexpr int kSamples = 16;
-  int64_t sum = 0;
-  for (int i = 0; i < kSamples; ++i) {
-    const int row = static_cast<int>(int64_t{p.seqlen_q - 1} * i / (kSamples - 1));
-    const KeyRange r = visible_keys(row, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
-    sum += std::max(0, r.hi - r.lo);
-  }
-  return static_cast<int>(sum / kSamples);
-}
-
-// Where rows see at most this many keys on average under a causal or windowed mask, a bucket's
-// short-walk tile runs (H100, d 256: causal s = 2k, a mean of 1024 keys, +2.5%; s = 4k, 2048,
-// −2%).
-inline constexpr int kShortWalkKeys = 1536;
 
 // Enqueues the forward on `stream` with one tile: grouped CTA order under causal or windowed
 // masks, where a head's query blocks differ in cost (K and V of a query head are shared by
@@ -64,9 +44,8 @@ template <DType kDType, int kHeadDim>
 Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
   if constexpr (has_short_fwd_tile(kHeadDim)) {
     const int forced = testing::forced_forward_tiles();
-    const bool short_walk =
-        forced != 0 ? forced == 2 : p.has_window() && mean_visible_keys(p) <= kShortWalkKeys;
-    if (short_walk) return launch_forward_tile<kDType, kHeadDim, true>(p, stream);
+    if (forced != 0 ? forced == 2 : takes_short_fwd_tile(p))
+      return launch_forward_tile<kDType, kHeadDim, true>(p, stream);
   }
   return launch_forward_tile<kDType, kHeadDim, false>(p, stream);
 }
