@@ -35,9 +35,9 @@
 //   d 256:    64×64, 4 warps, two CTAs per SM (flash-attention's H100 choice), register-tight,
 //             rows' maxima moved lazily, the short epilogue. Against the pipelined 128×64 tile on
 //             the H100 (A/B in one call, bf16, standard grid): causal s = 512 / 1k / 2k / 4k
-//             +13 / +6 / +2.5 / −2%; non-causal −7 to −11% at every s. Short key walks leave
+//             +13 / +6 / +2.5 / −2%; non-causal −4 to −11% at every s. Short key walks leave
 //             each CTA's start and end exposed at one CTA per SM; two CTAs cover each other's.
-// Results behind these lines: bench/results/2026-11-26-h100-fwd-*.json, src/cuda/sm80/fwd_notes.md.
+// Results behind these lines: bench/results/2026-11-2[67]-h100-fwd-*.json, src/cuda/sm80/fwd_notes.md.
 #pragma once
 
 #include <algorithm>
