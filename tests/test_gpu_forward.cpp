@@ -6,7 +6,8 @@
 // causal with s_q != s_k both ways (rows that see no key), sliding windows, GQA/MQA, varlen with
 // empty sequences, softcap, ALiBi, dropout, padded (16-byte aligned) and odd (unaligned) strides,
 // odd head dims, seqlen 1 and 1025, inputs of magnitude 1e3; buckets with a short-walk tile run
-// both tiles, forced, under each mask. Each check follows DESIGN.md's rule
+// both tiles, forced, under each mask; the problems the sm90 (Hopper) kernel takes run through it
+// and, forced, through sm80. Each check follows DESIGN.md's rule
 // (test_util.h: within_tolerance against the reference computed in the same low precision).
 // Outputs are poisoned with NaN on the device first, so an unwritten element fails. Without a
 // CUDA device every test skips, saying so.
@@ -354,6 +355,89 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
     ++tested;
   }
   EXPECT_GT(tested, 0) << "no compiled bucket has a short-walk tile";
+}
+
+// Forces the forward's kernel family for the scope (cuda/testing.h): 80 the sm80 kernels.
+struct ForceArch {
+  explicit ForceArch(int arch) { cuda::testing::force_forward_arch(arch); }
+  ~ForceArch() { cuda::testing::force_forward_arch(0); }
+};
+
+// The problems the sm90 forward takes (sm90/fwd_tiles.h: fixed-length batches, any mask, GQA,
+// 16-byte aligned strides, no dropout or score modifiers), in each of its buckets at the bucket's
+// head_dim and 24 below it, once through the automatic choice and once forced to sm80. On an
+// sm_90 device built with sm_90a code every automatic call must take the sm90 kernel (counted);
+// elsewhere both runs are sm80 and the test still checks them.
+TEST(GpuForwardSm90, EveryBucketAndMaskAgainstTheReference) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const bool sm90 = cuda::testing::sm90_forward_available();
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16})
+    for (int bucket : {64, 128, 256})
+      for (int d : {bucket, bucket - 24}) {
+        std::vector<ProblemSpec> specs;
+        ProblemSpec plain = base_spec(dtype, d, 60);  // 197×197: ragged last blocks
+        specs.push_back(plain);
+        ProblemSpec causal = base_spec(dtype, d, 61);
+        causal.seqlen_q = 97;
+        causal.seqlen_k = 300;
+        causal.options.causal = true;
+        specs.push_back(causal);
+        ProblemSpec no_keys = base_spec(dtype, d, 62);  // the first 203 rows see no key
+        no_keys.seqlen_q = 300;
+        no_keys.seqlen_k = 97;
+        no_keys.options.causal = true;
+        specs.push_back(no_keys);
+        ProblemSpec window = base_spec(dtype, d, 63);
+        window.seqlen_q = 290;
+        window.seqlen_k = 310;
+        window.heads_q = 4;
+        window.heads_kv = 2;
+        window.options.window_left = 70;
+        window.options.window_right = 5;
+        specs.push_back(window);
+        ProblemSpec mqa = base_spec(dtype, d, 64);  // padded rows (aligned), one kv head
+        mqa.heads_q = 3;
+        mqa.heads_kv = 1;
+        mqa.pad = 16;
+        mqa.options.causal = true;
+        specs.push_back(mqa);
+        ProblemSpec one = base_spec(dtype, d, 65);
+        one.seqlen_q = one.seqlen_k = 1;
+        specs.push_back(one);
+        ProblemSpec large = base_spec(dtype, d, 66);
+        large.magnitude = 1e3f;
+        large.seqlen_q = large.seqlen_k = 1025;
+        large.batch = 1;
+        large.options.causal = d == bucket;
+        specs.push_back(large);
+        for (const ProblemSpec& s : specs) {
+          const long before = cuda::testing::sm90_forward_launches();
+          check_forward(s);
+          if (sm90) {
+            EXPECT_EQ(cuda::testing::sm90_forward_launches(), before + 1)
+                << s.describe() << ": the automatic choice did not take the sm90 kernel";
+          }
+          ForceArch force(80);
+          SCOPED_TRACE("forced to sm80");
+          check_forward(s);
+          EXPECT_EQ(cuda::testing::sm90_forward_launches(), before + (sm90 ? 1 : 0));
+        }
+      }
+}
+
+// Problems outside sm90's set run the sm80 kernels on every device.
+TEST(GpuForwardSm90, FeaturesOutsideItsSetRunSm80) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const long before = cuda::testing::sm90_forward_launches();
+  check_forward(with_every_modifier(base_spec(DType::kBFloat16, 128, 70)));
+  ProblemSpec varlen = base_spec(DType::kBFloat16, 128, 71);
+  varlen.varlen_q = {0, 97, 1, 300};
+  varlen.varlen_k = {7, 120, 0, 301};
+  check_forward(varlen);
+  ProblemSpec odd = base_spec(DType::kBFloat16, 125, 72);  // unaligned rows
+  odd.pad = 3;
+  check_forward(odd);
+  EXPECT_EQ(cuda::testing::sm90_forward_launches(), before);
 }
 
 std::string dtype_param_name(const ::testing::TestParamInfo<DType>& param) {

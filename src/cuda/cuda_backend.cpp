@@ -12,6 +12,8 @@
 
 #include "core/backends.h"
 #include "cuda/sm80/fwd_launch.h"
+#include "cuda/sm90/fwd_launch.h"
+#include "cuda/sm90/fwd_tiles.h"
 #include "cuda/testing.h"
 
 namespace flare {
@@ -19,9 +21,13 @@ namespace cuda {
 namespace testing {
 namespace {
 std::atomic<int> forced_tiles{0};
+std::atomic<int> forced_arch{0};
+std::atomic<long> sm90_launches{0};
 }  // namespace
 void force_forward_tiles(int choice) { forced_tiles.store(choice); }
 int forced_forward_tiles() { return forced_tiles.load(); }
+void force_forward_arch(int arch) { forced_arch.store(arch); }
+int forced_forward_arch() { return forced_arch.load(); }
 }  // namespace testing
 
 namespace {
@@ -55,7 +61,26 @@ Status on_device(int device_index, Launch launch) {
   return status;
 }
 
+// Whether the sm90 kernel of p's bucket runs p on the current device.
+bool sm90_runs(const AttentionParams& p) {
+  if (testing::forced_forward_arch() == 80 || !sm90::forward_supported(p)) return false;
+  switch (variant_key(p.dtype, sm90::fwd90_bucket(p.head_dim))) {
+#define FLARE_CUDA_FWD90_VARIANT(DT, HD) \
+  case variant_key(DType::DT, HD):       \
+    return sm90::forward_runs_on_device<DType::DT, HD>();
+#include "flare/cuda_fwd90_variants.inc"
+#undef FLARE_CUDA_FWD90_VARIANT
+    default:
+      return false;
+  }
+}
+
 }  // namespace
+
+bool testing::sm90_forward_available() {
+  return sm90::forward_runs_on_device<DType::kBFloat16, 128>();
+}
+long testing::sm90_forward_launches() { return testing::sm90_launches.load(); }
 
 Status forward(const AttentionParams& p, Stream stream) {
   if (p.dtype == DType::kFloat32)
@@ -65,6 +90,19 @@ Status forward(const AttentionParams& p, Stream stream) {
   const int bucket = forward_bucket(p.dtype, p.head_dim);
   const auto s = static_cast<cudaStream_t>(stream);
   return on_device(p.device_index, [&]() -> Status {
+    // Hopper: the sm90 kernel for the problems it takes (sm90/fwd_tiles.h), sm80 for the rest.
+    if (sm90_runs(p)) {
+      switch (variant_key(p.dtype, sm90::fwd90_bucket(p.head_dim))) {
+#define FLARE_CUDA_FWD90_VARIANT(DT, HD) \
+  case variant_key(DType::DT, HD):       \
+    ++testing::sm90_launches;              \
+    return sm90::launch_forward<DType::DT, HD>(p, s);
+#include "flare/cuda_fwd90_variants.inc"
+#undef FLARE_CUDA_FWD90_VARIANT
+        default:
+          break;
+      }
+    }
     switch (variant_key(p.dtype, bucket)) {
 #define FLARE_CUDA_FWD_VARIANT(DT, HD) \
   case variant_key(DType::DT, HD):     \

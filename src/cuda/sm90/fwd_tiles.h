@@ -1,0 +1,75 @@
+// fwd_tiles.h — tiles of the sm90 (Hopper) forward kernel and which problems it takes.
+//
+// Host code without CUDA: the dispatch and the tests ask forward_supported() before choosing it.
+// One row per head-dim bucket: kBlockM = 64 query rows per consumer warpgroup, kBlockN keys per
+// step, the number of consumer warpgroups (one producer warpgroup beside them issues the TMA
+// loads), and the K/V pipeline depth. O costs d/2 fp32 registers per consumer thread and S
+// kBlockN/2, under the 240 (two consumers) or 160 (three) that setmaxnreg gives them.
+//   d 64:  192×128, 3 consumers: O 32 + S 64 registers.
+//   d 128: 128×128, 2 consumers: O 64 + S 64.
+//   d 256: 128×64,  2 consumers: O 128 + S 32.
+#pragma once
+
+#include <cstdint>
+
+#include "core/params.h"
+
+namespace flare::cuda::sm90 {
+
+struct Fwd90Tile {
+  int head_dim;  // bucket
+  int block_m;
+  int block_n;
+  int consumers;  // warpgroups of 64 query rows
+  int stages;     // K/V buffers
+};
+
+inline constexpr Fwd90Tile kFwd90Tiles[] = {
+    {64, 192, 128, 3, 2},
+    {128, 128, 128, 2, 2},
+    {256, 128, 64, 2, 2},
+};
+
+constexpr Fwd90Tile fwd90_tile(int bucket) {
+  for (const Fwd90Tile& t : kFwd90Tiles)
+    if (t.head_dim == bucket) return t;
+  return {0, 0, 0, 0, 0};
+}
+
+// The sm90 bucket of a head_dim: the bucket the sm80 kernels would run it in (their buckets are
+// 32, 64, 96, 128, 192, 256) where sm90 has one of the same width, else 0 (the sm80 kernel runs).
+constexpr int fwd90_bucket(int head_dim) {
+  if (head_dim > 32 && head_dim <= 64) return 64;
+  if (head_dim > 96 && head_dim <= 128) return 128;
+  if (head_dim > 192 && head_dim <= 256) return 256;
+  return 0;
+}
+
+// Whether the sm90 forward takes a problem (before asking the device): fixed-length batches with
+// any causal or sliding-window mask, GQA/MQA and seqlen_q != seqlen_k; no dropout, softcap or
+// ALiBi, no packed variable-length batches. TMA needs 16-byte aligned tensors and row, head and
+// batch strides in whole 16-byte units; the output is written in 16-byte chunks (head_dim a
+// multiple of 8). Everything else runs the sm80 kernels.
+inline bool forward_supported(const AttentionParams& p) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
+  if (fwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
+  if (p.is_varlen() || p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr)
+    return false;
+  if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
+  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  if (!aligned(p.q) || !aligned(p.k) || !aligned(p.v) || !aligned(p.o)) return false;
+  // (stride, extent) per tensor dimension: TMA takes strides that are whole 16-byte units, and a
+  // zero stride only where the extent is 1 (the launcher substitutes one there).
+  const int64_t dims[][2] = {
+      {p.q_row_stride, p.seqlen_q},  {p.q_head_stride, p.heads_q},  {p.q_batch_stride, p.batch},
+      {p.k_row_stride, p.seqlen_k},  {p.k_head_stride, p.heads_kv}, {p.k_batch_stride, p.batch},
+      {p.v_row_stride, p.seqlen_k},  {p.v_head_stride, p.heads_kv}, {p.v_batch_stride, p.batch},
+      {p.o_row_stride, p.seqlen_q},  {p.o_head_stride, p.heads_q},  {p.o_batch_stride, p.batch}};
+  for (const auto& d : dims) {
+    if (d[0] % 8 != 0 || d[0] < 0 || d[0] >= (int64_t{1} << 38)) return false;
+    if (d[0] == 0 && d[1] > 1) return false;
+  }
+  return true;
+}
+
+}  // namespace flare::cuda::sm90
