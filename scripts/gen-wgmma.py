@@ -8,6 +8,7 @@ are generated rather than typed. Run from the repository root after changing SHA
 import pathlib
 
 SHAPES = (64, 128, 256)  # n of m64nNk16
+MN_SHAPES = (64,)  # n of the both-MN-major form (dQ = dS·K in the backward)
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 
 
@@ -15,7 +16,7 @@ def operand_list(first, count):
     return ", ".join(f"%{first + i}" for i in range(count))
 
 
-def wrapper(n, ctype, ptype, a_in_regs):
+def wrapper(n, ctype, ptype, a_in_regs, mn_major=False):
     regs = n // 2
     acc = operand_list(0, regs)
     if a_in_regs:
@@ -30,10 +31,11 @@ def wrapper(n, ctype, ptype, a_in_regs):
         a = f"%{regs}"
         b = f"%{regs + 1}"
         scale = f"%{regs + 2}"
-        tail = "1, 1, 0, 0"  # scale-a, scale-b, transpose A, transpose B (both K-major)
+        # scale-a, scale-b, transpose A, transpose B: both K-major, or both MN-major
+        tail = "1, 1, 1, 1" if mn_major else "1, 1, 0, 0"
         ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
         sig = "uint64_t desc_a, uint64_t desc_b, int scale_d"
-        name = "wgmma_ss"
+        name = "wgmma_ss_mn" if mn_major else "wgmma_ss"
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     return f"""template <>
 __device__ __forceinline__ void {name}<{n}, {ctype}>(float (&d)[{regs}], {sig}) {{
@@ -58,6 +60,8 @@ def main():
         for ctype, ptype in TYPES:
             out.append(wrapper(n, ctype, ptype, False))
             out.append(wrapper(n, ctype, ptype, True))
+            if n in MN_SHAPES:
+                out.append(wrapper(n, ctype, ptype, False, mn_major=True))
     (root / "src/cuda/ptx/wgmma_ops.inc").write_text("\n".join(out))
 
 

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cuda/testing.h"
 #include "test_util.h"
 
 namespace flare::test {
@@ -53,6 +54,14 @@ struct GpuProblem {
   Status forward(Stream stream = nullptr);
   // Copies o and lse back into the problem's host tensors.
   void download_forward(Problem* pr) const;
+};
+
+// Forces the kernel family of both passes for the scope (cuda/testing.h): 80 the sm80 kernels.
+struct ForceArch {
+  explicit ForceArch(int arch) { cuda::testing::force_arch(arch); }
+  ~ForceArch() { cuda::testing::force_arch(0); }
+  ForceArch(const ForceArch&) = delete;
+  ForceArch& operator=(const ForceArch&) = delete;
 };
 
 }  // namespace flare::test

@@ -9,7 +9,9 @@
 // that leave part of the bucket zero-filled. The feature cases cover each dispatch branch of the
 // kernel: masks, softcap, ALiBi, dropout, GQA, varlen with empty sequences, rows that see no key,
 // unaligned strides (the scalar-copy path), the fewer-buffer fallback an A100 runs at d=256
-// (forced through cuda/testing.h), and deterministic mode, whose two runs must agree bit for bit. Gradients within fp32 rounding of zero get the derived bound of
+// (forced through cuda/testing.h), and deterministic mode, whose two runs must agree bit for bit.
+// The problems the sm90 (Hopper) main kernel takes run through it and, forced, through sm80.
+// Gradients within fp32 rounding of zero get the derived bound of
 // test_util.h's expect_gradients_match.
 #include <gtest/gtest.h>
 
@@ -99,6 +101,66 @@ std::vector<int> head_dims_of(int bucket) {
     case 256: return {256, 200};
     default: return {bucket};
   }
+}
+
+// The problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length batches, any mask, GQA,
+// 16-byte aligned strides; no dropout, score modifiers or deterministic mode) in both its buckets
+// at the bucket's head_dim and 24 below it, through the automatic choice and forced to sm80. On
+// an sm_90 device with sm_90a code every automatic call must take the sm90 kernel (counted).
+TEST_F(GpuBackward, Sm90EveryBucketAndMask) {
+  const bool sm90 = cuda::testing::sm90_available();
+  for (DType dt : kDtypes)
+    for (int bucket : {64, 128})
+      for (int d : {bucket, bucket - 24}) {
+        std::vector<ProblemSpec> specs;
+        specs.push_back(make_spec(dt, 2, 197, 197, 2, 2, d));  // ragged last blocks
+        ProblemSpec causal = make_spec(dt, 1, 97, 300, 2, 2, d);
+        causal.options.causal = true;
+        specs.push_back(causal);
+        ProblemSpec no_keys = make_spec(dt, 1, 300, 97, 2, 2, d);  // 203 rows see no key
+        no_keys.options.causal = true;
+        specs.push_back(no_keys);
+        ProblemSpec window = make_spec(dt, 1, 290, 310, 4, 2, d);
+        window.options.window_left = 70;
+        window.options.window_right = 5;
+        specs.push_back(window);
+        ProblemSpec mqa = make_spec(dt, 2, 150, 260, 3, 1, d);  // padded rows (aligned)
+        mqa.pad = 16;
+        mqa.options.causal = true;
+        specs.push_back(mqa);
+        specs.push_back(make_spec(dt, 2, 1, 1, 2, 2, d));
+        ProblemSpec longer = make_spec(dt, 1, 700, 700, 2, 2, d);
+        longer.options.causal = d == bucket;
+        specs.push_back(longer);
+        for (const ProblemSpec& s : specs) {
+          const long before = cuda::testing::sm90_backward_launches();
+          check_backward(s);
+          if (sm90) {
+            EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 1)
+                << s.describe() << ": the automatic choice did not take the sm90 kernel";
+          }
+          ForceArch force(80);
+          SCOPED_TRACE("forced to sm80");
+          check_backward(s);
+          EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + (sm90 ? 1 : 0));
+        }
+      }
+}
+
+// Problems outside sm90's set run the sm80 backward on every device.
+TEST_F(GpuBackward, Sm90LeavesTheRestToSm80) {
+  const long before = cuda::testing::sm90_backward_launches();
+  ProblemSpec drop = make_spec(DType::kBFloat16, 1, 130, 140, 2, 2, 128);
+  drop.options.dropout_p = 0.1f;
+  drop.options.dropout_seed = 7;
+  check_backward(drop);
+  ProblemSpec det = make_spec(DType::kBFloat16, 1, 130, 140, 2, 2, 64);
+  det.options.deterministic = true;
+  check_backward(det);
+  check_backward(make_spec(DType::kBFloat16, 1, 130, 140, 2, 2, 256));
+  ProblemSpec odd = make_spec(DType::kFloat16, 1, 130, 140, 2, 2, 59);  // unaligned rows
+  check_backward(odd);
+  EXPECT_EQ(cuda::testing::sm90_backward_launches(), before);
 }
 
 TEST_F(GpuBackward, EveryVariantAndHeadDim) {

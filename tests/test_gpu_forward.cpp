@@ -357,11 +357,6 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
   EXPECT_GT(tested, 0) << "no compiled bucket has a short-walk tile";
 }
 
-// Forces the forward's kernel family for the scope (cuda/testing.h): 80 the sm80 kernels.
-struct ForceArch {
-  explicit ForceArch(int arch) { cuda::testing::force_forward_arch(arch); }
-  ~ForceArch() { cuda::testing::force_forward_arch(0); }
-};
 
 // The problems the sm90 forward takes (sm90/fwd_tiles.h: fixed-length batches, any mask, GQA,
 // 16-byte aligned strides, no dropout or score modifiers), in each of its buckets at the bucket's
@@ -370,7 +365,7 @@ struct ForceArch {
 // elsewhere both runs are sm80 and the test still checks them.
 TEST(GpuForwardSm90, EveryBucketAndMaskAgainstTheReference) {
   FLARE_SKIP_WITHOUT_CUDA();
-  const bool sm90 = cuda::testing::sm90_forward_available();
+  const bool sm90 = cuda::testing::sm90_available();
   for (DType dtype : {DType::kBFloat16, DType::kFloat16})
     for (int bucket : {64, 128, 256})
       for (int d : {bucket, bucket - 24}) {

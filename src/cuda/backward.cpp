@@ -2,7 +2,8 @@
 //
 // Three stream-ordered launches over one scratch allocation:
 //   preprocess  D = rowsum(dO∘O) (fp32); zero the fp32 dQ accumulator      (bwd_prepost.cu)
-//   main        per (key block, kv head, batch): dK, dV written; dQ added    (bwd_kernel.cuh)
+//   main        per (key block, kv head, batch): dK, dV written; dQ added    (sm80/bwd_kernel.cuh;
+//               on Hopper sm90/bwd_kernel.cuh for the problems it takes)
 //   convert     dq = scale · accumulator, rounded to the dtype              (bwd_prepost.cu)
 // The scratch comes from cudaMallocAsync and goes back with cudaFreeAsync on the caller's stream,
 // so nothing here waits for the device.
@@ -26,6 +27,8 @@
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm80/bwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
+#include "cuda/sm90/bwd_launch.h"
+#include "cuda/sm90/bwd_tiles.h"
 #include "cuda/testing.h"
 
 namespace flare {
@@ -33,8 +36,10 @@ namespace cuda {
 namespace testing {
 namespace {
 std::atomic<int> forced_backward_stages{0};
+std::atomic<long> sm90_launches{0};
 }  // namespace
 void force_backward_stages(int stages) { forced_backward_stages.store(stages); }
+long sm90_backward_launches() { return sm90_launches.load(); }
 }  // namespace testing
 
 namespace {
@@ -60,6 +65,28 @@ Status launch_main(const AttentionParams& p, const sm80::BwdWorkspace& w, int ke
       return Status::unsupported("q: no CUDA backward kernel for dtype " +
                                  std::string(dtype_name(p.dtype)) + ", head_dim " +
                                  std::to_string(p.head_dim));
+  }
+}
+
+// The sm90 main kernel where it takes p and the device runs it (Hopper); `taken` says whether it
+// did, so the caller runs the sm80 kernel otherwise.
+Status launch_main_sm90(const AttentionParams& p, const sm80::BwdWorkspace& w, cudaStream_t stream,
+                        bool* taken) {
+  *taken = false;
+  if (testing::forced_arch() == 80 || !sm90::backward_supported(p) ||
+      w.bucket != sm90::bwd90_bucket(p.head_dim) || w.num_splits != 1)
+    return {};
+  switch (bwd_variant_key(p.dtype, w.bucket)) {
+#define FLARE_CUDA_BWD90_VARIANT(DT, HD)                       \
+  case bwd_variant_key(DType::DT, HD):                         \
+    if (!sm90::backward_runs_on_device<DType::DT, HD>()) return {}; \
+    *taken = true;                                             \
+    ++testing::sm90_launches;                                  \
+    return sm90::launch_backward_main<DType::DT, HD>(p, w, stream);
+#include "flare/cuda_bwd90_variants.inc"
+#undef FLARE_CUDA_BWD90_VARIANT
+    default:
+      return {};
   }
 }
 
@@ -134,7 +161,11 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   }
 
   Status status = sm80::launch_backward_preprocess(p, w, stream);
-  if (status.ok() && key_blocks > 0 && p.batch > 0) status = launch_main(p, w, key_blocks, stream);
+  if (status.ok() && key_blocks > 0 && p.batch > 0) {
+    bool sm90 = false;
+    status = launch_main_sm90(p, w, stream, &sm90);
+    if (status.ok() && !sm90) status = launch_main(p, w, key_blocks, stream);
+  }
   if (status.ok()) status = sm80::launch_backward_convert(p, w, stream);
   if (scratch != nullptr) {
     err = cudaFreeAsync(scratch, stream);

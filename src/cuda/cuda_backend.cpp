@@ -21,13 +21,13 @@ namespace cuda {
 namespace testing {
 namespace {
 std::atomic<int> forced_tiles{0};
-std::atomic<int> forced_arch{0};
+std::atomic<int> forced_arch_value{0};
 std::atomic<long> sm90_launches{0};
 }  // namespace
 void force_forward_tiles(int choice) { forced_tiles.store(choice); }
 int forced_forward_tiles() { return forced_tiles.load(); }
-void force_forward_arch(int arch) { forced_arch.store(arch); }
-int forced_forward_arch() { return forced_arch.load(); }
+void force_arch(int arch) { forced_arch_value.store(arch); }
+int forced_arch() { return forced_arch_value.load(); }
 }  // namespace testing
 
 namespace {
@@ -63,7 +63,7 @@ Status on_device(int device_index, Launch launch) {
 
 // Whether the sm90 kernel of p's bucket runs p on the current device.
 bool sm90_runs(const AttentionParams& p) {
-  if (testing::forced_forward_arch() == 80 || !sm90::forward_supported(p)) return false;
+  if (testing::forced_arch() == 80 || !sm90::forward_supported(p)) return false;
   switch (variant_key(p.dtype, sm90::fwd90_bucket(p.head_dim))) {
 #define FLARE_CUDA_FWD90_VARIANT(DT, HD) \
   case variant_key(DType::DT, HD):       \
@@ -77,7 +77,7 @@ bool sm90_runs(const AttentionParams& p) {
 
 }  // namespace
 
-bool testing::sm90_forward_available() {
+bool testing::sm90_available() {
   return sm90::forward_runs_on_device<DType::kBFloat16, 128>();
 }
 long testing::sm90_forward_launches() { return testing::sm90_launches.load(); }

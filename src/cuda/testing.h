@@ -16,15 +16,16 @@ void force_backward_stages(int stages);
 void force_forward_tiles(int choice);
 int forced_forward_tiles();
 
-// Forces the forward's kernel family: 80 the sm80 kernels even where the sm90 kernel would run
-// (an H100 otherwise takes sm90 for the problems sm90/fwd_tiles.h accepts), 0 the automatic
-// choice. Process-wide; for single-threaded tests.
-void force_forward_arch(int arch);
-int forced_forward_arch();
+// Forces the kernel family of both passes: 80 the sm80 kernels even where the sm90 (Hopper)
+// kernels would run (an H100 otherwise takes them for the problems sm90/fwd_tiles.h and
+// sm90/bwd_tiles.h accept), 0 the automatic choice. Process-wide; for single-threaded tests.
+void force_arch(int arch);
+int forced_arch();
 
-// Whether the current device runs the sm90 forward (an sm_90 device, sm_90a code in the build),
-// and how many forward calls have taken it in this process.
-bool sm90_forward_available();
+// Whether the current device runs the sm90 kernels (an sm_90 device, sm_90a code in the build),
+// and how many forward and backward calls have taken them in this process.
+bool sm90_available();
 long sm90_forward_launches();
+long sm90_backward_launches();
 
 }  // namespace flare::cuda::testing

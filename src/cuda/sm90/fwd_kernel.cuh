@@ -25,12 +25,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -43,6 +41,7 @@
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm90/fwd_launch.h"
 #include "cuda/sm90/fwd_tiles.h"
+#include "cuda/sm90/tensor_map.h"
 
 namespace flare::cuda::sm90 {
 
@@ -63,10 +62,14 @@ struct Fwd90Config {
   static constexpr uint32_t kKVBytes = kPanels * kKVPanelBytes;  // one K or V tile
   // Dynamic shared memory: Q, the K ring, the V ring, and 1 KiB to align the start to 1024 bytes.
   static constexpr int kSmemBytes = static_cast<int>(kQBytes + 2 * kStages * kKVBytes) + 1024;
-  // Registers per thread after setmaxnreg: the CTA's 64 Ki registers, 24 per producer thread.
+  // Registers per thread after setmaxnreg. The CTA starts with (64 Ki / threads, rounded down to 8)
+  // per thread, and setmaxnreg.inc waits until the producer's release covers the consumers' growth,
+  // so the split must fit what the CTA was given (a split that does not fit hangs the kernel).
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+                "setmaxnreg split exceeds the CTA's registers");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockM == 64 * kConsumers, "tile shape");
 };
 
@@ -301,61 +304,10 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 #endif
 }
 
-namespace detail {
-
-// cuTensorMapEncodeTiled from the driver, looked up once through the runtime (no libcuda link).
-inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      return nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
-// A 4-D map (head_dim, rows, heads, batch) of a (b, s, h, d) tensor with a (64, box_rows, 1, 1)
-// box in the 128-byte swizzle. A zero stride (extent 1) is replaced: the coordinate is always 0.
-inline Status encode_map(CUtensorMap* map, DType dtype, const void* ptr, int head_dim, int rows,
-                         int heads, int batch, int64_t row_stride, int64_t head_stride,
-                         int64_t batch_stride, int box_rows, const char* name) {
-  const auto fn = encode_tiled();
-  if (fn == nullptr) return Status::device_error("sm90 forward: cuTensorMapEncodeTiled not found");
-  const auto bytes = [](int64_t s) { return static_cast<cuuint64_t>(s == 0 ? 8 : s) * 2; };
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {bytes(row_stride), bytes(head_stride), bytes(batch_stride)};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = fn(map,
-                        dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                        4, const_cast<void*>(ptr), dims, strides, box, unit,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return Status::device_error(std::string("sm90 forward: tensor map of ") + name +
-                                ": cuTensorMapEncodeTiled error " + std::to_string(r));
-  return {};
-}
-
-}  // namespace detail
 
 template <DType kDType, int kHeadDim>
 bool forward_runs_on_device() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
-    return false;
-  if (major != 9 || minor != 0) return false;
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, attention_forward_sm90_kernel<kDType, kHeadDim>) != cudaSuccess)
-    return false;
-  return attr.binaryVersion == 90;  // sm_90a code in the binary (not sm_80 code run forward)
+  return runs_sm90a_code(reinterpret_cast<const void*>(attention_forward_sm90_kernel<kDType, kHeadDim>));
 }
 
 template <DType kDType, int kHeadDim>
@@ -364,14 +316,14 @@ Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
   const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if (m_blocks == 0 || p.batch == 0) return {};
   CUtensorMap tm_q, tm_k, tm_v;
-  Status st = detail::encode_map(&tm_q, kDType, p.q, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+  Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
                                  p.q_row_stride, p.q_head_stride, p.q_batch_stride, Cfg::kBlockM,
                                  "q");
   if (!st.ok()) return st;
-  st = detail::encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+  st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
                           p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBlockN, "k");
   if (!st.ok()) return st;
-  st = detail::encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+  st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
                           p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
   if (!st.ok()) return st;
   auto* kernel = attention_forward_sm90_kernel<kDType, kHeadDim>;

@@ -1,0 +1,425 @@
+// bwd_kernel.cuh — the Hopper backward main kernel (sm_90a: wgmma, TMA, warp specialisation), fp16
+// and bf16, and its launcher. The preprocess (D = rowsum(dO∘O), dQ accumulator zeroed) and convert
+// (dq = scale · accumulator) kernels are the sm80 ones (sm80/bwd_prepost.cu), on the same workspace.
+//
+// One CTA owns kBlockN = 128 keys of one (kv head, batch): K and V are loaded once, dK and dV live
+// in registers and are written once, and the CTA walks every query block of every query head of
+// the kv head's group that sees one of its keys (as the sm80 kernel does). Warpgroup 0 is the
+// producer: one thread issues the TMA loads (K and V once; Q_i and dO_i into a ring of kStages
+// buffers). The consumers copy each step's LSE (base 2, +inf for rows that see nothing) and D into
+// shared memory beside them one step ahead, and arrive on the same `full` barrier as the TMA
+// loads. Warpgroups 1 and 2 each own 64 of the keys and per step run
+//   Sᵀ  = K·Q_iᵀ, dPᵀ = V·dO_iᵀ        wgmma, both operands K-major in shared memory
+//   Pᵀ  = 2^(Sᵀ·scale·log2e − LSE₂)      masked on boundary steps
+//   dSᵀ = Pᵀ∘(dPᵀ − D)
+//   dV += Pᵀ·dO_i, dK += dSᵀ·Q_i          wgmma with Pᵀ, dSᵀ in registers (the accumulator layout
+//                                         rounded in place is the A fragment), B MN-major
+//   dSᵀ → shared memory; the two warpgroups meet at a named barrier
+//   dQ_i += dS·K                          one 64×64 tile of dQ per warpgroup (both operands MN-major:
+//                                         dSᵀ's rows and K's rows are the reduction dimension),
+//                                         added to the fp32 accumulator with red.global.add.v2
+// dSᵀ is double-buffered, so one named barrier per step orders both its write-after-read and its
+// read-after-write. dK is scaled by the softmax scale on the way out, dQ by the convert kernel.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "core/params.h"
+#include "core/score_mod.h"
+#include "cuda/ptx/fast_math.cuh"
+#include "cuda/ptx/ldmatrix.cuh"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm80/bwd_launch.h"
+#include "cuda/sm90/bwd_launch.h"
+#include "cuda/sm90/bwd_tiles.h"
+#include "cuda/sm90/tensor_map.h"
+
+namespace flare::cuda::sm90 {
+
+template <DType kDType, int kHeadDim>
+struct Bwd90Config {
+  using Element = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
+  static constexpr Bwd90Tile kTile = bwd90_tile(kHeadDim);
+  static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kBwd90Tiles");
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr uint32_t kKVPanelBytes = kBlockN * 128;
+  static constexpr uint32_t kKVBytes = kPanels * kKVPanelBytes;  // K or V
+  static constexpr uint32_t kQPanelBytes = kBlockM * 128;
+  static constexpr uint32_t kQBytes = kPanels * kQPanelBytes;  // one Q or dO buffer
+  static constexpr uint32_t kDsPanelBytes = kBlockN * 128;     // 64 queries of dSᵀ
+  static constexpr uint32_t kDsBytes = (kBlockM / 64) * kDsPanelBytes;
+  static constexpr uint32_t kOffV = kKVBytes;
+  static constexpr uint32_t kOffQ = 2 * kKVBytes;
+  static constexpr uint32_t kOffDo = kOffQ + kStages * kQBytes;
+  static constexpr uint32_t kOffDs = kOffDo + kStages * kQBytes;
+  static constexpr int kSmemBytes = static_cast<int>(kOffDs + 2 * kDsBytes) + 1024;
+  // dQ tiles of 64 queries × 64 columns: (kBlockM / 64) · (d / 64) of them, one per warpgroup.
+  static_assert((kBlockM / 64) * (kHeadDim / 64) == kConsumers, "one dQ tile per warpgroup");
+  // Registers per thread after setmaxnreg. The CTA starts with (64 Ki / threads, rounded down to 8)
+  // per thread, and setmaxnreg.inc waits until the producer's release covers the consumers' growth,
+  // so the split must fit what the CTA was given (a split that does not fit hangs the kernel). At
+  // 24 the producer's one loop fits.
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;  // at 232 ptxas serialises the wgmmas
+  static_assert(kStages == 2, "LSE and D are double-buffered beside the Q/dO ring");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+                "setmaxnreg split exceeds the CTA's registers");
+};
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+template <DType kDType, int kHeadDim>
+__global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
+    attention_backward_sm90_kernel(const __grid_constant__ AttentionParams p,
+                                   const sm80::BwdWorkspace w,
+                                   const __grid_constant__ CUtensorMap tm_q,
+                                   const __grid_constant__ CUtensorMap tm_k,
+                                   const __grid_constant__ CUtensorMap tm_v,
+                                   const __grid_constant__ CUtensorMap tm_do) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = Bwd90Config<kDType, kHeadDim>;
+  using Element = typename Cfg::Element;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bars[1 + 2 * kStages];  // kv_full, full[], empty[]
+  __shared__ __align__(16) float s_lse[kStages][kBlockM];   // base-2 LSE, +inf: P = 0
+  __shared__ __align__(16) float s_dsum[kStages][kBlockM];  // D, 0 past the sequence end
+  const uint32_t raw = ptx::smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* const smem = smem_raw + (base - raw);
+  const uint32_t sK = base, sV = base + Cfg::kOffV, sQ = base + Cfg::kOffQ,
+                 sDo = base + Cfg::kOffDo, sDs = base + Cfg::kOffDs;
+  const uint32_t bar0 = ptx::smem_addr(bars);
+  const uint32_t kv_full = bar0;
+  auto full = [&](int s) { return bar0 + 8u * (1 + s); };
+  auto empty = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
+
+  const int tid = threadIdx.x;
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int len_q = p.seqlen_q, len_k = p.seqlen_k;
+  const int diag = len_k - len_q;
+  const int n0 = n_block * kBlockN;
+  const int rows_k = min(kBlockN, len_k - n0);
+  // Query rows that see a key of [n0, n0 + rows_k): key j is visible from row i iff
+  // j − right ≤ i + diag ≤ j + left (each side only when bounded).
+  int i_lo = 0, i_hi = len_q;
+  if (p.window_right >= 0) i_lo = max(0, n0 - p.window_right - diag);
+  if (p.window_left >= 0) i_hi = min(len_q, n0 + rows_k + p.window_left - diag);
+  const int m_begin = i_lo / kBlockM;
+  const int m_count = i_hi > i_lo ? (i_hi + kBlockM - 1) / kBlockM - m_begin : 0;
+  const int steps = m_count * p.head_group;  // step it: block m_begin + it % m_count, head it / m_count
+
+  // The consumers read the walk back from shared memory each step (volatile): held in registers
+  // across the loop, two of these values spill at d 64.
+  __shared__ int s_walk[2];  // m_begin, m_count
+  if (tid == 0) {
+    s_walk[0] = m_begin;
+    s_walk[1] = m_count;
+    ptx::mbarrier_init(kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers);  // TMA thread, LSE/D copies
+      ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
+    }
+    ptx::mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (tid == 0) {
+      ptx::tma_prefetch_descriptor(&tm_q);
+      ptx::tma_prefetch_descriptor(&tm_do);
+      ptx::mbarrier_arrive_expect_tx(kv_full, 2 * Cfg::kKVBytes);
+#pragma unroll
+      for (int pnl = 0; pnl < Cfg::kPanels; ++pnl) {
+        ptx::tma_load_4d(sK + pnl * Cfg::kKVPanelBytes, &tm_k, kv_full, pnl * 64, n0, hk, b);
+        ptx::tma_load_4d(sV + pnl * Cfg::kKVPanelBytes, &tm_v, kv_full, pnl * 64, n0, hk, b);
+      }
+      for (int it = 0; it < steps; ++it) {
+        const int stage = it % kStages, round = it / kStages;
+        const int h = hk * p.head_group + it / m_count, i0 = (m_begin + it % m_count) * kBlockM;
+        if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
+        ptx::mbarrier_arrive_expect_tx(full(stage), 2 * Cfg::kQBytes);
+#pragma unroll
+        for (int pnl = 0; pnl < Cfg::kPanels; ++pnl) {
+          ptx::tma_load_4d(sQ + stage * Cfg::kQBytes + pnl * Cfg::kQPanelBytes, &tm_q, full(stage),
+                           pnl * 64, i0, h, b);
+          ptx::tma_load_4d(sDo + stage * Cfg::kQBytes + pnl * Cfg::kQPanelBytes, &tm_do,
+                           full(stage), pnl * 64, i0, h, b);
+        }
+      }
+    }
+    return;
+  }
+
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int c = tid / 128 - 1;  // consumer warpgroup: keys 64c..64c+63 of the block
+  const int warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int key0 = c * 64 + warp * 16 + g;  // this thread's key rows key0, key0 + 8 (in the block)
+  // This warpgroup's dQ tile: queries 64·dq_m.., columns 64·dq_n.. of the step's block.
+  const int dq_m = kBlockM == 128 ? c : 0, dq_n = kBlockM == 128 ? 0 : c;
+
+  float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
+
+  const uint32_t k_rows = sK + c * 64 * 128, v_rows = sV + c * 64 * 128;
+  const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
+  const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
+  ptx::mbarrier_wait(kv_full, 0);  // also when there are no steps: the epilogue reuses K and V
+
+  const volatile int* walk = s_walk;
+  // LSE and D of a step: consumer thread ct (0–255) copies row ct % 128 of the step's query block,
+  // of LSE if ct < 128 and of D otherwise (where the row is inside the block), fetched one step
+  // ahead and published after the step's named barrier, which proves every consumer done with the
+  // buffer's previous step. Each consumer thread arrives on the step's `full` barrier after its copy.
+  const int ct = tid - 128, copy_row = ct % 128;
+  const bool copy_lse = ct < 128;
+  auto fetch = [&](int step) -> float {
+    const int m_n = walk[1];
+    const int h = hk * p.head_group + step / m_n, i = (walk[0] + step % m_n) * kBlockM + copy_row;
+    if (copy_row >= kBlockM || i >= len_q) return copy_lse ? -INFINITY : 0.0f;
+    return copy_lse ? p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i]
+                    : w.dsum[int64_t{h} * p.total_q + int64_t{b} * p.seqlen_q + i];
+  };
+  auto publish = [&](int step, float v) {
+    if (copy_row < kBlockM) {
+      if (copy_lse)
+        s_lse[step % kStages][copy_row] = v == -INFINITY ? INFINITY : v * kLog2e;
+      else
+        s_dsum[step % kStages][copy_row] = v;
+    }
+    ptx::mbarrier_arrive(full(step % kStages));
+  };
+  if (walk[1] > 0) publish(0, fetch(0));
+
+  for (int it = 0; it < walk[1] * p.head_group; ++it) {
+    const int stage = it % kStages;
+    const uint32_t parity = (it / kStages) & 1;
+    const int m_at = walk[0], m_n = walk[1];
+    const bool more = it + 1 < m_n * p.head_group;
+    const float next_copy = more ? fetch(it + 1) : 0.0f;
+    const int h = hk * p.head_group + it / m_n, i0 = (m_at + it % m_n) * kBlockM;
+    const uint32_t q_tile = sQ + stage * Cfg::kQBytes, do_tile = sDo + stage * Cfg::kQBytes;
+
+    // Sᵀ = K·Q_iᵀ and dPᵀ = V·dO_iᵀ (64 keys × kBlockM queries per warpgroup).
+    float s[kBlockM / 2], dp[kBlockM / 2];
+    ptx::mbarrier_wait(full(stage), parity);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t off = (kk % 4) * 32u;
+      ptx::wgmma_ss<kBlockM, Element>(
+          s, ptx::wgmma_desc_k_major(k_rows + (kk / 4) * Cfg::kKVPanelBytes + off),
+          ptx::wgmma_desc_k_major(q_tile + (kk / 4) * Cfg::kQPanelBytes + off), kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t off = (kk % 4) * 32u;
+      ptx::wgmma_ss<kBlockM, Element>(
+          dp, ptx::wgmma_desc_k_major(v_rows + (kk / 4) * Cfg::kKVPanelBytes + off),
+          ptx::wgmma_desc_k_major(do_tile + (kk / 4) * Cfg::kQPanelBytes + off), kk > 0 ? 1 : 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(s);
+    ptx::fence_operands(dp);
+
+    // Pᵀ and dSᵀ. Element 4j + e: key row key0 + 8·(e / 2), query column 8j + 2t + e % 2.
+    // Boundary steps (some row of the query block does not see every key of the block) mask
+    // with visible_keys's test: key < len_k and −left ≤ key − (query + diag) ≤ right.
+    const KeyRange first = visible_keys(i0, len_q, len_k, p.window_left, p.window_right);
+    const KeyRange last =
+        visible_keys(min(i0 + kBlockM, len_q) - 1, len_q, len_k, p.window_left, p.window_right);
+    const bool boundary = n0 < last.lo || n0 + kBlockN > first.hi;
+    const int key_room = len_k - n0 - key0;  // element in range: 8·(e / 2) < key_room
+    const int rel0 = n0 + key0 - i0 - 2 * t - diag;
+    const float* lse2 = s_lse[stage];
+    const float* dsum = s_dsum[stage];
+    // Rounded as they are formed (the fp32 values die block by block, which keeps d 64's 128
+    // registers of Sᵀ and dPᵀ from meeting 64 of packed fragments): pa and da are the A fragments
+    // of dV and dK (k slice kk = n8 blocks 2kk, 2kk + 1; register 2·(j % 2) + half holds rows
+    // key0 + 8·half, columns 8j + 2t..), and dSᵀ also goes to shared memory (keys × queries,
+    // 64-query panels, 128-byte swizzle) for dQ.
+    uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
+    const uint32_t ds_buf = Cfg::kOffDs + (it & 1) * Cfg::kDsBytes;
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
+      const float2 dd = *reinterpret_cast<const float2*>(dsum + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pr = ptx::exp2_approx(fmaf(s[4 * j + e], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
+        if (boundary) {
+          const int rel = rel0 + 8 * (e / 2) - 8 * j - (e % 2);
+          if (8 * (e / 2) >= key_room || rel < rel_lo || rel > rel_hi) pr = 0.0f;
+        }
+        s[4 * j + e] = pr;
+        dp[4 * j + e] = pr * (dp[4 * j + e] - (e % 2 ? dd.y : dd.x));
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        pa[j / 2][2 * (j % 2) + half] = ptx::pack2<Element>(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]);
+        const uint32_t ds = ptx::pack2<Element>(dp[4 * j + 2 * half], dp[4 * j + 2 * half + 1]);
+        da[j / 2][2 * (j % 2) + half] = ds;
+        const int row = key0 + 8 * half;
+        const uint32_t off = ds_buf + (j / 8) * Cfg::kDsPanelBytes + row * 128 +
+                             (((j % 8) ^ (row % 8)) * 16) + 4 * t;
+        *reinterpret_cast<uint32_t*>(smem + off) = ds;
+      }
+    }
+    ptx::fence_proxy_async_shared();
+
+    // dV += Pᵀ·dO_i, dK += dSᵀ·Q_i.
+    ptx::fence_operands(acc_dv);
+    ptx::fence_operands(acc_dk);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      ptx::wgmma_rs<kHeadDim, Element>(
+          acc_dv, pa[kk], ptx::wgmma_desc_mn_major(do_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      ptx::wgmma_rs<kHeadDim, Element>(
+          acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
+    ptx::wgmma_commit();
+
+    // dQ tile = dS·K over the block's 128 keys, once both warpgroups' dSᵀ are in.
+    ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
+    if (more) publish(it + 1, next_copy);
+    float dq[32];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      ptx::wgmma_ss_mn<64, Element>(
+          dq,
+          ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * 2048u,
+                                   Cfg::kDsPanelBytes),
+          ptx::wgmma_desc_mn_major(sK + dq_n * Cfg::kKVPanelBytes + kk * 2048u,
+                                   Cfg::kKVPanelBytes),
+          kk > 0 ? 1 : 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(acc_dv);
+    ptx::fence_operands(acc_dk);
+    ptx::fence_operands(dq);
+    ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
+
+    // dQ rows i0 + 64·dq_m + 16·warp + g (+8), columns 64·dq_n + 8j + 2t.
+    const int q_row = i0 + dq_m * 64 + warp * 16 + g;
+    float* dq_rows = w.dq_accum +
+                     (int64_t{h} * p.total_q + int64_t{b} * p.seqlen_q + q_row) * w.bucket +
+                     dq_n * 64 + 2 * t;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      if (q_row + 8 * half < len_q) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          ptx::red_add_v2(dq_rows + 8 * half * w.bucket + 8 * j, dq[4 * j + 2 * half],
+                          dq[4 * j + 2 * half + 1]);
+      }
+  }
+
+  // Epilogue: dK (× scale) and dV rounded into this warpgroup's own rows of the K and V tiles (the
+  // other warpgroup may still be reading K for its last dQ tile: meet first), then 16-byte stores.
+  ptx::named_barrier_sync(2, 128 * Cfg::kConsumers);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = key0 + 8 * half;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const uint32_t off = (j / 8) * Cfg::kKVPanelBytes + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * t;
+      *reinterpret_cast<uint32_t*>(smem + off) = ptx::pack2<Element>(
+          acc_dk[4 * j + 2 * half] * p.scale, acc_dk[4 * j + 2 * half + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(smem + Cfg::kOffV + off) =
+          ptx::pack2<Element>(acc_dv[4 * j + 2 * half], acc_dv[4 * j + 2 * half + 1]);
+    }
+  }
+  __syncwarp();
+  constexpr int kChunks = kHeadDim / 8;
+  Element* gdk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
+                 int64_t{n0} * p.dk_row_stride + hk * p.dk_head_stride;
+  Element* gdv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
+                 int64_t{n0} * p.dv_row_stride + hk * p.dv_head_stride;
+  const int warp_row0 = c * 64 + warp * 16;
+#pragma unroll
+  for (int idx = lane; idx < 16 * kChunks; idx += 32) {
+    const int r = warp_row0 + idx / kChunks, cc = idx % kChunks;
+    if (r < rows_k && cc * 8 < p.head_dim) {
+      const uint32_t off = (cc / 8) * Cfg::kKVPanelBytes + r * 128 + (((cc % 8) ^ (r % 8)) * 16);
+      *reinterpret_cast<uint4*>(gdk + r * p.dk_row_stride + cc * 8) =
+          *reinterpret_cast<const uint4*>(smem + off);
+      *reinterpret_cast<uint4*>(gdv + r * p.dv_row_stride + cc * 8) =
+          *reinterpret_cast<const uint4*>(smem + Cfg::kOffV + off);
+    }
+  }
+#else
+  (void)p;
+  (void)w;
+  (void)tm_q;
+  (void)tm_k;
+  (void)tm_v;
+  (void)tm_do;
+#endif
+}
+
+template <DType kDType, int kHeadDim>
+bool backward_runs_on_device() {
+  return runs_sm90a_code(
+      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim>));
+}
+
+template <DType kDType, int kHeadDim>
+Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& w,
+                            cudaStream_t stream) {
+  using Cfg = Bwd90Config<kDType, kHeadDim>;
+  const int64_t n_blocks = (int64_t{p.seqlen_k} + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  if (n_blocks == 0 || p.batch == 0) return {};
+  CUtensorMap tm_q, tm_k, tm_v, tm_do;
+  Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+                         p.q_row_stride, p.q_head_stride, p.q_batch_stride, Cfg::kBlockM, "q");
+  if (st.ok())
+    st = encode_map(&tm_do, kDType, p.dout, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+                    p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM, "dout");
+  if (st.ok())
+    st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+                    p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBlockN, "k");
+  if (st.ok())
+    st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+                    p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
+  if (!st.ok()) return st;
+  auto* kernel = attention_backward_sm90_kernel<kDType, kHeadDim>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (err != cudaSuccess)
+    return Status::device_error("sm90 backward (head_dim bucket " + std::to_string(kHeadDim) +
+                                "): " + std::to_string(Cfg::kSmemBytes) +
+                                " bytes of shared memory: " + cudaGetErrorString(err));
+  const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.heads_kv),
+                  static_cast<unsigned>(p.batch));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, w, tm_q, tm_k, tm_v, tm_do);
+  err = cudaGetLastError();
+  if (err != cudaSuccess)
+    return Status::device_error("sm90 backward (head_dim bucket " + std::to_string(kHeadDim) +
+                                ") launch: " + cudaGetErrorString(err));
+  return {};
+}
+
+}  // namespace flare::cuda::sm90

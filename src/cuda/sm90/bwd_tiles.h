@@ -1,0 +1,73 @@
+// bwd_tiles.h — tiles of the sm90 (Hopper) backward main kernel and which problems it takes.
+//
+// Host code without CUDA. One row per head-dim bucket: kBlockM queries per step, kBlockN keys per
+// CTA (two consumer warpgroups of 64 keys each; a producer warpgroup issues the loads), and the
+// Q/dO pipeline depth. A consumer thread holds dK and dV (d/2 fp32 registers each), Sᵀ and dPᵀ
+// (kBlockM/2 each) and a 64×64 dQ tile (32), under the 240 setmaxnreg gives it.
+//   d 64:  128 queries × 128 keys: dK/dV 32 + 32, Sᵀ/dPᵀ 64 + 64.
+//   d 128:  64 queries × 128 keys: dK/dV 64 + 64, Sᵀ/dPᵀ 32 + 32.
+#pragma once
+
+#include <cstdint>
+
+#include "core/params.h"
+
+namespace flare::cuda::sm90 {
+
+struct Bwd90Tile {
+  int head_dim;  // bucket
+  int block_m;
+  int block_n;
+  int stages;  // Q/dO buffers
+};
+
+inline constexpr Bwd90Tile kBwd90Tiles[] = {
+    {64, 128, 128, 2},
+    {128, 64, 128, 2},
+};
+
+constexpr Bwd90Tile bwd90_tile(int bucket) {
+  for (const Bwd90Tile& t : kBwd90Tiles)
+    if (t.head_dim == bucket) return t;
+  return {0, 0, 0, 0};
+}
+
+// The sm90 backward bucket of a head_dim (the sm80 backward's bucket where sm90 has one of the
+// same width), else 0.
+constexpr int bwd90_bucket(int head_dim) {
+  if (head_dim > 32 && head_dim <= 64) return 64;
+  if (head_dim > 96 && head_dim <= 128) return 128;
+  return 0;
+}
+
+// Whether the sm90 backward main kernel takes a problem (before asking the device): fixed-length
+// batches with any causal or sliding-window mask, GQA/MQA, seqlen_q != seqlen_k; not dropout,
+// softcap, ALiBi, packed variable-length batches or the deterministic mode (its dQ slices). TMA
+// needs 16-byte aligned q, k, v, dout and strides in whole 16-byte units; dK and dV are written in
+// 16-byte chunks.
+inline bool backward_supported(const AttentionParams& p) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
+  if (bwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
+  if (p.is_varlen() || p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr ||
+      p.deterministic)
+    return false;
+  if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
+  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  if (!aligned(p.q) || !aligned(p.k) || !aligned(p.v) || !aligned(p.dout) || !aligned(p.dk) ||
+      !aligned(p.dv))
+    return false;
+  const int64_t dims[][2] = {
+      {p.q_row_stride, p.seqlen_q},   {p.q_head_stride, p.heads_q},   {p.q_batch_stride, p.batch},
+      {p.k_row_stride, p.seqlen_k},   {p.k_head_stride, p.heads_kv},  {p.k_batch_stride, p.batch},
+      {p.v_row_stride, p.seqlen_k},   {p.v_head_stride, p.heads_kv},  {p.v_batch_stride, p.batch},
+      {p.do_row_stride, p.seqlen_q},  {p.do_head_stride, p.heads_q},  {p.do_batch_stride, p.batch},
+      {p.dk_row_stride, p.seqlen_k},  {p.dk_head_stride, p.heads_kv}, {p.dk_batch_stride, p.batch},
+      {p.dv_row_stride, p.seqlen_k},  {p.dv_head_stride, p.heads_kv}, {p.dv_batch_stride, p.batch}};
+  for (const auto& d : dims) {
+    if (d[0] % 8 != 0 || d[0] < 0 || d[0] >= (int64_t{1} << 38)) return false;
+    if (d[0] == 0 && d[1] > 1) return false;
+  }
+  return true;
+}
+
+}  // namespace flare::cuda::sm90

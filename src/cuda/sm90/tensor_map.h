@@ -1,0 +1,71 @@
+// tensor_map.h — host helpers of the sm90 kernels: TMA tensor maps of flare's (b, s, h, d) tensors
+// and whether the device runs a kernel's sm_90a code.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/params.h"
+#include "flare/status.h"
+
+namespace flare::cuda::sm90 {
+
+// cuTensorMapEncodeTiled from the driver, looked up once through the runtime (no libcuda link).
+inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A 4-D map (head_dim, rows, heads, batch) of a (b, s, h, d) tensor with a (64, box_rows, 1, 1)
+// box in the 128-byte swizzle. A zero stride (extent 1) is replaced: the coordinate is always 0.
+inline Status encode_map(CUtensorMap* map, DType dtype, const void* ptr, int head_dim, int rows,
+                         int heads, int batch, int64_t row_stride, int64_t head_stride,
+                         int64_t batch_stride, int box_rows, const char* name) {
+  const auto fn = encode_tiled();
+  if (fn == nullptr) return Status::device_error("sm90: cuTensorMapEncodeTiled not found in the driver");
+  const auto bytes = [](int64_t s) { return static_cast<cuuint64_t>(s == 0 ? 8 : s) * 2; };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {bytes(row_stride), bytes(head_stride), bytes(batch_stride)};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = fn(map,
+                        dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                        4, const_cast<void*>(ptr), dims, strides, box, unit,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return Status::device_error(std::string("sm90: tensor map of ") + name +
+                                ": cuTensorMapEncodeTiled error " + std::to_string(r));
+  return {};
+}
+
+
+// Whether the current device runs `kernel`'s sm_90a code: an sm_90 device and a binary built with
+// sm_90a in CMAKE_CUDA_ARCHITECTURES (not sm_80 code run forward, which has no wgmma).
+inline bool runs_sm90a_code(const void* kernel) {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+    return false;
+  if (major != 9 || minor != 0) return false;
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return false;
+  return attr.binaryVersion == 90;
+}
+
+}  // namespace flare::cuda::sm90
