@@ -7,8 +7,9 @@ are generated rather than typed. Run from the repository root after changing SHA
 """
 import pathlib
 
-SHAPES = (64, 128, 256)  # n of m64nNk16
-MN_SHAPES = (64,)  # n of the both-MN-major form (dQ = dS·K in the backward)
+SHAPES = (32, 64, 128, 256)  # n of m64nNk16
+MN_SHAPES = (64, 128)  # n of the both-MN-major form (dQ = dS·K in the backward)
+BMN_SHAPES = (128,)  # n of the K-major A, MN-major B form (dV, dK at d 256)
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 
 
@@ -16,7 +17,7 @@ def operand_list(first, count):
     return ", ".join(f"%{first + i}" for i in range(count))
 
 
-def wrapper(n, ctype, ptype, a_in_regs, mn_major=False):
+def wrapper(n, ctype, ptype, a_in_regs, mn_major=False, b_mn_only=False):
     regs = n // 2
     acc = operand_list(0, regs)
     if a_in_regs:
@@ -32,10 +33,10 @@ def wrapper(n, ctype, ptype, a_in_regs, mn_major=False):
         b = f"%{regs + 1}"
         scale = f"%{regs + 2}"
         # scale-a, scale-b, transpose A, transpose B: both K-major, or both MN-major
-        tail = "1, 1, 1, 1" if mn_major else "1, 1, 0, 0"
+        tail = "1, 1, 1, 1" if mn_major else "1, 1, 0, 1" if b_mn_only else "1, 1, 0, 0"
         ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
         sig = "uint64_t desc_a, uint64_t desc_b, int scale_d"
-        name = "wgmma_ss_mn" if mn_major else "wgmma_ss"
+        name = "wgmma_ss_mn" if mn_major else "wgmma_ss_bmn" if b_mn_only else "wgmma_ss"
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     return f"""template <>
 __device__ __forceinline__ void {name}<{n}, {ctype}>(float (&d)[{regs}], {sig}) {{
@@ -62,6 +63,8 @@ def main():
             out.append(wrapper(n, ctype, ptype, True))
             if n in MN_SHAPES:
                 out.append(wrapper(n, ctype, ptype, False, mn_major=True))
+            if n in BMN_SHAPES:
+                out.append(wrapper(n, ctype, ptype, False, b_mn_only=True))
     (root / "src/cuda/ptx/wgmma_ops.inc").write_text("\n".join(out))
 
 

@@ -63,7 +63,7 @@ flare_cuda_variants(fwd ${FLARE_CUDA_FWD_HEAD_DIMS})
 # exists only in the sm_90a compilation (other architectures compile an empty body the launchers
 # never reach).
 set(FLARE_CUDA_FWD90_HEAD_DIMS 64 128 256)  # must match kFwd90Tiles
-set(FLARE_CUDA_BWD90_HEAD_DIMS 64 128)      # must match kBwd90Tiles
+set(FLARE_CUDA_BWD90_HEAD_DIMS 64 128 256)  # must match kBwd90Tiles
 function(flare_cuda90_variants pass)
   string(TOUPPER ${pass} PASS)
   set(lines "")

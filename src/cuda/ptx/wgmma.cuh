@@ -66,11 +66,14 @@ __device__ __forceinline__ void fence_operands(float (&r)[kCount]) {
 }
 
 // D (+)= A·B, m64nNk16, fp32 accumulators; scale_d = 0 overwrites D. wgmma_ss: A and B K-major in
-// shared memory; wgmma_ss_mn: both MN-major. wgmma_rs: A in registers, B MN-major in shared memory.
+// shared memory; wgmma_ss_mn: both MN-major; wgmma_ss_bmn: A K-major, B MN-major. wgmma_rs: A in
+// registers, B MN-major in shared memory.
 template <int kN, typename Element>
 __device__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);
 template <int kN, typename Element>
 __device__ void wgmma_ss_mn(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);
+template <int kN, typename Element>
+__device__ void wgmma_ss_bmn(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);
 template <int kN, typename Element>
 __device__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);
 

@@ -58,19 +58,31 @@ struct Bwd90Config {
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kPanels = kHeadDim / 64;
+  // d 256 splits the head dim between the warpgroups (dK and dV of 64 keys × 256 columns would
+  // take 256 registers): both own all kBlockN = 64 keys; warpgroup c forms Sᵀ and dPᵀ for queries
+  // 32c..32c+31 of the step, writes Pᵀ and dSᵀ to shared memory, and after the named barrier
+  // computes dV, dK and dQ for columns 128c..128c+127 with every operand in shared memory.
+  // Otherwise warpgroup c owns keys 64c..64c+63 and all columns, and Pᵀ, dSᵀ stay in registers
+  // as the A operands of dV and dK.
+  static constexpr bool kSplitD = kHeadDim == 256;
+  static constexpr int kWgQueries = kSplitD ? kBlockM / 2 : kBlockM;  // Sᵀ columns per warpgroup
+  static constexpr int kWgCols = kSplitD ? kHeadDim / 2 : kHeadDim;   // dK/dV columns
+  static constexpr int kDqCols = kSplitD ? 128 : 64;                  // dQ tile: 64 × kDqCols
   static constexpr uint32_t kKVPanelBytes = kBlockN * 128;
   static constexpr uint32_t kKVBytes = kPanels * kKVPanelBytes;  // K or V
   static constexpr uint32_t kQPanelBytes = kBlockM * 128;
   static constexpr uint32_t kQBytes = kPanels * kQPanelBytes;  // one Q or dO buffer
-  static constexpr uint32_t kDsPanelBytes = kBlockN * 128;     // 64 queries of dSᵀ
+  static constexpr uint32_t kDsPanelBytes = kBlockN * 128;     // 64 queries of dSᵀ (or Pᵀ)
   static constexpr uint32_t kDsBytes = (kBlockM / 64) * kDsPanelBytes;
   static constexpr uint32_t kOffV = kKVBytes;
   static constexpr uint32_t kOffQ = 2 * kKVBytes;
   static constexpr uint32_t kOffDo = kOffQ + kStages * kQBytes;
   static constexpr uint32_t kOffDs = kOffDo + kStages * kQBytes;
-  static constexpr int kSmemBytes = static_cast<int>(kOffDs + 2 * kDsBytes) + 1024;
-  // dQ tiles of 64 queries × 64 columns: (kBlockM / 64) · (d / 64) of them, one per warpgroup.
-  static_assert((kBlockM / 64) * (kHeadDim / 64) == kConsumers, "one dQ tile per warpgroup");
+  static constexpr uint32_t kOffP = kOffDs + 2 * kDsBytes;  // d 256 only
+  static constexpr int kSmemBytes = static_cast<int>(kOffP + (kSplitD ? 2 * kDsBytes : 0)) + 1024;
+  static_assert(kSplitD ? kBlockM == 64 && kBlockN == 64
+                        : kBlockN == 128 && (kBlockM / 64) * (kHeadDim / 64) == kConsumers,
+                "d 256: 64 × 64 tiles; else one 64 × 64 dQ tile per warpgroup");
   // Registers per thread after setmaxnreg. The CTA starts with (64 Ki / threads, rounded down to 8)
   // per thread, and setmaxnreg.inc waits until the producer's release covers the consumers' growth,
   // so the split must fit what the CTA was given (a split that does not fit hangs the kernel). At
@@ -171,17 +183,24 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   }
 
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int c = tid / 128 - 1;  // consumer warpgroup: keys 64c..64c+63 of the block
+  constexpr int kWgQueries = Cfg::kWgQueries, kWgCols = Cfg::kWgCols, kDqCols = Cfg::kDqCols;
+  const int c = tid / 128 - 1;  // consumer warpgroup
   const int warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int key0 = c * 64 + warp * 16 + g;  // this thread's key rows key0, key0 + 8 (in the block)
-  // This warpgroup's dQ tile: queries 64·dq_m.., columns 64·dq_n.. of the step's block.
-  const int dq_m = kBlockM == 128 ? c : 0, dq_n = kBlockM == 128 ? 0 : c;
+  // This thread's Sᵀ rows are keys key0 and key0 + 8 of the block; its warpgroup's Sᵀ columns
+  // start at query q_off of the step's block, its dK/dV columns at col_off, and its dQ tile is
+  // queries 64·dq_m.., columns dq_col0.. (ptx/wgmma.cuh has the accumulator layout).
+  const int key0 = (Cfg::kSplitD ? 0 : c * 64) + warp * 16 + g;
+  const int q_off = Cfg::kSplitD ? c * kWgQueries : 0;
+  const int col_off = Cfg::kSplitD ? c * kWgCols : 0;
+  const int dq_m = !Cfg::kSplitD && kBlockM == 128 ? c : 0;
+  const int dq_col0 = Cfg::kSplitD ? c * 128 : (kBlockM == 128 ? 0 : c * 64);
 
-  float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];
+  float acc_dk[kWgCols / 2], acc_dv[kWgCols / 2];
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
+  for (int i = 0; i < kWgCols / 2; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
 
-  const uint32_t k_rows = sK + c * 64 * 128, v_rows = sV + c * 64 * 128;
+  const uint32_t k_rows = sK + (Cfg::kSplitD ? 0 : c * 64 * 128);
+  const uint32_t v_rows = sV + (Cfg::kSplitD ? 0 : c * 64 * 128);
   const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
   const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
   ptx::mbarrier_wait(kv_full, 0);  // also when there are no steps: the epilogue reuses K and V
@@ -220,30 +239,32 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     const int h = hk * p.head_group + it / m_n, i0 = (m_at + it % m_n) * kBlockM;
     const uint32_t q_tile = sQ + stage * Cfg::kQBytes, do_tile = sDo + stage * Cfg::kQBytes;
 
-    // Sᵀ = K·Q_iᵀ and dPᵀ = V·dO_iᵀ (64 keys × kBlockM queries per warpgroup).
-    float s[kBlockM / 2], dp[kBlockM / 2];
+    // Sᵀ = K·Q_iᵀ and dPᵀ = V·dO_iᵀ (64 keys × kWgQueries queries per warpgroup).
+    float s[kWgQueries / 2], dp[kWgQueries / 2];
     ptx::mbarrier_wait(full(stage), parity);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t off = (kk % 4) * 32u;
-      ptx::wgmma_ss<kBlockM, Element>(
+      ptx::wgmma_ss<kWgQueries, Element>(
           s, ptx::wgmma_desc_k_major(k_rows + (kk / 4) * Cfg::kKVPanelBytes + off),
-          ptx::wgmma_desc_k_major(q_tile + (kk / 4) * Cfg::kQPanelBytes + off), kk > 0 ? 1 : 0);
+          ptx::wgmma_desc_k_major(q_tile + q_off * 128 + (kk / 4) * Cfg::kQPanelBytes + off),
+          kk > 0 ? 1 : 0);
     }
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t off = (kk % 4) * 32u;
-      ptx::wgmma_ss<kBlockM, Element>(
+      ptx::wgmma_ss<kWgQueries, Element>(
           dp, ptx::wgmma_desc_k_major(v_rows + (kk / 4) * Cfg::kKVPanelBytes + off),
-          ptx::wgmma_desc_k_major(do_tile + (kk / 4) * Cfg::kQPanelBytes + off), kk > 0 ? 1 : 0);
+          ptx::wgmma_desc_k_major(do_tile + q_off * 128 + (kk / 4) * Cfg::kQPanelBytes + off),
+          kk > 0 ? 1 : 0);
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     ptx::fence_operands(s);
     ptx::fence_operands(dp);
 
-    // Pᵀ and dSᵀ. Element 4j + e: key row key0 + 8·(e / 2), query column 8j + 2t + e % 2.
+    // Pᵀ and dSᵀ. Element 4j + e: key row key0 + 8·(e / 2), query column q_off + 8j + 2t + e % 2.
     // Boundary steps (some row of the query block does not see every key of the block) mask
     // with visible_keys's test: key < len_k and −left ≤ key − (query + diag) ≤ right.
     const KeyRange first = visible_keys(i0, len_q, len_k, p.window_left, p.window_right);
@@ -251,18 +272,19 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         visible_keys(min(i0 + kBlockM, len_q) - 1, len_q, len_k, p.window_left, p.window_right);
     const bool boundary = n0 < last.lo || n0 + kBlockN > first.hi;
     const int key_room = len_k - n0 - key0;  // element in range: 8·(e / 2) < key_room
-    const int rel0 = n0 + key0 - i0 - 2 * t - diag;
-    const float* lse2 = s_lse[stage];
-    const float* dsum = s_dsum[stage];
+    const int rel0 = n0 + key0 - i0 - q_off - 2 * t - diag;
+    const float* lse2 = s_lse[stage] + q_off;
+    const float* dsum = s_dsum[stage] + q_off;
     // Rounded as they are formed (the fp32 values die block by block, which keeps d 64's 128
-    // registers of Sᵀ and dPᵀ from meeting 64 of packed fragments): pa and da are the A fragments
+    // registers of Sᵀ and dPᵀ from meeting 64 of packed fragments). pa and da are the A fragments
     // of dV and dK (k slice kk = n8 blocks 2kk, 2kk + 1; register 2·(j % 2) + half holds rows
-    // key0 + 8·half, columns 8j + 2t..), and dSᵀ also goes to shared memory (keys × queries,
-    // 64-query panels, 128-byte swizzle) for dQ.
-    uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
+    // key0 + 8·half, columns 8j + 2t..); dSᵀ (and at d 256 Pᵀ) also goes to shared memory as
+    // keys × queries in 64-query panels, 128-byte swizzle.
+    uint32_t pa[kWgQueries / 16][4], da[kWgQueries / 16][4];
     const uint32_t ds_buf = Cfg::kOffDs + (it & 1) * Cfg::kDsBytes;
+    const uint32_t p_buf = Cfg::kOffP + (it & 1) * Cfg::kDsBytes;
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
+    for (int j = 0; j < kWgQueries / 8; ++j) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
       const float2 dd = *reinterpret_cast<const float2*>(dsum + 8 * j + 2 * t);
 #pragma unroll
@@ -275,46 +297,80 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         s[4 * j + e] = pr;
         dp[4 * j + e] = pr * (dp[4 * j + e] - (e % 2 ? dd.y : dd.x));
       }
+      const int chunk = q_off / 8 + j;  // 16-byte chunk of the query columns
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        pa[j / 2][2 * (j % 2) + half] = ptx::pack2<Element>(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]);
+        const uint32_t p2 = ptx::pack2<Element>(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]);
         const uint32_t ds = ptx::pack2<Element>(dp[4 * j + 2 * half], dp[4 * j + 2 * half + 1]);
+        pa[j / 2][2 * (j % 2) + half] = p2;
         da[j / 2][2 * (j % 2) + half] = ds;
         const int row = key0 + 8 * half;
-        const uint32_t off = ds_buf + (j / 8) * Cfg::kDsPanelBytes + row * 128 +
-                             (((j % 8) ^ (row % 8)) * 16) + 4 * t;
-        *reinterpret_cast<uint32_t*>(smem + off) = ds;
+        const uint32_t off = (chunk / 8) * Cfg::kDsPanelBytes + row * 128 +
+                             (((chunk % 8) ^ (row % 8)) * 16) + 4 * t;
+        *reinterpret_cast<uint32_t*>(smem + ds_buf + off) = ds;
+        if constexpr (Cfg::kSplitD) *reinterpret_cast<uint32_t*>(smem + p_buf + off) = p2;
       }
     }
     ptx::fence_proxy_async_shared();
 
-    // dV += Pᵀ·dO_i, dK += dSᵀ·Q_i.
+    float dq[kDqCols / 2];
     ptx::fence_operands(acc_dv);
     ptx::fence_operands(acc_dk);
-    ptx::wgmma_fence();
+    if constexpr (!Cfg::kSplitD) {
+      // dV += Pᵀ·dO_i, dK += dSᵀ·Q_i from registers; then dQ = dS·K once both warpgroups' dSᵀ
+      // are in.
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-      ptx::wgmma_rs<kHeadDim, Element>(
-          acc_dv, pa[kk], ptx::wgmma_desc_mn_major(do_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        ptx::wgmma_rs<kHeadDim, Element>(
+            acc_dv, pa[kk], ptx::wgmma_desc_mn_major(do_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-      ptx::wgmma_rs<kHeadDim, Element>(
-          acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
-    ptx::wgmma_commit();
-
-    // dQ tile = dS·K over the block's 128 keys, once both warpgroups' dSᵀ are in.
-    ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
-    if (more) publish(it + 1, next_copy);
-    float dq[32];
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        ptx::wgmma_rs<kHeadDim, Element>(
+            acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
+      ptx::wgmma_commit();
+      ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
+      if (more) publish(it + 1, next_copy);
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      ptx::wgmma_ss_mn<64, Element>(
-          dq,
-          ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * 2048u,
-                                   Cfg::kDsPanelBytes),
-          ptx::wgmma_desc_mn_major(sK + dq_n * Cfg::kKVPanelBytes + kk * 2048u,
-                                   Cfg::kKVPanelBytes),
-          kk > 0 ? 1 : 0);
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        ptx::wgmma_ss_mn<kDqCols, Element>(
+            dq,
+            ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * 2048u,
+                                     Cfg::kDsPanelBytes),
+            ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * 2048u,
+                                     Cfg::kKVPanelBytes),
+            kk > 0 ? 1 : 0);
+    } else {
+      // Every operand from shared memory once both warpgroups' Pᵀ and dSᵀ are in: dV += Pᵀ·dO_i,
+      // dK += dSᵀ·Q_i and dQ = dS·K for this warpgroup's 128 columns.
+      (void)pa;
+      (void)da;
+      ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
+      if (more) publish(it + 1, next_copy);
+      ptx::wgmma_fence();
+      const uint32_t col_panel = col_off / 64;
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        ptx::wgmma_ss_bmn<kWgCols, Element>(
+            acc_dv, ptx::wgmma_desc_k_major(base + p_buf + kk * 32u),
+            ptx::wgmma_desc_mn_major(do_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
+                                     Cfg::kQPanelBytes),
+            1);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        ptx::wgmma_ss_bmn<kWgCols, Element>(
+            acc_dk, ptx::wgmma_desc_k_major(base + ds_buf + kk * 32u),
+            ptx::wgmma_desc_mn_major(q_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
+                                     Cfg::kQPanelBytes),
+            1);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        ptx::wgmma_ss_mn<kDqCols, Element>(
+            dq, ptx::wgmma_desc_mn_major(base + ds_buf + kk * 2048u, Cfg::kDsPanelBytes),
+            ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * 2048u,
+                                     Cfg::kKVPanelBytes),
+            kk > 0 ? 1 : 0);
+    }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     ptx::fence_operands(acc_dv);
@@ -322,30 +378,32 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::fence_operands(dq);
     ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
 
-    // dQ rows i0 + 64·dq_m + 16·warp + g (+8), columns 64·dq_n + 8j + 2t.
+    // dQ rows i0 + 64·dq_m + 16·warp + g (+8), columns dq_col0 + 8j + 2t.
     const int q_row = i0 + dq_m * 64 + warp * 16 + g;
     float* dq_rows = w.dq_accum +
                      (int64_t{h} * p.total_q + int64_t{b} * p.seqlen_q + q_row) * w.bucket +
-                     dq_n * 64 + 2 * t;
+                     dq_col0 + 2 * t;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
       if (q_row + 8 * half < len_q) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < kDqCols / 8; ++j)
           ptx::red_add_v2(dq_rows + 8 * half * w.bucket + 8 * j, dq[4 * j + 2 * half],
                           dq[4 * j + 2 * half + 1]);
       }
   }
 
-  // Epilogue: dK (× scale) and dV rounded into this warpgroup's own rows of the K and V tiles (the
+  // Epilogue: dK (× scale) and dV rounded into this warpgroup's own part of the K and V tiles (the
   // other warpgroup may still be reading K for its last dQ tile: meet first), then 16-byte stores.
   ptx::named_barrier_sync(2, 128 * Cfg::kConsumers);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = key0 + 8 * half;
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const uint32_t off = (j / 8) * Cfg::kKVPanelBytes + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * t;
+    for (int j = 0; j < kWgCols / 8; ++j) {
+      const int chunk = col_off / 8 + j;
+      const uint32_t off = (chunk / 8) * Cfg::kKVPanelBytes + row * 128 +
+                           (((chunk % 8) ^ (row % 8)) * 16) + 4 * t;
       *reinterpret_cast<uint32_t*>(smem + off) = ptx::pack2<Element>(
           acc_dk[4 * j + 2 * half] * p.scale, acc_dk[4 * j + 2 * half + 1] * p.scale);
       *reinterpret_cast<uint32_t*>(smem + Cfg::kOffV + off) =
@@ -353,15 +411,15 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     }
   }
   __syncwarp();
-  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kChunks = kWgCols / 8;
   Element* gdk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
                  int64_t{n0} * p.dk_row_stride + hk * p.dk_head_stride;
   Element* gdv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
                  int64_t{n0} * p.dv_row_stride + hk * p.dv_head_stride;
-  const int warp_row0 = c * 64 + warp * 16;
+  const int warp_row0 = key0 - g;
 #pragma unroll
   for (int idx = lane; idx < 16 * kChunks; idx += 32) {
-    const int r = warp_row0 + idx / kChunks, cc = idx % kChunks;
+    const int r = warp_row0 + idx / kChunks, cc = col_off / 8 + idx % kChunks;
     if (r < rows_k && cc * 8 < p.head_dim) {
       const uint32_t off = (cc / 8) * Cfg::kKVPanelBytes + r * 128 + (((cc % 8) ^ (r % 8)) * 16);
       *reinterpret_cast<uint4*>(gdk + r * p.dk_row_stride + cc * 8) =

@@ -6,6 +6,9 @@
 // (kBlockM/2 each) and a 64×64 dQ tile (32), under the 240 setmaxnreg gives it.
 //   d 64:  128 queries × 128 keys: dK/dV 32 + 32, Sᵀ/dPᵀ 64 + 64.
 //   d 128:  64 queries × 128 keys: dK/dV 64 + 64, Sᵀ/dPᵀ 32 + 32.
+//   d 256:  64 queries × 64 keys, the head dim split between the warpgroups (bwd_kernel.cuh):
+//           dK/dV 64 + 64 (128 columns each), Sᵀ/dPᵀ 16 + 16 (32 queries), dQ 64; 225 KiB of
+//           shared memory.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +27,7 @@ struct Bwd90Tile {
 inline constexpr Bwd90Tile kBwd90Tiles[] = {
     {64, 128, 128, 2},
     {128, 64, 128, 2},
+    {256, 64, 64, 2},
 };
 
 constexpr Bwd90Tile bwd90_tile(int bucket) {
@@ -37,6 +41,7 @@ constexpr Bwd90Tile bwd90_tile(int bucket) {
 constexpr int bwd90_bucket(int head_dim) {
   if (head_dim > 32 && head_dim <= 64) return 64;
   if (head_dim > 96 && head_dim <= 128) return 128;
+  if (head_dim > 192 && head_dim <= 256) return 256;
   return 0;
 }
 
