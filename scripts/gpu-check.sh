@@ -95,7 +95,8 @@ run_ctest() {  # label
 [[ $tests -eq 1 ]] && run_ctest gpu
 
 # compute-sanitizer on a small subset: memcheck (out-of-bounds, misaligned accesses) and racecheck
-# (shared-memory hazards) over ragged shapes that exercise every boundary path of both kernels.
+# (shared-memory hazards) over ragged shapes that exercise every boundary path of both kernels,
+# sm80 and sm90.
 sanitize() {  # tool binary filter
   if timeout 150 compute-sanitizer --tool "$1" --error-exitcode 9 "$build/tests/$2" --gtest_filter="$3" \
        > "$out/sanitizer_$1_$2.log" 2>&1; then
@@ -110,8 +111,8 @@ if [[ $tests -eq 0 ]]; then
   :
 elif command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    sanitize "$tool" test_gpu_forward '*SmallestHeadDimRaggedLengths/bf16_d64:*SmallestHeadDimRaggedLengths/bf16_d256:*VarlenWithEmptySequences/bf16'
-    sanitize "$tool" test_gpu_backward 'GpuBackward.SeqlenMismatchAndFullyMaskedRows:GpuBackward.VarlenWithEmptySequences'
+    sanitize "$tool" test_gpu_forward '*SmallestHeadDimRaggedLengths/bf16_d64:*SmallestHeadDimRaggedLengths/bf16_d256:*VarlenWithEmptySequences/bf16:GpuForwardSm90.RaggedShapesSmall'
+    sanitize "$tool" test_gpu_backward 'GpuBackward.SeqlenMismatchAndFullyMaskedRows:GpuBackward.VarlenWithEmptySequences:GpuBackward.Sm90RaggedShapesSmall'
   done
 else
   log "compute-sanitizer not found: sanitizer checks skipped"

@@ -147,6 +147,20 @@ TEST_F(GpuBackward, Sm90EveryBucketAndMask) {
       }
 }
 
+// A few ragged shapes through the sm90 main kernel of every bucket: the compute-sanitizer subset
+// of scripts/gpu-check.sh.
+TEST_F(GpuBackward, Sm90RaggedShapesSmall) {
+  for (int d : {64, 128, 256}) {
+    ProblemSpec causal = make_spec(DType::kBFloat16, 1, 150, 200, 4, 2, d);
+    causal.options.causal = true;
+    check_backward(causal);
+    ProblemSpec window = make_spec(DType::kFloat16, 1, 130, 140, 2, 2, d);
+    window.options.window_left = 40;
+    window.options.window_right = 3;
+    check_backward(window);
+  }
+}
+
 // Problems outside sm90's set run the sm80 backward on every device.
 TEST_F(GpuBackward, Sm90LeavesTheRestToSm80) {
   const long before = cuda::testing::sm90_backward_launches();

@@ -420,6 +420,29 @@ TEST(GpuForwardSm90, EveryBucketAndMaskAgainstTheReference) {
       }
 }
 
+// A few ragged shapes through the sm90 kernel of every bucket: the compute-sanitizer subset of
+// scripts/gpu-check.sh (memcheck and racecheck over the TMA, mbarrier and wgmma paths).
+TEST(GpuForwardSm90, RaggedShapesSmall) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128, 256}) {
+    ProblemSpec causal = base_spec(DType::kBFloat16, d, 80);
+    causal.batch = 1;
+    causal.seqlen_q = 97;
+    causal.seqlen_k = 300;
+    causal.options.causal = true;
+    check_forward(causal);
+    ProblemSpec window = base_spec(DType::kBFloat16, d, 81);
+    window.batch = 1;
+    window.seqlen_q = 130;
+    window.seqlen_k = 140;
+    window.heads_q = 4;
+    window.heads_kv = 2;
+    window.options.window_left = 40;
+    window.options.window_right = 3;
+    check_forward(window);
+  }
+}
+
 // Problems outside sm90's set run the sm80 kernels on every device.
 TEST(GpuForwardSm90, FeaturesOutsideItsSetRunSm80) {
   FLARE_SKIP_WITHOUT_CUDA();
