@@ -104,7 +104,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
                                    const __grid_constant__ CUtensorMap tm_q,
                                    const __grid_constant__ CUtensorMap tm_k,
                                    const __grid_constant__ CUtensorMap tm_v,
-                                   const __grid_constant__ CUtensorMap tm_do) {
+                                   const __grid_constant__ CUtensorMap tm_do,
+                                   const __grid_constant__ CUtensorMap tm_dq) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Bwd90Config<kDType, kHeadDim>;
   using Element = typename Cfg::Element;
@@ -376,6 +377,44 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::fence_operands(acc_dv);
     ptx::fence_operands(acc_dk);
     ptx::fence_operands(dq);
+    if constexpr (Cfg::kSplitD) {
+      // dQ (64 rows × 128 columns) goes out through the copy engine: staged as fp32 in the four
+      // 64-column panels of this step's Q and dO that only this warpgroup read (2c, 2c + 1; the
+      // Sᵀ and dPᵀ products that read every panel are done on both warpgroups), as eight 32 × 32
+      // boxes in the 128-byte swizzle, then added into the accumulator by TMA reductions. Rows of
+      // a box past the sequence end hold exact zeros (their P is 0), so adding them into the next
+      // rows of the accumulator changes nothing. The reductions take the global-memory queue out
+      // of the step, which 32 red.global per thread filled at d 256.
+      auto box = [&](int cb, int rb) {
+        return (cb < 2 ? q_tile : do_tile) + (2 * c + cb % 2) * Cfg::kQPanelBytes + rb * 4096u;
+      };
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp * 16 + g + 8 * half, rr = r % 32;
+#pragma unroll
+        for (int j = 0; j < kDqCols / 8; ++j) {
+          const int chunk = 2 * (j % 4) + t / 2;
+          const uint32_t off = box(j / 4, r / 32) - base + rr * 128 +
+                               ((chunk ^ (rr % 8)) * 16) + 8 * (t % 2);
+          *reinterpret_cast<float2*>(smem + off) = make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+        }
+      }
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(3 + c, 128);
+      if (tid % 128 == 0) {
+        const int row0 = static_cast<int>(int64_t{h} * p.total_q + int64_t{b} * p.seqlen_q + i0);
+#pragma unroll
+        for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+          for (int rb = 0; rb < 2; ++rb)
+            ptx::tma_reduce_add_2d(&tm_dq, box(cb, rb), dq_col0 + 32 * cb, row0 + 32 * rb);
+        ptx::bulk_commit_group();
+        ptx::bulk_wait_group_read0();
+      }
+      ptx::named_barrier_sync(3 + c, 128);
+      ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
+      continue;
+    }
     ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
 
     // dQ rows i0 + 64·dq_m + 16·warp + g (+8), columns dq_col0 + 8j + 2t.
@@ -435,6 +474,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   (void)tm_k;
   (void)tm_v;
   (void)tm_do;
+  (void)tm_dq;
 #endif
 }
 
@@ -450,7 +490,7 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
   using Cfg = Bwd90Config<kDType, kHeadDim>;
   const int64_t n_blocks = (int64_t{p.seqlen_k} + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (n_blocks == 0 || p.batch == 0) return {};
-  CUtensorMap tm_q, tm_k, tm_v, tm_do;
+  CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dq;
   Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
                          p.q_row_stride, p.q_head_stride, p.q_batch_stride, Cfg::kBlockM, "q");
   if (st.ok())
@@ -462,6 +502,8 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
   if (st.ok())
     st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
                     p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
+  if (st.ok())
+    st = encode_accum_map(&tm_dq, w.dq_accum, w.bucket, int64_t{p.heads_q} * p.total_q);
   if (!st.ok()) return st;
   auto* kernel = attention_backward_sm90_kernel<kDType, kHeadDim>;
   cudaError_t err =
@@ -472,7 +514,7 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
                                 " bytes of shared memory: " + cudaGetErrorString(err));
   const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.heads_kv),
                   static_cast<unsigned>(p.batch));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, w, tm_q, tm_k, tm_v, tm_do);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, w, tm_q, tm_k, tm_v, tm_do, tm_dq);
   err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status::device_error("sm90 backward (head_dim bucket " + std::to_string(kHeadDim) +

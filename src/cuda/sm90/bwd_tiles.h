@@ -57,6 +57,7 @@ inline bool backward_supported(const AttentionParams& p) {
       p.deterministic)
     return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
+  if (int64_t{p.heads_q} * p.total_q >= (int64_t{1} << 31)) return false;  // TMA row coordinates
   const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
   if (!aligned(p.q) || !aligned(p.k) || !aligned(p.v) || !aligned(p.dout) || !aligned(p.dk) ||
       !aligned(p.dv))

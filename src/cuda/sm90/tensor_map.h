@@ -53,6 +53,23 @@ inline Status encode_map(CUtensorMap* map, DType dtype, const void* ptr, int hea
   return {};
 }
 
+// A 2-D map (cols, rows) of a dense fp32 matrix (the backward's dQ accumulator) with a (32, 32)
+// box in the 128-byte swizzle, for TMA reductions into it.
+inline Status encode_accum_map(CUtensorMap* map, float* ptr, int cols, int64_t rows) {
+  const auto fn = encode_tiled();
+  if (fn == nullptr) return Status::device_error("sm90: cuTensorMapEncodeTiled not found in the driver");
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(float)};
+  const cuuint32_t box[2] = {32, 32};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, ptr, dims, strides, box, unit,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return Status::device_error("sm90: tensor map of the dQ accumulator: cuTensorMapEncodeTiled error " +
+                                std::to_string(r));
+  return {};
+}
 
 // Whether the current device runs `kernel`'s sm_90a code: an sm_90 device and a binary built with
 // sm_90a in CMAKE_CUDA_ARCHITECTURES (not sm_80 code run forward, which has no wgmma).
