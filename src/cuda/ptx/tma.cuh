@@ -66,11 +66,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Two fp32 values added atomically to consecutive global words (8-byte aligned), no return.
-__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
-
 // Adds the shared-memory box at `src` into the box at (c0, c1) of a 2-D fp32 tensor map (element-
 // wise atomic adds performed by the copy engine); completes in the thread's bulk group.
 __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, uint32_t src, int c0,

@@ -17,9 +17,11 @@
 //   dSᵀ → shared memory; the two warpgroups meet at a named barrier
 //   dQ_i += dS·K                          one 64×64 tile of dQ per warpgroup (both operands MN-major:
 //                                         dSᵀ's rows and K's rows are the reduction dimension),
-//                                         added to the fp32 accumulator with red.global.add.v2
+//                                         staged in shared memory and added to the fp32
+//                                         accumulator by TMA reductions
 // dSᵀ is double-buffered, so one named barrier per step orders both its write-after-read and its
 // read-after-write. dK is scaled by the softmax scale on the way out, dQ by the convert kernel.
+// d 256 splits the head dim between the warpgroups instead (Bwd90Config::kSplitD).
 #pragma once
 
 #include <cuda.h>
@@ -332,6 +334,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       ptx::wgmma_commit();
       ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
       if (more) publish(it + 1, next_copy);
+      ptx::wgmma_fence();  // dq was read by the previous step's staging
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
         ptx::wgmma_ss_mn<kDqCols, Element>(
