@@ -84,6 +84,26 @@ ProblemSpec with_every_modifier(ProblemSpec s) {
   return s;
 }
 
+// `s` as a causal seqlen_q × seqlen_k problem (seqlen_q > seqlen_k: the first rows see no key).
+ProblemSpec causal_shape(ProblemSpec s, int seqlen_q, int seqlen_k) {
+  s.seqlen_q = seqlen_q;
+  s.seqlen_k = seqlen_k;
+  s.options.causal = true;
+  return s;
+}
+
+// `s` as a seqlen_q × seqlen_k problem with 4 query heads on 2 kv heads under a (left, right)
+// sliding window.
+ProblemSpec window_gqa(ProblemSpec s, int seqlen_q, int seqlen_k, int left, int right) {
+  s.seqlen_q = seqlen_q;
+  s.seqlen_k = seqlen_k;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.options.window_left = left;
+  s.options.window_right = right;
+  return s;
+}
+
 std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
   return std::string(info.param.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
          std::to_string(info.param.bucket);
@@ -322,19 +342,8 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
           s.options.causal = causal;
           check_forward(s);
         }
-      ProblemSpec rows = base_spec(v.dtype, v.bucket, 41);  // the first 203 rows see no key
-      rows.seqlen_q = 300;
-      rows.seqlen_k = 97;
-      rows.options.causal = true;
-      check_forward(rows);
-      ProblemSpec window = base_spec(v.dtype, v.bucket, 42);
-      window.seqlen_q = 290;
-      window.seqlen_k = 310;
-      window.heads_q = 4;
-      window.heads_kv = 2;
-      window.options.window_left = 70;
-      window.options.window_right = 5;
-      check_forward(window);
+      check_forward(causal_shape(base_spec(v.dtype, v.bucket, 41), 300, 97));
+      check_forward(window_gqa(base_spec(v.dtype, v.bucket, 42), 290, 310, 70, 5));
       ProblemSpec varlen = base_spec(v.dtype, v.bucket, 43);
       varlen.varlen_q = {0, 97, 1, 300, 5, 130};
       varlen.varlen_k = {7, 120, 0, 301, 0, 129};
@@ -372,24 +381,9 @@ TEST(GpuForwardSm90, EveryBucketAndMaskAgainstTheReference) {
         std::vector<ProblemSpec> specs;
         ProblemSpec plain = base_spec(dtype, d, 60);  // 197×197: ragged last blocks
         specs.push_back(plain);
-        ProblemSpec causal = base_spec(dtype, d, 61);
-        causal.seqlen_q = 97;
-        causal.seqlen_k = 300;
-        causal.options.causal = true;
-        specs.push_back(causal);
-        ProblemSpec no_keys = base_spec(dtype, d, 62);  // the first 203 rows see no key
-        no_keys.seqlen_q = 300;
-        no_keys.seqlen_k = 97;
-        no_keys.options.causal = true;
-        specs.push_back(no_keys);
-        ProblemSpec window = base_spec(dtype, d, 63);
-        window.seqlen_q = 290;
-        window.seqlen_k = 310;
-        window.heads_q = 4;
-        window.heads_kv = 2;
-        window.options.window_left = 70;
-        window.options.window_right = 5;
-        specs.push_back(window);
+        specs.push_back(causal_shape(base_spec(dtype, d, 61), 97, 300));
+        specs.push_back(causal_shape(base_spec(dtype, d, 62), 300, 97));  // 203 rows see no key
+        specs.push_back(window_gqa(base_spec(dtype, d, 63), 290, 310, 70, 5));
         ProblemSpec mqa = base_spec(dtype, d, 64);  // padded rows (aligned), one kv head
         mqa.heads_q = 3;
         mqa.heads_kv = 1;
@@ -425,21 +419,10 @@ TEST(GpuForwardSm90, EveryBucketAndMaskAgainstTheReference) {
 TEST(GpuForwardSm90, RaggedShapesSmall) {
   FLARE_SKIP_WITHOUT_CUDA();
   for (int d : {64, 128, 256}) {
-    ProblemSpec causal = base_spec(DType::kBFloat16, d, 80);
-    causal.batch = 1;
-    causal.seqlen_q = 97;
-    causal.seqlen_k = 300;
-    causal.options.causal = true;
-    check_forward(causal);
-    ProblemSpec window = base_spec(DType::kBFloat16, d, 81);
-    window.batch = 1;
-    window.seqlen_q = 130;
-    window.seqlen_k = 140;
-    window.heads_q = 4;
-    window.heads_kv = 2;
-    window.options.window_left = 40;
-    window.options.window_right = 3;
-    check_forward(window);
+    ProblemSpec one = base_spec(DType::kBFloat16, d, 80);
+    one.batch = 1;
+    check_forward(causal_shape(one, 97, 300));
+    check_forward(window_gqa(one, 130, 140, 40, 3));
   }
 }
 

@@ -44,6 +44,7 @@
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm90/bwd_launch.h"
+#include "cuda/sm90/common.cuh"
 #include "cuda/sm90/bwd_tiles.h"
 #include "cuda/sm90/tensor_map.h"
 
@@ -51,7 +52,7 @@ namespace flare::cuda::sm90 {
 
 template <DType kDType, int kHeadDim>
 struct Bwd90Config {
-  using Element = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
+  using Element = ElementOf<kDType>;
   static constexpr Bwd90Tile kTile = bwd90_tile(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kBwd90Tiles");
   static constexpr int kBlockM = kTile.block_m;
@@ -85,15 +86,13 @@ struct Bwd90Config {
   static_assert(kSplitD ? kBlockM == 64 && kBlockN == 64
                         : kBlockN == 128 && (kBlockM / 64) * (kHeadDim / 64) == kConsumers,
                 "d 256: 64 × 64 tiles; else one 64 × 64 dQ tile per warpgroup");
-  // Registers per thread after setmaxnreg. The CTA starts with (64 Ki / threads, rounded down to 8)
-  // per thread, and setmaxnreg.inc waits until the producer's release covers the consumers' growth,
-  // so the split must fit what the CTA was given (a split that does not fit hangs the kernel). At
-  // 24 the producer's one loop fits.
-  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  // Registers per thread after setmaxnreg (within launch_regs: common.cuh). At 24 the producer's
+  // one loop fits.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;  // at 232 ptxas serialises the wgmmas
   static_assert(kStages == 2, "LSE and D are double-buffered beside the Q/dO ring");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <=
+                    launch_regs(kThreads) * kThreads,
                 "setmaxnreg split exceeds the CTA's registers");
 };
 
@@ -308,8 +307,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         pa[j / 2][2 * (j % 2) + half] = p2;
         da[j / 2][2 * (j % 2) + half] = ds;
         const int row = key0 + 8 * half;
-        const uint32_t off = (chunk / 8) * Cfg::kDsPanelBytes + row * 128 +
-                             (((chunk % 8) ^ (row % 8)) * 16) + 4 * t;
+        const uint32_t off = swizzled(row, chunk, Cfg::kDsPanelBytes) + 4 * t;
         *reinterpret_cast<uint32_t*>(smem + ds_buf + off) = ds;
         if constexpr (Cfg::kSplitD) *reinterpret_cast<uint32_t*>(smem + p_buf + off) = p2;
       }
@@ -320,8 +318,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::fence_operands(acc_dv);
     ptx::fence_operands(acc_dk);
     if constexpr (!Cfg::kSplitD) {
-      // dV += Pᵀ·dO_i, dK += dSᵀ·Q_i from registers; then dQ = dS·K once both warpgroups' dSᵀ
-      // are in.
+      // dV += Pᵀ·dO_i, dK += dSᵀ·Q_i from registers; dQ below once both warpgroups' dSᵀ are in.
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -335,18 +332,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
       if (more) publish(it + 1, next_copy);
       ptx::wgmma_fence();  // dq was read by the previous step's staging
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        ptx::wgmma_ss_mn<kDqCols, Element>(
-            dq,
-            ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * 2048u,
-                                     Cfg::kDsPanelBytes),
-            ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * 2048u,
-                                     Cfg::kKVPanelBytes),
-            kk > 0 ? 1 : 0);
     } else {
-      // Every operand from shared memory once both warpgroups' Pᵀ and dSᵀ are in: dV += Pᵀ·dO_i,
-      // dK += dSᵀ·Q_i and dQ = dS·K for this warpgroup's 128 columns.
+      // Every operand from shared memory once both warpgroups' Pᵀ and dSᵀ are in: dV += Pᵀ·dO_i
+      // and dK += dSᵀ·Q_i for this warpgroup's 128 columns (and dQ below).
       (void)pa;
       (void)da;
       ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
@@ -367,14 +355,17 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
             ptx::wgmma_desc_mn_major(q_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
                                      Cfg::kQPanelBytes),
             1);
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        ptx::wgmma_ss_mn<kDqCols, Element>(
-            dq, ptx::wgmma_desc_mn_major(base + ds_buf + kk * 2048u, Cfg::kDsPanelBytes),
-            ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * 2048u,
-                                     Cfg::kKVPanelBytes),
-            kk > 0 ? 1 : 0);
     }
+    // dQ tile = dS·K over the block's keys (dSᵀ's rows and K's rows are the reduction dimension).
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      ptx::wgmma_ss_mn<kDqCols, Element>(
+          dq,
+          ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * 2048u,
+                                   Cfg::kDsPanelBytes),
+          ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * 2048u,
+                                   Cfg::kKVPanelBytes),
+          kk > 0 ? 1 : 0);
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     ptx::fence_operands(acc_dv);
@@ -434,8 +425,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kWgCols / 8; ++j) {
       const int chunk = col_off / 8 + j;
-      const uint32_t off = (chunk / 8) * Cfg::kKVPanelBytes + row * 128 +
-                           (((chunk % 8) ^ (row % 8)) * 16) + 4 * t;
+      const uint32_t off = swizzled(row, chunk, Cfg::kKVPanelBytes) + 4 * t;
       *reinterpret_cast<uint32_t*>(smem + off) = ptx::pack2<Element>(
           acc_dk[4 * j + 2 * half] * p.scale, acc_dk[4 * j + 2 * half + 1] * p.scale);
       *reinterpret_cast<uint32_t*>(smem + Cfg::kOffV + off) =
@@ -443,17 +433,17 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     }
   }
   __syncwarp();
-  constexpr int kChunks = kWgCols / 8;
   Element* gdk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
                  int64_t{n0} * p.dk_row_stride + hk * p.dk_head_stride;
   Element* gdv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
                  int64_t{n0} * p.dv_row_stride + hk * p.dv_head_stride;
+  constexpr int kChunks = kWgCols / 8;
   const int warp_row0 = key0 - g;
 #pragma unroll
-  for (int idx = lane; idx < 16 * kChunks; idx += 32) {
+  for (int idx = lane; idx < 16 * kChunks; idx += 32) {  // dK and dV chunks interleaved
     const int r = warp_row0 + idx / kChunks, cc = col_off / 8 + idx % kChunks;
     if (r < rows_k && cc * 8 < p.head_dim) {
-      const uint32_t off = (cc / 8) * Cfg::kKVPanelBytes + r * 128 + (((cc % 8) ^ (r % 8)) * 16);
+      const uint32_t off = swizzled(r, cc, Cfg::kKVPanelBytes);
       *reinterpret_cast<uint4*>(gdk + r * p.dk_row_stride + cc * 8) =
           *reinterpret_cast<const uint4*>(smem + off);
       *reinterpret_cast<uint4*>(gdv + r * p.dv_row_stride + cc * 8) =
@@ -498,21 +488,10 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
   if (st.ok())
     st = encode_accum_map(&tm_dq, w.dq_accum, w.bucket, int64_t{p.heads_q} * p.total_q);
   if (!st.ok()) return st;
-  auto* kernel = attention_backward_sm90_kernel<kDType, kHeadDim>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  if (err != cudaSuccess)
-    return Status::device_error("sm90 backward (head_dim bucket " + std::to_string(kHeadDim) +
-                                "): " + std::to_string(Cfg::kSmemBytes) +
-                                " bytes of shared memory: " + cudaGetErrorString(err));
   const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.heads_kv),
                   static_cast<unsigned>(p.batch));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, w, tm_q, tm_k, tm_v, tm_do, tm_dq);
-  err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status::device_error("sm90 backward (head_dim bucket " + std::to_string(kHeadDim) +
-                                ") launch: " + cudaGetErrorString(err));
-  return {};
+  return launch(attention_backward_sm90_kernel<kDType, kHeadDim>, "backward", kHeadDim, grid,
+                Cfg::kThreads, Cfg::kSmemBytes, stream, p, w, tm_q, tm_k, tm_v, tm_do, tm_dq);
 }
 
 }  // namespace flare::cuda::sm90

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "core/params.h"
+#include "cuda/sm90/layout_check.h"
 
 namespace flare::cuda::sm90 {
 
@@ -58,22 +59,16 @@ inline bool backward_supported(const AttentionParams& p) {
     return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   if (int64_t{p.heads_q} * p.total_q >= (int64_t{1} << 31)) return false;  // TMA row coordinates
-  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
-  if (!aligned(p.q) || !aligned(p.k) || !aligned(p.v) || !aligned(p.dout) || !aligned(p.dk) ||
-      !aligned(p.dv))
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.dout) ||
+      !aligned16(p.dk) || !aligned16(p.dv))
     return false;
-  const int64_t dims[][2] = {
-      {p.q_row_stride, p.seqlen_q},   {p.q_head_stride, p.heads_q},   {p.q_batch_stride, p.batch},
-      {p.k_row_stride, p.seqlen_k},   {p.k_head_stride, p.heads_kv},  {p.k_batch_stride, p.batch},
-      {p.v_row_stride, p.seqlen_k},   {p.v_head_stride, p.heads_kv},  {p.v_batch_stride, p.batch},
-      {p.do_row_stride, p.seqlen_q},  {p.do_head_stride, p.heads_q},  {p.do_batch_stride, p.batch},
-      {p.dk_row_stride, p.seqlen_k},  {p.dk_head_stride, p.heads_kv}, {p.dk_batch_stride, p.batch},
-      {p.dv_row_stride, p.seqlen_k},  {p.dv_head_stride, p.heads_kv}, {p.dv_batch_stride, p.batch}};
-  for (const auto& d : dims) {
-    if (d[0] % 8 != 0 || d[0] < 0 || d[0] >= (int64_t{1} << 38)) return false;
-    if (d[0] == 0 && d[1] > 1) return false;
-  }
-  return true;
+  return strides_fit_tma(
+      {{p.q_row_stride, p.seqlen_q},   {p.q_head_stride, p.heads_q},   {p.q_batch_stride, p.batch},
+       {p.k_row_stride, p.seqlen_k},   {p.k_head_stride, p.heads_kv},  {p.k_batch_stride, p.batch},
+       {p.v_row_stride, p.seqlen_k},   {p.v_head_stride, p.heads_kv},  {p.v_batch_stride, p.batch},
+       {p.do_row_stride, p.seqlen_q},  {p.do_head_stride, p.heads_q},  {p.do_batch_stride, p.batch},
+       {p.dk_row_stride, p.seqlen_k},  {p.dk_head_stride, p.heads_kv}, {p.dk_batch_stride, p.batch},
+       {p.dv_row_stride, p.seqlen_k},  {p.dv_head_stride, p.heads_kv}, {p.dv_batch_stride, p.batch}});
 }
 
 }  // namespace flare::cuda::sm90

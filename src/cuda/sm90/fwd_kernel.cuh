@@ -39,6 +39,7 @@
 #include "cuda/ptx/mma.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/common.cuh"
 #include "cuda/sm90/fwd_launch.h"
 #include "cuda/sm90/fwd_tiles.h"
 #include "cuda/sm90/tensor_map.h"
@@ -47,7 +48,7 @@ namespace flare::cuda::sm90 {
 
 template <DType kDType, int kHeadDim>
 struct Fwd90Config {
-  using Element = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
+  using Element = ElementOf<kDType>;
   static constexpr Fwd90Tile kTile = fwd90_tile(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kFwd90Tiles");
   static constexpr int kBlockM = kTile.block_m;
@@ -62,13 +63,11 @@ struct Fwd90Config {
   static constexpr uint32_t kKVBytes = kPanels * kKVPanelBytes;  // one K or V tile
   // Dynamic shared memory: Q, the K ring, the V ring, and 1 KiB to align the start to 1024 bytes.
   static constexpr int kSmemBytes = static_cast<int>(kQBytes + 2 * kStages * kKVBytes) + 1024;
-  // Registers per thread after setmaxnreg. The CTA starts with (64 Ki / threads, rounded down to 8)
-  // per thread, and setmaxnreg.inc waits until the producer's release covers the consumers' growth,
-  // so the split must fit what the CTA was given (a split that does not fit hangs the kernel).
-  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  // Registers per thread after setmaxnreg (within launch_regs: common.cuh).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <=
+                    launch_regs(kThreads) * kThreads,
                 "setmaxnreg split exceeds the CTA's registers");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockM == 64 * kConsumers, "tile shape");
 };
@@ -276,26 +275,16 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
     for (int j = 0; j < kHeadDim / 8; ++j) {
       const uint32_t packed =
           ptx::pack2<Element>(acc_o[4 * j + 2 * half] * inv, acc_o[4 * j + 2 * half + 1] * inv);
-      const uint32_t off = (j / 8) * Cfg::kQPanelBytes + r * 128 + (((j % 8) ^ (r % 8)) * 16) + 4 * t;
-      *reinterpret_cast<uint32_t*>(smem + off) = packed;
+      *reinterpret_cast<uint32_t*>(smem + swizzled(r, j, Cfg::kQPanelBytes) + 4 * t) = packed;
     }
     if (t == 0 && r < rows_q) lse_row[r] = l > 0.0f ? row_max[half] * kLn2f + logf(l) : -INFINITY;
   }
   __syncwarp();
 
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride + int64_t{m0} * p.o_row_stride +
                 h * p.o_head_stride;
-  const int warp_row0 = c * 64 + warp * 16;
-#pragma unroll
-  for (int idx = lane; idx < 16 * kChunks; idx += 32) {
-    const int r = warp_row0 + idx / kChunks, cc = idx % kChunks;
-    if (r < rows_q && cc * 8 < p.head_dim) {
-      const uint32_t off = (cc / 8) * Cfg::kQPanelBytes + r * 128 + (((cc % 8) ^ (r % 8)) * 16);
-      *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + cc * 8) =
-          *reinterpret_cast<const uint4*>(smem + off);
-    }
-  }
+  store_rows<kHeadDim / 8>(gO, p.o_row_stride, smem, Cfg::kQPanelBytes, c * 64 + warp * 16, 0,
+                           rows_q, p.head_dim, lane);
 #else
   (void)p;
   (void)tm_q;
@@ -326,21 +315,10 @@ Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
   st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
                           p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
   if (!st.ok()) return st;
-  auto* kernel = attention_forward_sm90_kernel<kDType, kHeadDim>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  if (err != cudaSuccess)
-    return Status::device_error("sm90 forward (head_dim bucket " + std::to_string(kHeadDim) +
-                                "): " + std::to_string(Cfg::kSmemBytes) +
-                                " bytes of shared memory: " + cudaGetErrorString(err));
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
                   static_cast<unsigned>(p.batch));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
-  err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status::device_error("sm90 forward (head_dim bucket " + std::to_string(kHeadDim) +
-                                ") launch: " + cudaGetErrorString(err));
-  return {};
+  return launch(attention_forward_sm90_kernel<kDType, kHeadDim>, "forward", kHeadDim, grid,
+                Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v);
 }
 
 }  // namespace flare::cuda::sm90

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "core/params.h"
+#include "cuda/sm90/layout_check.h"
 
 namespace flare::cuda::sm90 {
 
@@ -56,20 +57,13 @@ inline bool forward_supported(const AttentionParams& p) {
   if (p.is_varlen() || p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr)
     return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
-  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
-  if (!aligned(p.q) || !aligned(p.k) || !aligned(p.v) || !aligned(p.o)) return false;
-  // (stride, extent) per tensor dimension: TMA takes strides that are whole 16-byte units, and a
-  // zero stride only where the extent is 1 (the launcher substitutes one there).
-  const int64_t dims[][2] = {
-      {p.q_row_stride, p.seqlen_q},  {p.q_head_stride, p.heads_q},  {p.q_batch_stride, p.batch},
-      {p.k_row_stride, p.seqlen_k},  {p.k_head_stride, p.heads_kv}, {p.k_batch_stride, p.batch},
-      {p.v_row_stride, p.seqlen_k},  {p.v_head_stride, p.heads_kv}, {p.v_batch_stride, p.batch},
-      {p.o_row_stride, p.seqlen_q},  {p.o_head_stride, p.heads_q},  {p.o_batch_stride, p.batch}};
-  for (const auto& d : dims) {
-    if (d[0] % 8 != 0 || d[0] < 0 || d[0] >= (int64_t{1} << 38)) return false;
-    if (d[0] == 0 && d[1] > 1) return false;
-  }
-  return true;
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o)) return false;
+  return strides_fit_tma({{p.q_row_stride, p.seqlen_q},  {p.q_head_stride, p.heads_q},
+                          {p.q_batch_stride, p.batch},   {p.k_row_stride, p.seqlen_k},
+                          {p.k_head_stride, p.heads_kv}, {p.k_batch_stride, p.batch},
+                          {p.v_row_stride, p.seqlen_k},  {p.v_head_stride, p.heads_kv},
+                          {p.v_batch_stride, p.batch},   {p.o_row_stride, p.seqlen_q},
+                          {p.o_head_stride, p.heads_q},  {p.o_batch_stride, p.batch}});
 }
 
 }  // namespace flare::cuda::sm90

@@ -1,0 +1,27 @@
+// layout_check.h — whether tensors suit the sm90 kernels' TMA loads (host code without CUDA).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+namespace flare::cuda::sm90 {
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+// A tensor dimension: its stride in 2-byte elements and its extent.
+struct StrideExtent {
+  int64_t stride;
+  int64_t extent;
+};
+
+// TMA takes strides in whole 16-byte units below 2^40 bytes, and a zero stride only where the
+// extent is 1 (the tensor maps substitute one there).
+inline bool strides_fit_tma(std::initializer_list<StrideExtent> dims) {
+  for (const StrideExtent& d : dims) {
+    if (d.stride % 8 != 0 || d.stride < 0 || d.stride >= (int64_t{1} << 38)) return false;
+    if (d.stride == 0 && d.extent > 1) return false;
+  }
+  return true;
+}
+
+}  // namespace flare::cuda::sm90
