@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -83,6 +84,21 @@ inline bool runs_sm90a_code(const void* kernel) {
   cudaFuncAttributes attr{};
   if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return false;
   return attr.binaryVersion == 90;
+}
+
+// runs_sm90a_code for kernel kKernel, asked once per device (the dispatch asks on every call).
+template <auto kKernel>
+bool runs_sm90a_code_cached() {
+  constexpr int kDevices = 64;
+  static std::atomic<signed char> known[kDevices] = {};  // 0 not asked, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device < 0 || device >= kDevices) return runs_sm90a_code(reinterpret_cast<const void*>(kKernel));
+  const signed char k = known[device].load(std::memory_order_relaxed);
+  if (k != 0) return k == 2;
+  const bool yes = runs_sm90a_code(reinterpret_cast<const void*>(kKernel));
+  known[device].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
 }
 
 }  // namespace flare::cuda::sm90
