@@ -7,7 +7,9 @@ are generated rather than typed. Run from the repository root after changing SHA
 """
 import pathlib
 
-SHAPES = (32, 64, 128, 256)  # n of m64nNk16
+# n of m64nNk16, per form, as the kernels use them (no unused wrappers)
+SS_SHAPES = (32, 64, 128)  # both K-major: S = Q·Kᵀ (forward), Sᵀ and dPᵀ (backward)
+RS_SHAPES = (64, 128, 256)  # A in registers: O += P·V, dV and dK at d <= 128
 MN_SHAPES = (64, 128)  # n of the both-MN-major form (dQ = dS·K in the backward)
 BMN_SHAPES = (128,)  # n of the K-major A, MN-major B form (dV, dK at d 256)
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
@@ -57,10 +59,12 @@ def main():
         "// Included by wgmma.cuh inside namespace flare::cuda::ptx.",
         "",
     ]
-    for n in SHAPES:
+    for n in sorted(set(SS_SHAPES + RS_SHAPES + MN_SHAPES + BMN_SHAPES)):
         for ctype, ptype in TYPES:
-            out.append(wrapper(n, ctype, ptype, False))
-            out.append(wrapper(n, ctype, ptype, True))
+            if n in SS_SHAPES:
+                out.append(wrapper(n, ctype, ptype, False))
+            if n in RS_SHAPES:
+                out.append(wrapper(n, ctype, ptype, True))
             if n in MN_SHAPES:
                 out.append(wrapper(n, ctype, ptype, False, mn_major=True))
             if n in BMN_SHAPES:
