@@ -1,9 +1,16 @@
 # cli_test.cmake — checks of the flare program that need more than "exit status 0".
-# Run as: cmake -DFLARE=<path to flare> -DMODE=<mode> [-DJSON=<file>] -P cli_test.cmake
+# Run as: cmake -DFLARE=<path to flare> -DMODE=<mode> [-DJSON=<file>] [-DDIR=<dir>] -P cli_test.cmake
 #
-#   MODE=usage       every bad command line below exits 2 with a one-line message on stderr
-#   MODE=bench_json  `flare bench` on the CPU writes a result file in DESIGN.md's schema
-#   MODE=no_cuda     `--device cuda` in a build without CUDA kernels exits 1, saying why
+#   MODE=usage          every bad command line below exits 2 with a one-line message on stderr;
+#                       help lists every command and --version, which prints the version
+#   MODE=bench_json     `flare bench` on the CPU writes a result file in the schema of
+#                       docs/architecture.md ("Result files"); each case's line is in the piped
+#                       output, in order
+#   MODE=json_unwritable  --json to a path that cannot be written (DIR: a scratch directory)
+#                       fails before any case runs, naming --json and the path
+#   MODE=line_buffered  a bench killed while its first case runs has already delivered its
+#                       header line through the pipe, and leaves no result file (JSON) behind
+#   MODE=no_cuda        `--device cuda` in a build without CUDA kernels exits 1, saying why
 cmake_minimum_required(VERSION 3.25)
 
 # Runs flare with the arguments in the string `cmdline`; sets rc, out and err in the caller.
@@ -54,6 +61,19 @@ if(MODE STREQUAL "usage")
       message(FATAL_ERROR "flare ${cmdline}: exit status ${rc}, expected 0 and usage text")
     endif()
   endforeach()
+  # The top-level help names every way in, --version included.
+  run_flare("help")
+  foreach(entry IN ITEMS "\n  demo " "\n  bench " "\n  help " "\n  --version ")
+    string(FIND "${out}" "${entry}" at)
+    if(at EQUAL -1)
+      string(STRIP "${entry}" name)
+      message(FATAL_ERROR "flare help does not list '${name}':\n${out}")
+    endif()
+  endforeach()
+  run_flare("--version")
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "^flare [0-9]+\\.[0-9]+\\.[0-9]+ \\((CUDA|CPU only)\\)\n$")
+    message(FATAL_ERROR "flare --version: exit status ${rc}, output '${out}'")
+  endif()
 
 elseif(MODE STREQUAL "bench_json")
   file(REMOVE "${JSON}")
@@ -101,6 +121,83 @@ elseif(MODE STREQUAL "bench_json")
     endif()
   endforeach()
   message(STATUS "${JSON}: ${rows} valid rows")
+  # execute_process reads flare's stdout through a pipe: every (case, pass) line must be there, in
+  # the order the cases run (non-causal first), between the header and the closing line.
+  set(expected_lines "")
+  foreach(mask IN ITEMS "non-causal" "causal")
+    foreach(pass IN ITEMS "fwd " "bwd " "fwdbwd")
+      list(APPEND expected_lines "${pass} *fp32 b=[0-9]+ +s=256 +h=[0-9]+ +d=64 +${mask} +[0-9.]+ ms")
+    endforeach()
+  endforeach()
+  string(REPLACE "\n" ";" out_lines "${out}")
+  list(GET out_lines 0 header)
+  if(NOT header MATCHES "^flare .* bench on .*: 2 case\\(s\\)")
+    message(FATAL_ERROR "flare bench: first line is not the header: '${header}'")
+  endif()
+  set(next 1)
+  foreach(pattern IN LISTS expected_lines)
+    list(LENGTH out_lines count)
+    if(next GREATER_EQUAL count)
+      message(FATAL_ERROR "flare bench: no line matching '${pattern}' in the piped output:\n${out}")
+    endif()
+    list(GET out_lines ${next} line)
+    if(NOT line MATCHES "^${pattern}")
+      message(FATAL_ERROR "flare bench: line ${next} is '${line}', expected '${pattern}'")
+    endif()
+    math(EXPR next "${next} + 1")
+  endforeach()
+  list(GET out_lines ${next} line)
+  if(NOT line MATCHES "^wrote ")
+    message(FATAL_ERROR "flare bench: line ${next} is '${line}', expected 'wrote ${JSON} ...'")
+  endif()
+
+elseif(MODE STREQUAL "json_unwritable")
+  # A grid that would run for a long time: the check must come before it, so a late check makes
+  # the test time out rather than pass.
+  set(grid "bench --device cpu --warmup 0 --iters 1000000")
+  separate_arguments(grid_args UNIX_COMMAND "${grid}")
+  file(REMOVE_RECURSE "${DIR}")
+  file(MAKE_DIRECTORY "${DIR}")
+  foreach(path IN ITEMS "${DIR}/no-such-directory/result.json" "${DIR}")
+    execute_process(COMMAND "${FLARE}" ${grid_args} --json "${path}"
+                    TIMEOUT 60 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    string(STRIP "${err}" err)
+    if(NOT rc EQUAL 2)
+      message(FATAL_ERROR "flare ${grid} --json ${path}: exit status ${rc}, expected 2\n${out}\n${err}")
+    endif()
+    if(NOT out STREQUAL "")
+      message(FATAL_ERROR "flare ${grid} --json ${path}: ran before failing:\n${out}")
+    endif()
+    string(FIND "${err}" "--json: cannot write '${path}'" at)
+    if(at EQUAL -1 OR err MATCHES "\n")
+      message(FATAL_ERROR "flare ${grid} --json ${path}: expected one line naming --json and the "
+                          "path, got:\n${err}")
+    endif()
+    message(STATUS "--json ${path} -> 2: ${err}")
+  endforeach()
+  file(GLOB left "${DIR}/*")
+  if(left)
+    message(FATAL_ERROR "the rejected runs left files behind: ${left}")
+  endif()
+
+elseif(MODE STREQUAL "line_buffered")
+  # The first case's forward alone would take hours, so the run is always killed inside it. By then
+  # the header line has been printed; had stdout been buffered until exit, the pipe would be empty.
+  file(REMOVE_RECURSE "${DIR}")
+  file(MAKE_DIRECTORY "${DIR}")
+  execute_process(COMMAND "${FLARE}" bench --device cpu --s 64 --d 32 --warmup 0 --iters 1000000
+                          --json "${DIR}/result.json"
+                  TIMEOUT 3 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc MATCHES "timeout")
+    message(FATAL_ERROR "flare bench was expected to run until killed; exit status ${rc}\n${out}\n${err}")
+  endif()
+  if(NOT out MATCHES "^flare .* bench on .*\n$")
+    message(FATAL_ERROR "flare bench, killed mid-case: expected its header line in the pipe, got '${out}'")
+  endif()
+  file(GLOB left "${DIR}/*")
+  if(left)
+    message(FATAL_ERROR "flare bench, killed mid-case, left files behind: ${left}")
+  endif()
 
 elseif(MODE STREQUAL "no_cuda")
   run_flare("demo --device cuda --s 64")

@@ -1,11 +1,14 @@
-// bench.cpp — `flare bench`: time flare's forward and backward over DESIGN.md's standard grid or
-// the sizes given, print one standard line per (case, pass), optionally write a result file.
+// bench.cpp — `flare bench`: time flare's forward and backward over the standard grid
+// (docs/architecture.md, "Performance method") or the sizes given, print one standard line per
+// (case, pass), optionally write a result file.
 //
 // The standard grid keeps 16k tokens per batch — (b, s) ∈ {(32,512), (16,1k), (8,2k), (4,4k),
 // (2,8k), (1,16k)} — and a hidden size of 2048 (heads = 2048 / head_dim) for head_dim 64, 128 and
 // 256, causal and not, in bf16: the grid FlashAttention's papers report, so numbers compare. Its
-// largest case is about 8 TFLOP per forward+backward, which takes minutes on a CPU, so the CPU
-// runs a small grid of the same shape instead (2k tokens, hidden 512, head_dim 64 and 128, fp32).
+// largest case is about 8 TFLOP per forward+backward, minutes per call on a CPU, and the whole
+// grid about 8e14 FLOP with the CPU's repetitions (hours), so the CPU runs a small grid of the
+// same shape instead (2k tokens, hidden 512, head_dim 64 and 128, fp32): 81 s on 2 cores (AMD
+// EPYC, shared with other work; 113 s of CPU time).
 // Any size given on the command line pins that axis; the others keep following the grid's rules
 // (b = tokens / s, h = hidden / d).
 //
@@ -39,11 +42,10 @@ struct Grid {
   int warmup, iters;
 };
 
-// DESIGN.md's standard grid; warm-up and repetitions as in FlashAttention's benchmark script.
+// The standard grid; warm-up and repetitions as in FlashAttention's benchmark script.
 const Grid kGpuGrid = {16384, 2048, {512, 1024, 2048, 4096, 8192, 16384}, {64, 128, 256},
                        DType::kBFloat16, 5, 30};
-// The same shape scaled down 8× in tokens and 4× in width, so the whole grid runs in minutes
-// on a few cores.
+// The same shape scaled down 8× in tokens and 4× in width (its run time: top of this file).
 const Grid kCpuGrid = {2048, 512, {512, 1024, 2048}, {64, 128}, DType::kFloat32, 1, 5};
 
 // Seed of the inputs; values do not affect the time, a fixed seed keeps runs identical.
@@ -80,6 +82,11 @@ BenchArgs parse(int argc, char** argv, bool* help) {
   if (a.h_kv && a.h && *a.h % *a.h_kv != 0)
     throw p.error("--h-kv: " + std::to_string(*a.h_kv) + " must divide --h " +
                   std::to_string(*a.h));
+  // Checked now, before any case runs: found at the end, it would cost the whole run's results.
+  if (a.json) {
+    const std::string problem = result_file_problem(*a.json);
+    if (!problem.empty()) throw p.error("--json: cannot write '" + *a.json + "': " + problem);
+  }
   return a;
 }
 
@@ -129,7 +136,6 @@ void print_row(const ResultRow& r, bool gpu) {
               pass_name(r.pass), short_dtype_name(s.dtype), s.b, seq.c_str(), heads.c_str(), s.d,
               s.causal ? "causal" : "non-causal", r.ms, gpu ? r.tflops : r.tflops * 1e3,
               gpu ? "TFLOP/s" : "GFLOP/s", double(r.peak_mem_bytes) / (1 << 20));
-  std::fflush(stdout);
 }
 
 }  // namespace
@@ -146,7 +152,8 @@ Without sizes it runs a grid:
   cuda  the standard grid: 16k tokens per batch, (b, s) in (32,512) (16,1k) (8,2k) (4,4k)
         (2,8k) (1,16k), hidden 2048 (h = 2048/d), d 64 128 256, causal and not, bf16
   cpu   a small grid of the same shape: 2k tokens, (b, s) in (4,512) (2,1k) (1,2k),
-        hidden 512 (h = 512/d), d 64 128, causal and not, fp32 (a few minutes on 2 cores)
+        hidden 512 (h = 512/d), d 64 128, causal and not, fp32; about 1.5 minutes
+        on 2 cores
 Each size given pins that axis; the rest follow the grid (b = tokens/s, h = hidden/d).
 
 options:
@@ -159,7 +166,8 @@ options:
   --warmup N  --iters N    untimed and timed calls per pass (default 5 and 30 on cuda,
                            1 and 5 on cpu); the median of the timed calls is reported
   --json FILE              also write the results (bench/results schema: card, date,
-                           commit, software, rows)
+                           commit, software, rows); checked before the first case runs,
+                           and written whole at the end (never a truncated file)
   --commit ID              commit to record (default $FLARE_COMMIT, else git rev-parse)
 
 A pass the library reports as unsupported on the device is listed as skipped.
@@ -235,7 +243,6 @@ int run_bench(int argc, char** argv) {
         }
       }
     } catch (const RunError& e) {
-      std::fflush(stdout);
       std::fprintf(stderr, "flare bench: %s: %s\n", shape.describe().c_str(), e.what());
       ++failures;
     }

@@ -1,5 +1,6 @@
 // demo.cpp — `flare demo`: run one forward and backward on the best device present, time it, and
-// check every output against the float64 reference under DESIGN.md's tolerance rule.
+// check every output against the float64 reference under the tolerance rule
+// (docs/architecture.md, "Tolerance rule").
 //
 // The rule, per output (O, LSE, dQ, dK, dV):
 //   max|flare − ref| ≤ 2 · max|naive − ref| + unit_roundoff(dtype) · max|ref|,
@@ -7,7 +8,8 @@
 // low-precision kernel would (RefPrecision::kLowPrecision). LSE is fp32 whatever the inputs, so
 // its roundoff term is fp32's. Positions where ref is −inf (rows that see no key) must be −inf
 // exactly, and a NaN anywhere — an element never written, since outputs start as NaN — fails.
-// This is the rule tests/test_util.cpp applies; the demo aggregates it over the slices it checks.
+// This is the rule of tests/test_util.h's within_tolerance with a smaller floor (one rounding in
+// the dtype, no fp32 accumulation term), aggregated over the slices the demo checks.
 //
 // The reference is O(s²) work per head, single-threaded and in float64: for the default problem
 // (2 × 8 heads of 1024² scores) checking every head takes 6 s on two cores (AMD EPYC). The
@@ -235,7 +237,8 @@ Runs flare's forward and backward once on the best device present (the GPU when 
 build has CUDA kernels and a GPU is usable, else the CPU), prints time, throughput and
 peak memory, and checks O, LSE, dQ, dK and dV against the float64 reference:
   max|flare - ref| <= 2 * max|naive - ref| + unit_roundoff(dtype) * max|ref|
-where naive is the reference computed in the inputs' low precision (DESIGN.md's rule).
+where naive is the reference computed in the inputs' low precision (the tolerance
+rule of docs/architecture.md).
 The reference is slow (O(s^2) per head, float64), so by default it checks a few
 (batch, kv-head) slices spread over the problem, as many as take a few seconds.
 

@@ -3,6 +3,10 @@
 //   flare demo    one checked forward+backward on the best device (demo.cpp)
 //   flare bench   the benchmark grid or given sizes, optional JSON results (bench.cpp)
 //   flare help    usage
+//   flare --version
+//
+// Standard output is line-buffered, even into a pipe or a file, so that each progress and result
+// line shows up as its case finishes rather than when the program exits.
 //
 // Exit status: 0 success, 1 a run or check failed, 2 the command line was wrong. Every failure
 // prints one line to stderr.
@@ -26,6 +30,9 @@ commands:
   bench   time forward/backward over the standard grid or given sizes, print one line
           per case, optionally write JSON results
   help    this text; `flare help <command>` for a command's options
+
+options:
+  --version   print flare's version and whether this build has CUDA kernels
 
 exit status: 0 success, 1 a run or check failed, 2 bad arguments
 )";
@@ -62,6 +69,9 @@ int dispatch(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Piped stdout would otherwise be fully buffered: a benchmark's lines would all arrive at the
+  // end, and a run that is killed would lose them.
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   try {
     return dispatch(argc, argv);
   } catch (const flare::cli::UsageError& e) {

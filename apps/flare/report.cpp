@@ -1,11 +1,15 @@
 // report.cpp — see report.h.
 #include "report.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
-#include <fstream>
 #include <sstream>
 
 #include "args.h"
@@ -41,6 +45,13 @@ std::string json_number(double x) {
 std::string trim(std::string s) {
   while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
   return s;
+}
+
+// Where a result file is written before it is renamed to `path`: in the same directory, so the
+// rename replaces `path` in one step, and named after this process so concurrent runs writing the
+// same path do not share it.
+std::string partial_path(const std::string& path) {
+  return path + ".partial-" + std::to_string(getpid());
 }
 
 }  // namespace
@@ -81,6 +92,22 @@ std::vector<std::pair<std::string, std::string>> software_versions(
   return v;
 }
 
+std::string result_file_problem(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return "it is a directory";
+    if (access(path.c_str(), W_OK) != 0) return std::strerror(errno);
+  }
+  // The only sure test of a directory (permissions, a read-only or full file system) is to
+  // create a file in it, as the final write will.
+  const std::string probe = partial_path(path);
+  std::FILE* f = std::fopen(probe.c_str(), "w");
+  if (f == nullptr) return std::strerror(errno);
+  std::fclose(f);
+  std::remove(probe.c_str());
+  return "";
+}
+
 void write_result_file(const std::string& path, const ResultFile& file) {
   std::ostringstream j;
   j << "{\n  \"card\": " << json_string(file.card) << ",\n  \"date\": " << json_string(file.date)
@@ -101,10 +128,22 @@ void write_result_file(const std::string& path, const ResultFile& file) {
       << "}";
   }
   j << "\n  ]\n}\n";
-  std::ofstream out(path);
-  out << j.str();
-  out.close();
-  if (!out) throw RunError("--json: cannot write '" + path + "'");
+  const std::string text = j.str();
+
+  const std::string partial = partial_path(path);
+  int error = 0;
+  // errno of the failed step (a short fwrite need not set one).
+  const auto failed = [] { return errno != 0 ? errno : EIO; };
+  errno = 0;
+  std::FILE* f = std::fopen(partial.c_str(), "w");
+  if (f == nullptr) error = failed();
+  if (error == 0 && std::fwrite(text.data(), 1, text.size(), f) != text.size()) error = failed();
+  if (f != nullptr && std::fclose(f) != 0 && error == 0) error = failed();
+  if (error == 0 && std::rename(partial.c_str(), path.c_str()) != 0) error = failed();
+  if (error != 0) {
+    std::remove(partial.c_str());
+    throw RunError("--json: cannot write '" + path + "': " + std::strerror(error));
+  }
 }
 
 }  // namespace flare::cli

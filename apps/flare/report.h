@@ -1,4 +1,5 @@
-// report.h — the facts a benchmark result carries, and the result file of DESIGN.md.
+// report.h — the facts a benchmark result carries, and the result file they are written to
+// (docs/architecture.md, "Result files").
 //
 // A result file is {"card", "date", "commit", "software", "rows": [...]}, one row per (case,
 // pass), in the schema shared by every file under bench/results/ so that runs of flare and of its
@@ -39,7 +40,12 @@ std::string source_commit(const std::optional<std::string>& flag);
 // flare's version and the compiler, followed by the device's entries.
 std::vector<std::pair<std::string, std::string>> software_versions(
     const std::vector<std::pair<std::string, std::string>>& device_software);
-// Writes the file; throws RunError if it cannot.
+// Why a result file could not be written at `path`, or "" when it can: its directory must take a
+// new file (one is created there and removed again) and `path` must not be a directory or a
+// file this process may not replace. For checking --json before anything runs.
+std::string result_file_problem(const std::string& path);
+// Writes the file whole or not at all: into a new file beside `path`, renamed over it once
+// complete, so no reader ever sees a truncated result. Throws RunError if it cannot.
 void write_result_file(const std::string& path, const ResultFile& file);
 
 }  // namespace flare::cli
