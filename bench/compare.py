@@ -11,21 +11,22 @@ SDPA gets the (batch, heads, seqlen, head_dim) view of the same storage (transpo
 the flash_attn benchmarks do. torch-math runs only where --math-max-seqlen allows; its purpose
 is the memory chart.
 
-Grid (DESIGN.md): 16k tokens per batch, (b, s) in {(32,512), (16,1k), (8,2k), (4,4k), (2,8k),
-(1,16k)}, hidden 2048 (heads = 2048 / head_dim), head_dim 64, 128, 256, causal and not, bf16;
-passes fwd, bwd and fwdbwd.
+Grid and method: docs/architecture.md, "Performance method". The standard grid: 16k tokens per
+batch, (b, s) in {(32,512), (16,1k), (8,2k), (4,4k), (2,8k), (1,16k)}, hidden 2048 (heads = 2048 /
+head_dim), head_dim 64, 128, 256, causal and not, bf16; passes fwd, bwd and fwdbwd.
 
-Method (DESIGN.md): FLOPs as FlashAttention counts them: forward 4·b·s_q·s_k·h·d, halved for
-causal; backward 2.5× forward; fwdbwd 3.5×. Each case is timed with CUDA events after warm-up:
---iters runs queued back to back, an event between each, and the median interval reported.
+FLOPs as FlashAttention counts them: forward 4·b·s_q·s_k·h·d, halved for causal; backward 2.5×
+forward; fwdbwd 3.5×. Each case is timed with CUDA events after warm-up: --iters runs queued
+back to back, an event between each, and the median interval reported.
 Peak memory is torch.cuda.max_memory_allocated() during one extra run of the pass, less what
 was allocated before it (the inputs). A case an implementation cannot run (unsupported shape,
 out of memory) becomes a row with "error" and no time.
 
-Output: one standard line per case on stdout, a JSON file in DESIGN.md's result schema in --out,
-and PNG charts next to it (TFLOP/s by seqlen, one panel per head_dim × causal, one figure per
-pass, like the FlashAttention-2 paper's figures; peak memory by seqlen, flare against standard
-attention). --plot-only FILE.json redraws the charts of an earlier run without a GPU.
+Output: one standard line per case on stdout, a JSON file in --out in the result schema
+(docs/architecture.md, "Result files"), and PNG charts next to it (TFLOP/s by seqlen, one panel
+per head_dim × causal, one figure per pass, like the FlashAttention-2 paper's figures; peak
+memory by seqlen, flare against standard attention). --plot-only FILE.json redraws the charts
+of an earlier run without a GPU.
 
 Runs offline: nothing is downloaded.
 
@@ -55,7 +56,7 @@ COLORS = {"flare": "#d62728", "torch-flash": "#1f77b4", "torch-cudnn": "#2ca02c"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="Benchmark flare against PyTorch SDPA backends on DESIGN.md's grid.")
+        description="Benchmark flare against PyTorch SDPA backends on the standard grid.")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "results"),
                    help="directory for the JSON result and the PNG charts (default: %(default)s)")

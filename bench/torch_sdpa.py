@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""PyTorch SDPA on DESIGN.md's standard grid: the peers flare's CUDA kernels are compared against.
+"""PyTorch SDPA on the standard grid (docs/architecture.md, "Performance method"): the peers
+flare's CUDA kernels are compared against.
 
 Times torch.nn.functional.scaled_dot_product_attention under the flash backend (FlashAttention-2)
 and the cuDNN backend, forward, backward (the backward call alone, its forward untimed) or both,

@@ -1,7 +1,7 @@
 // test_cpu_flash.cpp — the CPU flash backend against the float64 reference.
 //
 // Every case runs forward and backward through the public API (CPU → flash by default) on
-// poisoned outputs and checks O, LSE, dQ, dK, dV under DESIGN.md's tolerance rule
+// poisoned outputs and checks O, LSE, dQ, dK, dV under the tolerance rule of docs/architecture.md
 // (check_against_reference). Inputs are fresh each run: the spec seed mixes in test_seed(),
 // which failures print. Further tests pin the vector exp/tanh accuracy, the exact outputs of rows
 // that see no key, and the bitwise determinism of the backward across thread counts.

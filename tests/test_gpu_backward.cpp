@@ -2,8 +2,9 @@
 //
 // Each case builds a problem on the host (fresh seeded random inputs, seed printed on failure),
 // takes O and LSE from the float64 reference forward, copies everything to the device, poisons
-// dq/dk/dv with NaN, runs flare's CUDA backward and checks dQ, dK and dV under DESIGN.md's rule
-// (max|gpu − ref| ≤ 2·max|naive − ref| + floor, naive = the reference in the dtype's precision).
+// dq/dk/dv with NaN, runs flare's CUDA backward and checks dQ, dK and dV under the tolerance rule
+// of docs/architecture.md (max|gpu − ref| ≤ 2·max|naive − ref| + floor, naive = the reference in
+// the dtype's precision).
 // The list of compiled variants comes from the table that instantiates them
 // (flare/cuda_bwd_variants.inc); every variant runs with its full bucket width and with head dims
 // that leave part of the bucket zero-filled. The feature cases cover each dispatch branch of the

@@ -7,7 +7,7 @@
 // empty sequences, softcap, ALiBi, dropout, padded (16-byte aligned) and odd (unaligned) strides,
 // odd head dims, seqlen 1 and 1025, inputs of magnitude 1e3; buckets with a short-walk tile run
 // both tiles, forced, under each mask; the problems the sm90 (Hopper) kernel takes run through it
-// and, forced, through sm80. Each check follows DESIGN.md's rule
+// and, forced, through sm80. Each check follows the tolerance rule of docs/architecture.md
 // (test_util.h: within_tolerance against the reference computed in the same low precision).
 // Outputs are poisoned with NaN on the device first, so an unwritten element fails. Without a
 // CUDA device every test skips, saying so.

@@ -1,6 +1,6 @@
 // test_util.h — shared machinery for flare's tests: host tensors with random contents, NaN
-// poisoning, problem construction (fixed length or varlen, any layout), and DESIGN.md's tolerance
-// rule.
+// poisoning, problem construction (fixed length or varlen, any layout), and the tolerance
+// rule (docs/architecture.md, "Tolerance rule").
 //
 // Tolerance rule: for each output separately,
 //   max|fast − ref| ≤ 2 · max|naive − ref| + floor,
@@ -137,7 +137,7 @@ Problem make_problem(const ProblemSpec& spec);
 // checks on failure so any failure can be replayed.
 uint64_t test_seed();
 
-// DESIGN.md's rule for one output; adds a gtest failure naming the output and the numbers.
+// The tolerance rule for one output; adds a gtest failure naming the output and the numbers.
 // Positions where ref is −inf (LSE of fully masked rows) must be exactly −inf in `fast`.
 // `reduction_length` is n above (max(d, s_k, s_q · heads_q/heads_kv)).
 ::testing::AssertionResult within_tolerance(const std::string& name, const std::vector<double>& fast,
@@ -153,7 +153,7 @@ double max_abs(const std::vector<double>& x);
 // Checks dQ, dK and dV of `pr` (read back from its tensors) against the references. Where the
 // exact gradient is at or below the noise of its own fp32 evaluation — every softmax row one-hot
 // (a single visible key, or scores hundreds apart), so dS = P·(dP − D) is a difference of two
-// equal fp32 dot products — DESIGN.md's rule has a bound of ~0 that no kernel forming dP and D
+// equal fp32 dot products — the tolerance rule has a bound of ~0 that no kernel forming dP and D
 // as separate sums can meet. There the check is that rounding bound itself: dP and D are d-term
 // fp32 dot products of values bounded by max|dO| and max|V|, each within γ_d·d·max|dO|·max|V|
 // (γ_d ≈ d·2^-24), so |dS| ≤ 2·d²·2^-24·max|dO|·max|V|·dropout_scale, and a gradient summing

@@ -11,11 +11,11 @@
 //
 // Two precisions share the code. kFloat64 accumulates everything in double: that is the truth
 // the tests compare against, and its backward is checked against central finite differences.
-// kLowPrecision is the "naive kernel in the fast path's precision" of DESIGN.md's tolerance
-// rule: scores and softmax in float, P (and dS) rounded to the input dtype before the products
-// with V (and K, Q), as a tensor-core kernel does, and O, dQ, dK, dV rounded to the input dtype
-// as the fast path stores them (LSE stays fp32, as the API returns it). Its distance from
-// kFloat64 is the error budget.
+// kLowPrecision is the "naive kernel in the fast path's precision" of the tolerance rule
+// (docs/architecture.md, "Tolerance rule"): scores and softmax in float, P (and dS) rounded to
+// the input dtype before the products with V (and K, Q), as a tensor-core kernel does, and O, dQ,
+// dK, dV rounded to the input dtype as the fast path stores them (LSE stays fp32, as the API
+// returns it). Its distance from kFloat64 is the error budget.
 // Memory is O(s_k) per query row, time O(s_q·s_k·d): meant for tests and small demos.
 #include <algorithm>
 #include <cmath>

@@ -7,9 +7,9 @@
     dT = dS ∘ (1 − tanh²(t / cap)) [softcap];  dQ = scale · dT k;  dK = scale · dTᵀ q.
 
 `compute` = numpy.float64 is the truth. `compute` = numpy.float32 with `round_to` = the input
-dtype is the naive kernel of DESIGN.md's tolerance rule: scores and softmax in float32, every
-sum a left-to-right loop in float32, P (and dS) rounded to the input dtype before the products
-with V (and K, Q). Dropout is not modelled
+dtype is the naive kernel of the tolerance rule (docs/architecture.md, "Tolerance rule"): scores
+and softmax in float32, every sum a left-to-right loop in float32, P (and dS) rounded to the
+input dtype before the products with V (and K, Q). Dropout is not modelled
 here (the library's reference backend covers it).
 """
 
@@ -169,10 +169,10 @@ def dtype_eps(dtype):
 
 
 def check_close(name, got, truth, naive, dtype, seed, magnitude=None):
-    """DESIGN.md's rule: max|got − truth| ≤ 2·max|naive − truth| + floor, where floor is the
-    rounding noise of `dtype` (one eps) at the magnitude of the summed terms (`magnitude`, from
-    attention(magnitudes=True); by default the truth's own). −inf entries (rows that see no
-    key) must match exactly."""
+    """The tolerance rule (docs/architecture.md): max|got − truth| ≤ 2·max|naive − truth| +
+    floor, where floor is the rounding noise of `dtype` (one eps) at the magnitude of the summed
+    terms (`magnitude`, from attention(magnitudes=True); by default the truth's own). −inf
+    entries (rows that see no key) must match exactly."""
     got = np.asarray(got, dtype=np.float64)
     truth = np.asarray(truth, dtype=np.float64)
     naive = np.asarray(naive, dtype=np.float64)

@@ -6,7 +6,7 @@ the CUDA kernels unsupported (a build without CUDA, or kernels not written yet).
 
 Truth is PyTorch's math attention in a wider type (float64 on the CPU, float32 on CUDA: the
 "fp32 upcast"); the error budget is the same attention computed naively in the input dtype
-(DESIGN.md: max|flare − truth| ≤ 2·max|naive − truth| + floor).
+(docs/architecture.md, "Tolerance rule": max|flare − truth| ≤ 2·max|naive − truth| + floor).
 """
 
 import contextlib
