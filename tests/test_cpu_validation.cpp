@@ -629,6 +629,84 @@ TEST(Validation, OutputOverlapsItself) {
   expect_rejected(pr, "o", {"must not overlap"});
 }
 
+// Outputs that share memory with another argument would be read after being written (or written
+// twice); each such call is refused, naming the output and what it overlaps.
+TEST(Validation, OutputAliasesAnotherOutput) {
+  Problem pr = make_problem(small_spec());
+  pr.dk.view.data = pr.dq.view.data;  // dk's bytes are dq's first bytes (dq is larger)
+  expect_rejected(pr, "dk", {"shares memory with dq", "must not overlap"}, Passes::kBackwardOnly);
+  pr = make_problem(small_spec());
+  // lse placed inside o (o holds 2·5·4·8 bf16-or-fp32 elements, lse 2·4·5 floats).
+  pr.lse.view.data = static_cast<unsigned char*>(pr.o.view.data) + 16;
+  expect_rejected(pr, "lse", {"shares memory with o"});
+}
+
+TEST(Validation, OutputAliasesAnInput) {
+  for (const char* out : {"o", "dq", "dk", "dv"}) {
+    for (const char* in : {"q", "k", "v", "dout"}) {
+      if (std::string(out) == "o" && std::string(in) == "dout") continue;  // dout: backward only
+      SCOPED_TRACE(std::string(out) + " over " + in);
+      Problem pr = make_problem(small_spec());
+      // Same shape (q-like or k-like) is needed for the output to be valid on its own.
+      const bool q_like = std::string(out) == "o" || std::string(out) == "dq";
+      const bool in_q_like = std::string(in) == "q" || std::string(in) == "dout";
+      if (q_like != in_q_like) continue;
+      view(pr, out).data = view(pr, in).data;
+      expect_rejected(pr, out, {"shares memory with the input " + std::string(in)},
+                      passes_for(out));
+    }
+  }
+}
+
+TEST(Validation, InterleavedGradientViewsOfOnePackedBufferAreAccepted) {
+  // dq, dk, dv as the three slices of one packed (b, s, 3, h, d) gradient: their byte ranges
+  // interleave, their elements never meet. Likewise q, k, v read from a packed qkv.
+  ProblemSpec spec = small_spec();
+  spec.seqlen_k = spec.seqlen_q;
+  spec.heads_kv = spec.heads_q;
+  Problem pr = make_problem(spec);
+  const int64_t b = spec.batch, s = spec.seqlen_q, h = spec.heads_q, d = spec.head_dim;
+  const size_t es = dtype_size(pr.q.view.dtype);
+  std::vector<unsigned char> packed(static_cast<size_t>(b * s * 3 * h * d) * es);
+  for (int i = 0; i < 3; ++i) {
+    TensorView& g = view(pr, i == 0 ? "dq" : i == 1 ? "dk" : "dv");
+    g.data = packed.data() + static_cast<size_t>(i * h * d) * es;
+    g.stride[0] = s * 3 * h * d;
+    g.stride[1] = 3 * h * d;
+    g.stride[2] = d;
+    g.stride[3] = 1;
+  }
+  EXPECT_TRUE(run_backward(pr).ok());
+  // One head further on, dk's first head is dq's second: a shared element.
+  pr.dk.view.data = packed.data() + static_cast<size_t>(d) * es;
+  expect_rejected(pr, "dk", {"shares memory with dq"}, Passes::kBackwardOnly);
+}
+
+TEST(Validation, EmptyTensorsMayHaveAnyStrides) {
+  // NumPy 2 gives empty arrays all-zero strides; torch gives empty outputs strides that are not
+  // contiguous ones. An empty tensor addresses no element, so its strides are not checked.
+  for (const char* which : {"seqlen_q", "seqlen_k", "batch"}) {
+    SCOPED_TRACE(which);
+    ProblemSpec spec = small_spec();
+    (std::string(which) == "seqlen_q" ? spec.seqlen_q
+     : std::string(which) == "seqlen_k" ? spec.seqlen_k
+                                         : spec.batch) = 0;
+    Problem pr = make_problem(spec);
+    for (const std::string& n : all_tensors()) {
+      TensorView& t = view(pr, n);
+      if (t.numel() != 0) continue;
+      for (int i = 0; i < t.ndim; ++i) t.stride[i] = 0;
+    }
+    EXPECT_TRUE(run_forward(pr).ok()) << run_forward(pr).to_string();
+    EXPECT_TRUE(run_backward(pr).ok()) << run_backward(pr).to_string();
+    // The backends see dense strides for them, never the zeros.
+    const AttentionParams p = pr.backward_params();
+    if (pr.k.view.numel() == 0) {
+      EXPECT_EQ(p.k_head_stride, 8);
+    }
+  }
+}
+
 // ---- varlen -------------------------------------------------------------------------------------
 
 TEST(Validation, CuSeqlensKWithoutQ) {

@@ -7,7 +7,9 @@
 // its caller wrote, so enum values, ranks, signs and offset overflow are checked too, before any
 // shape is indexed. The CPU can check cu_seqlens values; for CUDA tensors reading them would need
 // a device synchronisation, which flare never hides, so only their shape is checked there.
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -109,7 +111,8 @@ Status check_view(const TensorView& t, const char* name) {
 Status check_qkv_like(const TensorView& t, const char* name, int ndim, const char* layout) {
   FLARE_RETURN_IF_ERROR(check_rank(t, name, ndim, layout));
   FLARE_RETURN_IF_ERROR(check_view(t, name));
-  if (t.shape[ndim - 1] > 1 && t.stride[ndim - 1] != 1)
+  // An empty tensor has no element to address: its strides mean nothing (NumPy gives them 0).
+  if (has_elements(t) && t.shape[ndim - 1] > 1 && t.stride[ndim - 1] != 1)
     return invalid(name, ": last (head_dim) stride must be 1, got ", t.stride[ndim - 1]);
   if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16)
     return invalid(name, ": dtype ", dtype_str(t.dtype),
@@ -146,15 +149,21 @@ Status check_same_shape(const TensorView& t, const char* name, const TensorView&
 // usual sufficient one: with dimensions sorted by stride, each stride must step past everything
 // the smaller dimensions reach. Dense layouts pass however they are permuted or padded; broadcast
 // (stride 0) and interleaved views do not. Needs check_view first (non-negative, no overflow).
-Status check_no_overlap(const TensorView& t, const char* name) {
-  if (!has_elements(t)) return {};
-  int dims[kMaxDims];
+// The dims of extent > 1, sorted by stride (ascending), into dims; returns their count.
+int dims_by_stride(const TensorView& t, int* dims) {
   int n = 0;
   for (int i = 0; i < t.ndim; ++i)
     if (t.shape[i] > 1) dims[n++] = i;
-  for (int j = 1; j < n; ++j)  // insertion sort by stride: at most kMaxDims entries
+  for (int j = 1; j < n; ++j)  // insertion sort: at most kMaxDims entries
     for (int m = j; m > 0 && t.stride[dims[m]] < t.stride[dims[m - 1]]; --m)
       std::swap(dims[m], dims[m - 1]);
+  return n;
+}
+
+Status check_no_overlap(const TensorView& t, const char* name) {
+  if (!has_elements(t)) return {};
+  int dims[kMaxDims];
+  const int n = dims_by_stride(t, dims);
   int64_t reach = 0;
   for (int j = 0; j < n; ++j) {
     const int i = dims[j];
@@ -162,6 +171,73 @@ Status check_no_overlap(const TensorView& t, const char* name) {
       return invalid(name, ": strides ", stride_str(t), " for shape ", shape_str(t),
                      " make distinct elements share memory; an output must not overlap itself");
     reach += t.stride[i] * (t.shape[i] - 1);
+  }
+  return {};
+}
+
+// Whether two views (each passed check_view) share an element's bytes. Exact where it matters —
+// views of one buffer that interleave without touching, such as dq, dk and dv sliced from a
+// packed (…, 3, h, d) gradient — and conservative elsewhere: byte ranges that intersect count as
+// shared unless both views have the same element size, shape and strides, neither overlaps
+// itself, and no index difference reaches the offset between them.
+int64_t last_byte(const TensorView& t) {
+  int64_t reach = 0;
+  for (int i = 0; i < t.ndim; ++i) reach += t.stride[i] * (t.shape[i] - 1);
+  return (reach + 1) * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+// Whether delta = Σ c_i · stride_i for some |c_i| < shape_i, over dims[0..n) sorted by stride
+// (ascending). Each stride exceeds the reach of the smaller ones (no self-overlap), so at most two
+// digits fit at each level and the search stays tiny (at most 2^4 paths).
+bool lattice_hits(int64_t delta, const TensorView& t, const int* dims, int n) {
+  if (n == 0) return delta == 0;
+  const int i = dims[n - 1];
+  int64_t below = 0;  // reach of the smaller dims
+  for (int j = 0; j < n - 1; ++j) below += t.stride[dims[j]] * (t.shape[dims[j]] - 1);
+  const int64_t s = t.stride[i], lo_digit = -(t.shape[i] - 1), hi_digit = t.shape[i] - 1;
+  // Digits c with |delta − c·s| <= below.
+  auto floor_div = [](int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); };
+  const int64_t first = std::max(lo_digit, -floor_div(-(delta - below), s));
+  const int64_t last = std::min(hi_digit, floor_div(delta + below, s));
+  for (int64_t c = first; c <= last; ++c)
+    if (lattice_hits(delta - c * s, t, dims, n - 1)) return true;
+  return false;
+}
+
+bool share_memory(const TensorView& a, const TensorView& b) {
+  if (!has_elements(a) || !has_elements(b) || a.device != b.device ||
+      (a.device == DeviceType::kCUDA && a.device_index != b.device_index))
+    return false;
+  const auto lo_a = reinterpret_cast<intptr_t>(a.data), lo_b = reinterpret_cast<intptr_t>(b.data);
+  if (lo_a + last_byte(a) <= lo_b || lo_b + last_byte(b) <= lo_a) return false;
+  bool same_lattice = a.dtype == b.dtype && a.ndim == b.ndim;
+  for (int i = 0; same_lattice && i < a.ndim; ++i)
+    same_lattice = a.shape[i] == b.shape[i] && a.stride[i] == b.stride[i];
+  const auto size = static_cast<intptr_t>(dtype_size(a.dtype));
+  if (!same_lattice || (lo_b - lo_a) % size != 0 || !check_no_overlap(a, "").ok()) return true;
+  int dims[kMaxDims];
+  const int n = dims_by_stride(a, dims);
+  return lattice_hits((lo_b - lo_a) / size, a, dims, n);
+}
+
+struct NamedView {
+  const TensorView* view;
+  const char* name;
+};
+
+// Outputs are written while inputs are still being read and while other outputs are written, so
+// an output may share no byte with any other argument.
+Status check_outputs_disjoint(std::initializer_list<NamedView> outputs,
+                              std::initializer_list<NamedView> inputs) {
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    for (auto other = outputs.begin(); other != out; ++other)
+      if (share_memory(*out->view, *other->view))
+        return invalid(out->name, ": shares memory with ", other->name,
+                       "; outputs must not overlap each other or any input");
+    for (const NamedView& in : inputs)
+      if (share_memory(*out->view, *in.view))
+        return invalid(out->name, ": shares memory with the input ", in.name,
+                       "; outputs must not overlap each other or any input");
   }
   return {};
 }
@@ -209,7 +285,19 @@ Status check_cu_seqlens(const TensorView& cu, const char* name, const char* othe
   return {};
 }
 
-void set_strides(const TensorView& t, bool varlen, int64_t* batch, int64_t* row, int64_t* head) {
+// The strides the backends index with. An empty tensor's own strides are arbitrary (validation
+// ignores them), so it gets the dense strides of its shape: nothing is read through them, but
+// pointer arithmetic and copy descriptors stay well formed.
+void set_strides(const TensorView& view, bool varlen, int64_t* batch, int64_t* row,
+                 int64_t* head) {
+  TensorView t = view;
+  if (!has_elements(t)) {
+    int64_t dense = 1;
+    for (int i = t.ndim - 1; i >= 0; --i) {
+      t.stride[i] = dense;
+      dense *= std::max<int64_t>(t.shape[i], 1);
+    }
+  }
   if (varlen) {
     *batch = 0;
     *row = t.stride[0];
@@ -321,7 +409,7 @@ Status make_forward_params(const TensorView& q, const TensorView& k, const Tenso
                    is_varlen
                        ? cat("(heads_q, total_q) = (", hq, ", ", q.shape[0], ")")
                        : cat("(batch, heads_q, seqlen_q) = (", batch, ", ", hq, ", ", sq, ")"));
-  if (!lse.is_contiguous())
+  if (has_elements(lse) && !lse.is_contiguous())
     return invalid("lse: must be contiguous, got strides ", stride_str(lse));
   FLARE_RETURN_IF_ERROR(check_same_device(lse, "lse", q));
 
@@ -351,7 +439,7 @@ Status make_forward_params(const TensorView& q, const TensorView& k, const Tenso
     if (!shape_ok)
       return invalid("alibi_slopes: shape ", shape_str(al), " must be (heads_q) = (", hq,
                      ") or (batch, heads_q) = (", batch, ", ", hq, ")");
-    if (al.shape[al.ndim - 1] > 1 && al.stride[al.ndim - 1] != 1)
+    if (has_elements(al) && al.shape[al.ndim - 1] > 1 && al.stride[al.ndim - 1] != 1)
       return invalid("alibi_slopes: last stride must be 1, got ", al.stride[al.ndim - 1]);
     FLARE_RETURN_IF_ERROR(check_same_device(al, "alibi_slopes", q));
     alibi_batch_stride = al.ndim == 2 ? al.stride[0] : 0;
@@ -362,6 +450,11 @@ Status make_forward_params(const TensorView& q, const TensorView& k, const Tenso
                    "; must be auto (0), reference (1) or flash (2)");
   if (q.device == DeviceType::kCUDA && opt.backend == Backend::kReference)
     return invalid("backend: the reference backend runs on CPU tensors only");
+
+  FLARE_RETURN_IF_ERROR(check_outputs_disjoint(
+      {{&o, "o"}, {&lse, "lse"}},
+      {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&al, "alibi_slopes"},
+       {&varlen.cu_seqlens_q, "cu_seqlens_q"}, {&varlen.cu_seqlens_k, "cu_seqlens_k"}}));
 
   AttentionParams r;
   r.q = q.data;
@@ -428,6 +521,11 @@ Status make_backward_params(const TensorView& dout, const TensorView& q, const T
   FLARE_RETURN_IF_ERROR(check_output_like(dq, "dq", q, "q", q_layout(is_varlen), q));
   FLARE_RETURN_IF_ERROR(check_output_like(dk, "dk", k, "k", k_layout(is_varlen), q));
   FLARE_RETURN_IF_ERROR(check_output_like(dv, "dv", v, "v", k_layout(is_varlen), q));
+  FLARE_RETURN_IF_ERROR(check_outputs_disjoint(
+      {{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}},
+      {{&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&o, "o"}, {&lse, "lse"},
+       {&options.alibi_slopes, "alibi_slopes"}, {&varlen.cu_seqlens_q, "cu_seqlens_q"},
+       {&varlen.cu_seqlens_k, "cu_seqlens_k"}}));
   r.dout = dout.data;
   r.dq = dq.data;
   r.dk = dk.data;
