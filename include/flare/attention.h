@@ -22,10 +22,12 @@
 //   - A query row that sees no key gets O = 0 and LSE = −inf; its gradients are 0.
 // Every entry point validates all arguments first and writes nothing if it rejects the call.
 // Beyond shapes, dtypes and devices it requires: data pointers aligned to the element size,
-// element offsets that fit int64, outputs (o, dq, dk, dv) that do not overlap themselves (no
-// broadcast strides), and, for CPU tensors, cu_seqlens that start at 0, never decrease, end at the
+// element offsets that fit int64, outputs (o, lse, dq, dk, dv) that share no memory with
+// themselves (no broadcast strides), with each other or with any input (views of one packed buffer
+// that interleave without sharing an element are fine), and, for CPU tensors, cu_seqlens that start at 0, never decrease, end at the
 // packed token count and stay within max_seqlen. cu_seqlens on the GPU are not read by the host
-// (that would need a synchronisation): wrong values there are undefined behaviour.
+// (that would need a synchronisation): wrong values there are undefined behaviour. A tensor with
+// no elements may have any strides.
 #pragma once
 
 #include <cstddef>
