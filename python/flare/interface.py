@@ -11,27 +11,44 @@ attention probabilities, so the third element, flash_attn's S_dmask, is None.
 PyTorch tensors get autograd through flare's backward kernels (torch custom ops, so
 torch.compile keeps the graph whole). Other DLPack arrays (NumPy, CuPy, JAX on CPU) get the
 forward; their gradients come from flare.attention_backward. Beyond flash_attn's arguments each
-function takes keyword-only extras:
-    seed     dropout seed for non-torch arrays (torch draws [seed, offset] from its default
-             generator); None draws one from numpy.random.
+function takes keyword-only extras, for non-torch arrays only (a torch call that passes them
+raises ValueError, as they would do nothing there):
+    seed     dropout seed; None (default) draws a fresh one from numpy.random on every call.
+             torch tensors draw theirs from torch's default generator (torch.manual_seed).
+    stream   CUDA arrays: the cudaStream_t as an integer (default: CuPy's current stream).
+and, for every framework:
     backend  "auto" (default), "flash" or "reference" (CPU float64 ground truth).
-    stream   non-torch CUDA arrays: the cudaStream_t as an integer (default: CuPy's current).
+
+Every bad argument raises TypeError (not a tensor, not a number, …) or ValueError (a value the
+library rejects) with a message that starts with the argument's name.
 """
 
 from . import _core
 
 
-def _numpy_seed(dropout_p, seed):
-    if seed is not None or dropout_p <= 0.0:
-        return 0 if seed is None else seed
-    import numpy
-    return int(numpy.random.randint(0, 2**62, dtype=numpy.int64))
-
-
 def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-               return_attn_probs, seed, backend, stream):
-    if _core.is_torch(q):
+               return_attn_probs, seed, backend, stream, varlen):
+    # Every argument is checked here, before any work, so a bad one raises TypeError /
+    # ValueError naming it whichever framework the arrays come from.
+    required = [("q", q), ("k", k), ("v", v)]
+    if varlen:
+        required += [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
+    group = _core.check_arrays(required, [("alibi_slopes", alibi_slopes)])
+    return_attn_probs = _core.flag(return_attn_probs, "return_attn_probs")
+    if group == "torch":
+        _core.Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, dropout_p=dropout_p, deterministic=deterministic,
+                      backend=backend)
+        _core.max_seqlen_value(max_seqlen_q, "max_seqlen_q")
+        _core.max_seqlen_value(max_seqlen_k, "max_seqlen_k")
+        if seed is not None:
+            raise ValueError("seed: applies to non-torch arrays; torch tensors draw dropout's "
+                             "seed from torch's default generator (seed it with "
+                             "torch.manual_seed)")
+        if stream is not None:
+            raise ValueError("stream: applies to non-torch arrays; torch tensors run on "
+                             "torch.cuda.current_stream()")
         from . import _torch
         out, lse = _torch.attention(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -40,17 +57,21 @@ def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
             backend=backend)
     else:
+        # deterministic only matters to the backward, which these arrays do not get here.
+        _core.flag(deterministic, "deterministic")
         out, lse = _core.attention_forward(
             q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-            seed=_numpy_seed(float(dropout_p), seed), cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            backend=backend, stream=stream)
+            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, backend=backend, stream=stream)
     return (out, lse, None) if return_attn_probs else out
 
 
 def _unpack(packed, n, name, axis):
     """Views of qkv (…, 3, h, d) or kv (…, 2, h, d) along `axis`."""
+    if _core.array_group(packed) is None:
+        raise TypeError(f"{name}: expected a tensor or array (torch, NumPy, CuPy, JAX or any "
+                        f"DLPack object), got {_core.describe(packed)}")
     if packed.ndim <= axis or packed.shape[axis] != n:
         raise ValueError(f"{name}: expected dimension {axis} of size {n}, got shape "
                          f"{tuple(packed.shape)}")
@@ -67,7 +88,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                       causal=causal, window_size=window_size, softcap=softcap,
                       alibi_slopes=alibi_slopes, deterministic=deterministic,
                       return_attn_probs=return_attn_probs, seed=seed, backend=backend,
-                      stream=stream)
+                      stream=stream, varlen=False)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -86,6 +107,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              deterministic=False, return_attn_probs=False, *, seed=None,
                              backend="auto", stream=None):
     """q (b, s_q, h, d), kv (b, s_k, 2, h_kv, d)."""
+    _core.check_arrays([("q", q), ("kv", kv)])  # under the names the caller wrote
     k, v = _unpack(kv, 2, "kv", 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, seed=seed,
@@ -106,7 +128,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                       return_attn_probs=return_attn_probs, seed=seed, backend=backend,
-                      stream=stream)
+                      stream=stream, varlen=True)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -116,6 +138,10 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      stream=None):
     """qkv (total, 3, h, d)."""
     q, k, v = _unpack(qkv, 3, "qkv", 1)
+    # cu_seqlens and max_seqlen serve as both the _q and the _k arguments: check them under
+    # the names this function's caller wrote.
+    _core.check_arrays([("qkv", qkv), ("cu_seqlens", cu_seqlens)])
+    _core.max_seqlen_value(max_seqlen, "max_seqlen")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, seed=seed,
@@ -129,6 +155,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     return_attn_probs=False, *, seed=None, backend="auto",
                                     stream=None):
     """q (total_q, h, d), kv (total_k, 2, h_kv, d)."""
+    _core.check_arrays([("q", q), ("kv", kv)])
     k, v = _unpack(kv, 2, "kv", 1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,

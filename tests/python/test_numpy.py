@@ -7,10 +7,13 @@ library's float64 ground truth) is checked too, so a mismatch points at the bind
 kernel.
 """
 
+import inspect
+
 import numpy as np
 import pytest
 
 import attention_ref as ref
+import bad_args
 import flare
 from flare import _ext
 
@@ -426,3 +429,227 @@ def test_jax_cpu_arrays(rng, seed):
     out, lse = flare.attention_forward(*(jax.device_put(x, cpu) for x in (q, k, v)), causal=True)
     assert type(out).__module__.startswith("jax")
     check_forward(seed, q, k, v, np.asarray(out), np.asarray(lse), causal=True)
+
+
+# ---- every bad argument of every public function ----------------------------------------------
+
+def numpy_call(fn):
+    """A valid call of `fn` on small NumPy arrays (as keyword arguments) and, per tensor
+    argument, an array of the same shape in a dtype flare rejects."""
+    rng = np.random.default_rng(0)
+    x = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    cu = np.array([0, 3, 8], np.int32)
+    name = fn.__name__
+    if name in ("attention_forward", "flash_attn_func"):
+        good = dict(q=x(1, 8, 2, 16), k=x(1, 8, 2, 16), v=x(1, 8, 2, 16))
+    elif name == "attention_backward":
+        q, k, v = x(1, 8, 2, 16), x(1, 8, 2, 16), x(1, 8, 2, 16)
+        out, lse = flare.attention_forward(q, k, v)
+        good = dict(dout=x(1, 8, 2, 16), q=q, k=k, v=v, out=out, softmax_lse=lse)
+    elif name == "flash_attn_qkvpacked_func":
+        good = dict(qkv=x(1, 8, 3, 2, 16))
+    elif name == "flash_attn_kvpacked_func":
+        good = dict(q=x(1, 8, 2, 16), kv=x(1, 8, 2, 2, 16))
+    elif name == "flash_attn_varlen_func":
+        good = dict(q=x(8, 2, 16), k=x(8, 2, 16), v=x(8, 2, 16), cu_seqlens_q=cu,
+                    cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+    elif name == "flash_attn_varlen_qkvpacked_func":
+        good = dict(qkv=x(8, 3, 2, 16), cu_seqlens=cu, max_seqlen=5)
+    else:
+        assert name == "flash_attn_varlen_kvpacked_func"
+        good = dict(q=x(8, 2, 16), kv=x(8, 2, 2, 16), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                    max_seqlen_q=5, max_seqlen_k=5)
+
+    def wrong_dtype(arg):
+        if arg == "alibi_slopes":
+            return np.full(2, 0.5, np.float64)
+        value = good.get(arg)
+        if not isinstance(value, np.ndarray):
+            return None
+        return value.astype(np.float32 if value.dtype == np.int32 else np.float64)
+
+    return good, wrong_dtype
+
+
+BAD_ARGS = bad_args.cases(numpy_call)
+
+
+def test_every_parameter_has_a_kind():
+    for fn in bad_args.PUBLIC_FUNCTIONS:
+        for name in inspect.signature(fn).parameters:
+            assert name in bad_args.KINDS, f"{fn.__name__}({name}): add it to bad_args.KINDS"
+
+
+@pytest.mark.parametrize("fn", bad_args.PUBLIC_FUNCTIONS, ids=lambda f: f.__name__)
+def test_the_valid_calls_run(fn):
+    # The bad-argument cases change one argument of these calls: each must run as it is.
+    good, _ = numpy_call(fn)
+    fn(**good)
+
+
+@pytest.mark.parametrize("fn,name,label,value,exc", BAD_ARGS,
+                         ids=[f"{c[0].__name__}-{c[1]}-{c[2]}" for c in BAD_ARGS])
+def test_every_bad_argument_is_named(fn, name, label, value, exc):
+    good, _ = numpy_call(fn)
+    with pytest.raises(exc, match=bad_args.message_pattern(name)):
+        fn(**dict(good, **{name: value}))
+
+
+def test_mixed_frameworks_are_refused():
+    cupy_like = type("ndarray", (), {"__module__": "cupy", "__dlpack__": lambda self: None})()
+    q = np.zeros((1, 4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match=r"^k: cupy\.ndarray is not a NumPy .* like q"):
+        flare.flash_attn_func(q, cupy_like, q)
+
+
+def test_block_table_is_not_supported(rng):
+    q, k, v = (make(rng, (8, 2, 16)) for _ in range(3))
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(NotImplementedError, match="^block_table: "):
+        flare.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, block_table=np.zeros((1, 1), np.int32))
+
+
+# ---- empty tensors ----------------------------------------------------------------------------
+
+EMPTY_CASES = [
+    # (b, s_q, s_k): NumPy 2 gives every one of these arrays the strides (0, 0, 0, 0)
+    (2, 0, 5), (2, 5, 0), (0, 5, 5), (2, 0, 0),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", EMPTY_CASES, ids=lambda s: f"b{s[0]}-sq{s[1]}-sk{s[2]}")
+def test_empty_tensors(shape, causal, backend, rng, seed):
+    b, s_q, s_k = shape
+    h, h_kv, d = 4, 2, 16
+    q, k, v = make(rng, (b, s_q, h, d)), make(rng, (b, s_k, h_kv, d)), make(rng, (b, s_k, h_kv, d))
+    out, lse = flare.attention_forward(q, k, v, causal=causal, backend=backend)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (b, h, s_q) and lse.dtype == np.float32
+    # A query that sees no key: O = 0, LSE = -inf (the library's convention).
+    if s_k == 0:
+        assert (out == 0).all() and (lse == -np.inf).all()
+    elif out.size:
+        check_forward(seed, q, k, v, out, lse, causal=causal)
+    dout = make(rng, out.shape)
+    dq, dk, dv = flare.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                          backend=backend)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    # No query (s_q = 0) gives every key a zero gradient; no key gives every query one.
+    if s_q == 0:
+        assert (dk == 0).all() and (dv == 0).all()
+    if s_k == 0:
+        assert (dq == 0).all()
+
+
+def test_empty_outputs_are_written(rng):
+    # With s_k = 0 every row sees no key: o and lse are still written (0 and -inf), and with
+    # s_q = 0 dk and dv are zero. Poisoned outputs show an element left unwritten.
+    q = make(rng, (2, 3, 2, 8))
+    k = np.zeros((2, 0, 2, 8), np.float32)
+    out = np.full(q.shape, np.nan, np.float32)
+    lse = np.full((2, 2, 3), np.nan, np.float32)
+    _ext.forward(q, k, k, out, lse, **ext_call_args())
+    assert (out == 0).all() and (lse == -np.inf).all()
+    q0 = np.zeros((2, 0, 2, 8), np.float32)
+    k = make(rng, (2, 3, 2, 8))
+    dk, dv = (np.full(k.shape, np.nan, np.float32) for _ in range(2))
+    dq = np.zeros_like(q0)
+    _ext.backward(q0, q0, k, k, q0, np.zeros((2, 2, 0), np.float32), dq, dk, dv,
+                  **ext_call_args())
+    assert (dk == 0).all() and (dv == 0).all()
+
+
+def test_empty_strided_and_sliced_views(rng, seed):
+    # Empty views of larger buffers keep those buffers' strides; negative ones too.
+    q = make(rng, (2, 6, 4, 16))
+    k = make(rng, (2, 6, 4, 32))[:, :0, :, :16]
+    v = make(rng, (2, 6, 4, 16))[:, 6:0:-1][:, :0]
+    out, lse = flare.attention_forward(q, k, v)
+    assert (out == 0).all() and (lse == -np.inf).all()
+    out = flare.flash_attn_func(q[:, :0], make(rng, (2, 6, 4, 16)), make(rng, (2, 6, 4, 16)))
+    assert out.shape == (2, 0, 4, 16)
+
+
+@pytest.mark.parametrize("lens", [[0, 0], [], [3, 0]], ids=["all_empty", "batch0", "k_empty"])
+def test_empty_varlen(lens, rng):
+    h, d = 2, 8
+    lens_k = [0] * len(lens) if lens == [3, 0] else lens
+    cu_q, cu_k = make_cu_seqlens(lens), make_cu_seqlens(lens_k)
+    q = make(rng, (int(cu_q[-1]), h, d))
+    k, v = make(rng, (int(cu_k[-1]), h, d)), make(rng, (int(cu_k[-1]), h, d))
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = flare.attention_forward(q, k, v, **kw)
+    assert out.shape == q.shape and lse.shape == (h, q.shape[0])
+    assert (out == 0).all() and (lse == -np.inf).all()
+    dq, dk, dv = flare.attention_backward(make(rng, out.shape), q, k, v, out, lse, **kw)
+    assert dq.shape == q.shape and (dq == 0).all() and dk.shape == k.shape
+
+
+def test_zero_heads_or_head_dim_are_rejected(rng):
+    # No heads or an empty head_dim is not an empty batch but a malformed one: the library
+    # names it.
+    with pytest.raises(ValueError, match=r"^q: heads = 0 must be >= 1"):
+        flare.flash_attn_func(*(np.zeros((1, 4, 0, 8), np.float32) for _ in range(3)))
+    with pytest.raises(ValueError, match=r"^q: head_dim = 0"):
+        flare.flash_attn_func(*(np.zeros((1, 4, 2, 0), np.float32) for _ in range(3)))
+
+
+# ---- dropout seeds: drawn when not given, returned for the backward ----------------------------
+
+def test_dropout_draws_a_fresh_seed_per_call(rng):
+    q, k, v = (make(rng, (1, 32, 2, 16)) for _ in range(3))
+    a, _, state_a = flare.attention_forward(q, k, v, dropout_p=0.5, return_rng_state=True)
+    b, _, state_b = flare.attention_forward(q, k, v, dropout_p=0.5, return_rng_state=True)
+    assert state_a != state_b and not np.array_equal(a, b)
+    assert all(isinstance(x, int) for x in state_a) and state_a[1] == 0
+    assert not np.array_equal(flare.flash_attn_func(q, k, v, dropout_p=0.5),
+                              flare.flash_attn_func(q, k, v, dropout_p=0.5))
+
+
+def test_drawn_seed_reproduces_forward_and_backward(rng, seed):
+    q, k, v = (make(rng, (2, 24, 2, 16)) for _ in range(3))
+    kw = dict(dropout_p=0.3, causal=True)
+    out, lse, (drawn, offset) = flare.attention_forward(q, k, v, return_rng_state=True, **kw)
+    again, lse_again = flare.attention_forward(q, k, v, seed=drawn, offset=offset, **kw)
+    np.testing.assert_array_equal(again, out)
+    np.testing.assert_array_equal(lse_again, lse)
+    # The backward regenerates the forward's mask from the returned pair: its gradients are the
+    # reference backend's for the same pair (another seed would give another mask).
+    dout = make(rng, out.shape)
+    grads = flare.attention_backward(dout, q, k, v, out, lse, seed=drawn, offset=offset, **kw)
+    out_ref, lse_ref = flare.attention_forward(q, k, v, seed=drawn, offset=offset,
+                                               backend="reference", **kw)
+    grads_ref = flare.attention_backward(dout, q, k, v, out_ref, lse_ref, seed=drawn,
+                                         offset=offset, backend="reference", **kw)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=f"{name}, seed {seed}")
+    other = flare.attention_backward(dout, q, k, v, out, lse, seed=drawn + 1, offset=offset, **kw)
+    assert not np.array_equal(other[2], grads[2])
+
+
+def test_drawn_seed_follows_numpy_random_seed(rng):
+    q, k, v = (make(rng, (1, 16, 2, 8)) for _ in range(3))
+    np.random.seed(7)
+    a, _, state_a = flare.attention_forward(q, k, v, dropout_p=0.5, return_rng_state=True)
+    np.random.seed(7)
+    b, _, state_b = flare.attention_forward(q, k, v, dropout_p=0.5, return_rng_state=True)
+    assert state_a == state_b
+    np.testing.assert_array_equal(a, b)
+
+
+def test_no_dropout_draws_nothing(rng):
+    q, k, v = (make(rng, (1, 16, 2, 8)) for _ in range(3))
+    before = np.random.get_state()[1].copy()
+    _, _, state = flare.attention_forward(q, k, v, return_rng_state=True)
+    assert state == (0, 0)
+    np.testing.assert_array_equal(np.random.get_state()[1], before)
+
+
+def test_backward_with_dropout_needs_the_seed(rng):
+    q, k, v = (make(rng, (1, 16, 2, 8)) for _ in range(3))
+    out, lse = flare.attention_forward(q, k, v, dropout_p=0.2, seed=5)
+    with pytest.raises(ValueError, match=r"^seed: required when dropout_p > 0"):
+        flare.attention_backward(out, q, k, v, out, lse, dropout_p=0.2)
+    flare.attention_backward(out, q, k, v, out, lse, dropout_p=0.2, seed=5)

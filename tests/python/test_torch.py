@@ -338,3 +338,150 @@ def test_numpy_style_entry_points_take_torch_tensors():
     flare.flash_attn_func(qg, kg, vg, causal=True).sum().backward()
     torch.testing.assert_close(dq, qg.grad, rtol=0, atol=0)
     torch.testing.assert_close(dk, kg.grad, rtol=0, atol=0)
+
+
+# ---- empty tensors ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 0, 5), (2, 5, 0), (0, 5, 5), (2, 0, 0)],
+                         ids=lambda s: f"b{s[0]}-sq{s[1]}-sk{s[2]}")
+def test_empty_tensors_forward_backward(device, causal, shape):
+    # torch gives empty tensors odd strides (and an expanded zero-stride gradient for an empty
+    # output's sum): the package must pass them, and its own empty lse, to the library.
+    b, s_q, s_k = shape
+    dtype = dtypes_for(device)[0]
+    q = torch.randn(b, s_q, 4, 16, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, s_k, 2, 16, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(b, s_k, 2, 16, dtype=dtype, device=device, requires_grad=True)
+    with cuda_may_be_unsupported(device):
+        out, lse, _ = flare.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        assert out.shape == q.shape and lse.shape == (b, 4, s_q)
+        if s_k == 0:
+            assert (out == 0).all() and (lse == float("-inf")).all()
+        out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    if s_q == 0:
+        assert (k.grad == 0).all() and (v.grad == 0).all()
+    if s_k == 0:
+        assert (q.grad == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_empty_varlen_batch(device):
+    dtype = dtypes_for(device)[0]
+    cu = torch.zeros(3, dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(0, 2, 16, dtype=dtype, device=device, requires_grad=True)
+               for _ in range(3))
+    with cuda_may_be_unsupported(device):
+        out = flare.flash_attn_varlen_func(q, k, v, cu, cu, 0, 0)
+        out.sum().backward()
+    assert out.shape == (0, 2, 16) and q.grad.shape == q.shape
+
+
+def test_attention_forward_takes_empty_torch_tensors():
+    q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 0, 2, 8)
+    out, lse = flare.attention_forward(q, k, k)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    dq, dk, dv = flare.attention_backward(torch.ones_like(out), q, k, k, out, lse)
+    assert (dq == 0).all() and dk.shape == k.shape
+
+
+# ---- dropout seeds through the plain calls ------------------------------------------------------
+
+def test_attention_forward_draws_seeds_from_torch_generator():
+    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    torch.manual_seed(5)
+    a, _, state_a = flare.attention_forward(q, k, v, dropout_p=0.5, return_rng_state=True)
+    b, _, state_b = flare.attention_forward(q, k, v, dropout_p=0.5, return_rng_state=True)
+    assert state_a != state_b and not torch.equal(a, b)
+    torch.manual_seed(5)
+    c, lse, state_c = flare.attention_forward(q, k, v, dropout_p=0.5, return_rng_state=True)
+    assert state_c == state_a and torch.equal(c, a)
+    seed, offset = state_c
+    dq, dk, dv = flare.attention_backward(torch.ones_like(c), q, k, v, c, lse, dropout_p=0.5,
+                                          seed=seed, offset=offset)
+    dq2, dk2, dv2 = flare.attention_backward(torch.ones_like(c), q, k, v, c, lse, dropout_p=0.5,
+                                             seed=seed + 1, offset=offset)
+    assert not torch.equal(dv, dv2)
+
+
+def test_seed_and_stream_are_refused_for_torch_tensors():
+    # They would do nothing (torch's generator and current stream are used): say so.
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"^seed: applies to non-torch arrays"):
+        flare.flash_attn_func(q, q, q, dropout_p=0.1, seed=3)
+    with pytest.raises(ValueError, match=r"^stream: applies to non-torch arrays"):
+        flare.flash_attn_func(q, q, q, stream=0)
+
+
+# ---- every bad argument of every public function, with torch tensors --------------------------
+
+import bad_args  # noqa: E402
+
+
+def torch_call(fn):
+    """A valid call of `fn` on small CPU tensors and, per tensor argument, the same shape in a
+    dtype flare rejects."""
+    gen = torch.Generator().manual_seed(0)
+    x = lambda *shape: torch.randn(shape, generator=gen)  # noqa: E731
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    name = fn.__name__
+    if name in ("attention_forward", "flash_attn_func"):
+        good = dict(q=x(1, 8, 2, 16), k=x(1, 8, 2, 16), v=x(1, 8, 2, 16))
+    elif name == "attention_backward":
+        q, k, v = x(1, 8, 2, 16), x(1, 8, 2, 16), x(1, 8, 2, 16)
+        out, lse = flare.attention_forward(q, k, v)
+        good = dict(dout=x(1, 8, 2, 16), q=q, k=k, v=v, out=out, softmax_lse=lse)
+    elif name == "flash_attn_qkvpacked_func":
+        good = dict(qkv=x(1, 8, 3, 2, 16))
+    elif name == "flash_attn_kvpacked_func":
+        good = dict(q=x(1, 8, 2, 16), kv=x(1, 8, 2, 2, 16))
+    elif name == "flash_attn_varlen_func":
+        good = dict(q=x(8, 2, 16), k=x(8, 2, 16), v=x(8, 2, 16), cu_seqlens_q=cu,
+                    cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+    elif name == "flash_attn_varlen_qkvpacked_func":
+        good = dict(qkv=x(8, 3, 2, 16), cu_seqlens=cu, max_seqlen=5)
+    else:
+        assert name == "flash_attn_varlen_kvpacked_func"
+        good = dict(q=x(8, 2, 16), kv=x(8, 2, 2, 16), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                    max_seqlen_q=5, max_seqlen_k=5)
+
+    def wrong_dtype(arg):
+        if arg == "alibi_slopes":
+            return torch.full((2,), 0.5, dtype=torch.float64)
+        value = good.get(arg)
+        if not isinstance(value, torch.Tensor):
+            return None
+        return value.to(torch.float32 if value.dtype == torch.int32 else torch.float64)
+
+    return good, wrong_dtype
+
+
+TORCH_BAD_ARGS = bad_args.cases(torch_call)
+
+
+@pytest.mark.parametrize("fn", bad_args.PUBLIC_FUNCTIONS, ids=lambda f: f.__name__)
+def test_the_valid_torch_calls_run(fn):
+    good, _ = torch_call(fn)
+    fn(**good)
+
+
+@pytest.mark.parametrize("fn,name,label,value,exc", TORCH_BAD_ARGS,
+                         ids=[f"{c[0].__name__}-{c[1]}-{c[2]}" for c in TORCH_BAD_ARGS])
+def test_every_bad_torch_argument_is_named(fn, name, label, value, exc):
+    good, _ = torch_call(fn)
+    if name in ("seed", "stream") and fn.__name__.startswith("flash_attn"):
+        exc = ValueError  # any value: these extras are for non-torch arrays
+    with pytest.raises(exc, match=bad_args.message_pattern(name)):
+        fn(**dict(good, **{name: value}))
+
+
+@pytest.mark.parametrize("fn", bad_args.PUBLIC_FUNCTIONS, ids=lambda f: f.__name__)
+def test_arrays_of_another_framework_are_named(fn):
+    # A NumPy array among torch tensors: a TypeError naming it, not an AttributeError inside.
+    good, _ = torch_call(fn)
+    for name, value in good.items():
+        if isinstance(value, torch.Tensor) and name != next(iter(good)):
+            with pytest.raises(TypeError, match=rf"^{name}: numpy\.ndarray is not a torch tensor"):
+                fn(**dict(good, **{name: value.numpy()}))
