@@ -1,10 +1,13 @@
-"""flare: FlashAttention in C++/CUDA, from Python.
+"""flare: FlashAttention in C++/CUDA, from Python (distribution name flare-attention).
 
 Drop-in for flash_attn 2.x's functions (flare/interface.py) over any DLPack framework, with
 autograd for PyTorch; attention_forward / attention_backward are the plain calls for
-frameworks without autograd (NumPy). Errors from the library are raised as ValueError (invalid
-argument), NotImplementedError (valid but unsupported by this build or device), MemoryError or
-RuntimeError (device errors), carrying the library's message, which names the argument.
+frameworks without autograd (NumPy). flare.bert_padding holds flash_attn.bert_padding's helpers
+(torch only; import it explicitly). A bad argument raises TypeError (wrong kind of value: None,
+a list, an array of another framework) or ValueError (invalid value); errors from the library
+are raised as ValueError (invalid argument), NotImplementedError (valid but unsupported by this
+build or device), MemoryError or RuntimeError (device errors). Every message starts with the
+argument's name.
 """
 
 import os as _os
