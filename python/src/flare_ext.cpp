@@ -1,26 +1,29 @@
-// flare_ext.cpp — the compiled half of the Python package: DLPack tensors in, flare's C ABI out.
+// flare_ext.cpp — the compiled half of the Python package: framework tensors in, flare's C ABI out.
 //
-// Every framework that speaks DLPack (PyTorch, NumPy, CuPy, JAX, …) hands its arrays to
-// nanobind's nb::ndarray, which reads pointer, dtype, device, shape and strides without copying;
-// this file turns them into flare_tensor views and calls flare_attention_forward / _backward.
-// Nothing here allocates tensors or knows any framework: the Python layer (flare/_core.py)
-// allocates outputs in the caller's framework and passes the caller's stream as an integer.
-// The module never links against torch.
+// Every framework that speaks DLPack (NumPy, CuPy, JAX, …) hands its arrays to nanobind's
+// nb::ndarray, which reads pointer, dtype, device, shape and strides without copying. PyTorch
+// tensors take a faster road: their pointer, dtype, device, shape and strides are read through
+// their own attributes (data_ptr(), dtype, get_device(), shape, stride()), which costs about a
+// microsecond where a DLPack capsule costs several — it matters on the training hot path, where
+// the host must stay ahead of the GPU. Either way this file builds flare_tensor views and calls
+// flare_attention_forward / _backward. Nothing here allocates tensors; the Python layer
+// (flare/_core.py, flare/_torch.py) allocates outputs in the caller's framework and passes the
+// caller's stream as an integer. The module never links against torch and never imports it: a
+// tensor is recognised as torch's only when torch is already loaded.
 //
 // A failed call raises the Python exception that matches the library's status code, carrying
 // flare_last_error():
 //   FLARE_INVALID_ARGUMENT → ValueError        FLARE_UNSUPPORTED → NotImplementedError
 //   FLARE_DEVICE_ERROR     → RuntimeError      FLARE_OUT_OF_MEMORY → MemoryError
 //   FLARE_INTERNAL         → RuntimeError
+// An argument that is not a tensor at all raises TypeError naming it.
 // The GIL is released while the library runs, so CPU attention on one thread does not stall
 // Python threads, and CUDA launches do not serialise with them.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
-#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
-#include <optional>
 #include <string>
 
 #include "flare/c_api.h"
@@ -102,9 +105,105 @@ flare_tensor to_flare_tensor(const Array& a, const char* name) {
   return t;
 }
 
-template <typename Array>
-flare_tensor to_flare_tensor(const std::optional<Array>& a, const char* name) {
-  return a ? to_flare_tensor(*a, name) : flare_tensor{};
+// ---- PyTorch tensors, read through their attributes ---------------------------------------------
+
+// torch.Tensor and the dtypes flare takes, looked up once torch is loaded (never imported here).
+struct TorchTypes {
+  nb::object tensor;
+  nb::object float32, float16, bfloat16, int32;
+};
+
+const TorchTypes* torch_types() {
+  static TorchTypes* types = nullptr;  // set once under the GIL; kept for the process's life
+  if (types != nullptr) return types;
+  PyObject* torch = PyImport_GetModule(nb::str("torch").ptr());
+  if (torch == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  nb::object mod = nb::steal(torch);
+  types = new TorchTypes{mod.attr("Tensor"), mod.attr("float32"), mod.attr("float16"),
+                         mod.attr("bfloat16"), mod.attr("int32")};
+  return types;
+}
+
+bool is_torch_tensor(nb::handle obj) {
+  const TorchTypes* t = torch_types();
+  return t != nullptr && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(t->tensor.ptr()));
+}
+
+int32_t torch_dtype(nb::handle dtype, const char* name) {
+  const TorchTypes* t = torch_types();
+  if (dtype.is(t->float32)) return FLARE_FLOAT32;
+  if (dtype.is(t->float16)) return FLARE_FLOAT16;
+  if (dtype.is(t->bfloat16)) return FLARE_BFLOAT16;
+  if (dtype.is(t->int32)) return FLARE_INT32;
+  std::string label = nb::cast<std::string>(nb::str(dtype));  // "torch.float64" → "float64"
+  if (label.rfind("torch.", 0) == 0) label.erase(0, 6);
+  raise(PyExc_ValueError, std::string(name) + ": dtype " + label +
+                              " is not supported; flare takes float32, float16 or bfloat16 "
+                              "tensors (int32 for cu_seqlens)");
+}
+
+flare_tensor torch_view(nb::handle obj, const char* name) {
+  flare_tensor t{};
+  if (nb::cast<bool>(obj.attr("is_cuda"))) {
+    t.device = FLARE_CUDA;
+    t.device_index = nb::cast<int32_t>(obj.attr("get_device")());
+  } else if (nb::cast<bool>(obj.attr("is_cpu"))) {
+    t.device = FLARE_CPU;
+  } else {
+    raise(PyExc_NotImplementedError,
+          std::string(name) + ": device '" + nb::cast<std::string>(nb::str(obj.attr("device"))) +
+              "' is not supported; flare runs on CPU and CUDA tensors");
+  }
+  t.dtype = torch_dtype(obj.attr("dtype"), name);
+  const nb::tuple shape = nb::borrow<nb::tuple>(obj.attr("shape"));
+  if (shape.size() > 4)
+    raise(PyExc_ValueError, std::string(name) + ": expected at most 4 dimensions, got " +
+                                std::to_string(shape.size()));
+  nb::object strides;
+  try {
+    strides = obj.attr("stride")();
+  } catch (const nb::python_error& e) {  // sparse and other layouts without strides
+    raise(PyExc_ValueError, std::string(name) + ": flare takes strided (dense) tensors: " + e.what());
+  }
+  t.ndim = static_cast<int32_t>(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    t.shape[i] = nb::cast<int64_t>(shape[i]);
+    t.stride[i] = nb::cast<int64_t>(nb::borrow<nb::tuple>(strides)[i]);
+  }
+  t.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(obj.attr("data_ptr")()));
+  return t;
+}
+
+// ---- any argument ------------------------------------------------------------------------------
+
+std::string python_type_name(nb::handle obj) {
+  return nb::cast<std::string>(nb::str(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()))));
+}
+
+// A tensor argument as a flare view: torch tensors by their attributes, anything else through
+// DLPack. Inputs may be read-only arrays (a NumPy array with writeable=False, a JAX array);
+// outputs may not. None gives an undefined view where `optional`, else a TypeError.
+flare_tensor to_flare_tensor(nb::handle obj, const char* name, bool output = false,
+                             bool optional = false) {
+  if (obj.is_none()) {
+    if (optional) return flare_tensor{};
+    raise(PyExc_TypeError, std::string(name) + ": expected a tensor, got None");
+  }
+  if (is_torch_tensor(obj)) return torch_view(obj, name);
+  if (output) {
+    OutArray a;
+    if (nb::try_cast(obj, a, false)) return to_flare_tensor(a, name);
+  } else {
+    InArray a;
+    if (nb::try_cast(obj, a, false)) return to_flare_tensor(a, name);
+  }
+  raise(PyExc_TypeError, std::string(name) + ": expected a " +
+                             (output ? "writable " : "") +
+                             "tensor or array (PyTorch, or any DLPack producer), got " +
+                             python_type_name(obj));
 }
 
 void check(int code) {
@@ -126,10 +225,9 @@ struct CallArgs {
   bool is_varlen;
 };
 
-CallArgs make_args(const std::optional<InArray>& cu_seqlens_q,
-                   const std::optional<InArray>& cu_seqlens_k, int max_seqlen_q, int max_seqlen_k,
-                   float softmax_scale, bool causal, int window_left, int window_right,
-                   float softcap, const std::optional<InArray>& alibi_slopes, float dropout_p,
+CallArgs make_args(nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, int max_seqlen_q,
+                   int max_seqlen_k, float softmax_scale, bool causal, int window_left,
+                   int window_right, float softcap, nb::handle alibi_slopes, float dropout_p,
                    uint64_t seed, uint64_t offset, bool deterministic, int backend) {
   CallArgs a;
   a.options = flare_default_options();
@@ -138,30 +236,29 @@ CallArgs make_args(const std::optional<InArray>& cu_seqlens_q,
   a.options.window_left = window_left;
   a.options.window_right = window_right;
   a.options.softcap = softcap;
-  a.options.alibi_slopes = to_flare_tensor(alibi_slopes, "alibi_slopes");
+  a.options.alibi_slopes = to_flare_tensor(alibi_slopes, "alibi_slopes", false, true);
   a.options.dropout_p = dropout_p;
   a.options.dropout_seed = seed;
   a.options.dropout_offset = offset;
   a.options.deterministic = deterministic ? 1 : 0;
   a.options.backend = backend;
   a.varlen = flare_varlen{};
-  a.varlen.cu_seqlens_q = to_flare_tensor(cu_seqlens_q, "cu_seqlens_q");
-  a.varlen.cu_seqlens_k = to_flare_tensor(cu_seqlens_k, "cu_seqlens_k");
+  a.varlen.cu_seqlens_q = to_flare_tensor(cu_seqlens_q, "cu_seqlens_q", false, true);
+  a.varlen.cu_seqlens_k = to_flare_tensor(cu_seqlens_k, "cu_seqlens_k", false, true);
   a.varlen.max_seqlen_q = max_seqlen_q;
   a.varlen.max_seqlen_k = max_seqlen_k;
-  a.is_varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
+  a.is_varlen = !cu_seqlens_q.is_none() || !cu_seqlens_k.is_none();
   return a;
 }
 
-void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& o,
-             const OutArray& lse, const std::optional<InArray>& cu_seqlens_q,
-             const std::optional<InArray>& cu_seqlens_k, int max_seqlen_q, int max_seqlen_k,
-             float softmax_scale, bool causal, int window_left, int window_right, float softcap,
-             const std::optional<InArray>& alibi_slopes, float dropout_p, uint64_t seed,
-             uint64_t offset, bool deterministic, int backend, uintptr_t stream) {
+void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle o, nb::handle lse,
+             nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, int max_seqlen_q,
+             int max_seqlen_k, float softmax_scale, bool causal, int window_left,
+             int window_right, float softcap, nb::handle alibi_slopes, float dropout_p,
+             uint64_t seed, uint64_t offset, bool deterministic, int backend, uintptr_t stream) {
   const flare_tensor tq = to_flare_tensor(q, "q"), tk = to_flare_tensor(k, "k"),
-                     tv = to_flare_tensor(v, "v"), to = to_flare_tensor(o, "o"),
-                     tl = to_flare_tensor(lse, "lse");
+                     tv = to_flare_tensor(v, "v"), to = to_flare_tensor(o, "o", true),
+                     tl = to_flare_tensor(lse, "lse", true);
   const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale, causal, window_left, window_right, softcap,
                                alibi_slopes, dropout_p, seed, offset, deterministic, backend);
@@ -175,18 +272,17 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
   check(code);
 }
 
-void backward(const InArray& dout, const InArray& q, const InArray& k, const InArray& v,
-              const InArray& o, const InArray& lse, const OutArray& dq, const OutArray& dk,
-              const OutArray& dv, const std::optional<InArray>& cu_seqlens_q,
-              const std::optional<InArray>& cu_seqlens_k, int max_seqlen_q, int max_seqlen_k,
-              float softmax_scale, bool causal, int window_left, int window_right, float softcap,
-              const std::optional<InArray>& alibi_slopes, float dropout_p, uint64_t seed,
-              uint64_t offset, bool deterministic, int backend, uintptr_t stream) {
+void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle o,
+              nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv,
+              nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, int max_seqlen_q,
+              int max_seqlen_k, float softmax_scale, bool causal, int window_left,
+              int window_right, float softcap, nb::handle alibi_slopes, float dropout_p,
+              uint64_t seed, uint64_t offset, bool deterministic, int backend, uintptr_t stream) {
   const flare_tensor tdo = to_flare_tensor(dout, "dout"), tq = to_flare_tensor(q, "q"),
                      tk = to_flare_tensor(k, "k"), tv = to_flare_tensor(v, "v"),
                      to = to_flare_tensor(o, "o"), tl = to_flare_tensor(lse, "lse"),
-                     tdq = to_flare_tensor(dq, "dq"), tdk = to_flare_tensor(dk, "dk"),
-                     tdv = to_flare_tensor(dv, "dv");
+                     tdq = to_flare_tensor(dq, "dq", true), tdk = to_flare_tensor(dk, "dk", true),
+                     tdv = to_flare_tensor(dv, "dv", true);
   const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale, causal, window_left, window_right, softcap,
                                alibi_slopes, dropout_p, seed, offset, deterministic, backend);
@@ -203,26 +299,26 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
 }  // namespace
 
 NB_MODULE(_ext, m) {
-  m.doc() = "flare's C ABI over DLPack tensors (see flare/_core.py for the Python interface)";
+  m.doc() = "flare's C ABI over PyTorch tensors and DLPack arrays (see flare/_core.py for the Python interface)";
 
-  m.def("forward", &forward, nb::arg("q").noconvert(), nb::arg("k").noconvert(),
-        nb::arg("v").noconvert(), nb::arg("o").noconvert(), nb::arg("lse").noconvert(),
-        nb::arg("cu_seqlens_q").noconvert().none(), nb::arg("cu_seqlens_k").noconvert().none(),
+  m.def("forward", &forward, nb::arg("q").none(), nb::arg("k").none(),
+        nb::arg("v").none(), nb::arg("o").none(), nb::arg("lse").none(),
+        nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(),
         nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("softmax_scale"),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"),
-        nb::arg("alibi_slopes").noconvert().none(), nb::arg("dropout_p"), nb::arg("seed"),
+        nb::arg("alibi_slopes").none(), nb::arg("dropout_p"), nb::arg("seed"),
         nb::arg("offset"), nb::arg("deterministic"), nb::arg("backend"), nb::arg("stream"),
         "Writes o and lse. Raises ValueError / NotImplementedError / RuntimeError / MemoryError "
         "with the library's message on failure; nothing is written then.");
 
-  m.def("backward", &backward, nb::arg("dout").noconvert(), nb::arg("q").noconvert(),
-        nb::arg("k").noconvert(), nb::arg("v").noconvert(), nb::arg("o").noconvert(),
-        nb::arg("lse").noconvert(), nb::arg("dq").noconvert(), nb::arg("dk").noconvert(),
-        nb::arg("dv").noconvert(), nb::arg("cu_seqlens_q").noconvert().none(),
-        nb::arg("cu_seqlens_k").noconvert().none(), nb::arg("max_seqlen_q"),
+  m.def("backward", &backward, nb::arg("dout").none(), nb::arg("q").none(),
+        nb::arg("k").none(), nb::arg("v").none(), nb::arg("o").none(),
+        nb::arg("lse").none(), nb::arg("dq").none(), nb::arg("dk").none(),
+        nb::arg("dv").none(), nb::arg("cu_seqlens_q").none(),
+        nb::arg("cu_seqlens_k").none(), nb::arg("max_seqlen_q"),
         nb::arg("max_seqlen_k"), nb::arg("softmax_scale"), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"),
-        nb::arg("alibi_slopes").noconvert().none(), nb::arg("dropout_p"), nb::arg("seed"),
+        nb::arg("alibi_slopes").none(), nb::arg("dropout_p"), nb::arg("seed"),
         nb::arg("offset"), nb::arg("deterministic"), nb::arg("backend"), nb::arg("stream"),
         "Writes dq, dk and dv. Errors as for forward().");
 

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""host_overhead.py — what one attention call costs the host, against what it costs the GPU.
+
+In a training step the host must queue work ahead of the GPU; an attention call whose Python and
+launch path takes longer than its kernels leaves the GPU idle, however fast the kernels are. For
+each implementation (flare's flash_attn_func, PyTorch SDPA with its cuDNN and flash backends),
+pass (forward; forward + backward through autograd) and shape, this script measures:
+
+  host_us_per_call  wall time of the host to queue N calls back to back (nothing waits for the
+                    GPU in between: a call that synchronised would show here as GPU time);
+  gpu_us_per_call   GPU time of N calls queued behind a spin kernel (torch.cuda._sleep), so the
+                    host is far ahead and the interval is the GPU's work alone;
+  host_ran_ahead    whether, when the host finished queueing the N calls (no spin kernel), the
+                    GPU still had work left: the end event had not completed.
+
+Each row is measured eagerly and, with --compile, under torch.compile (fullgraph) as well
+("compiled": true). --profile writes a cProfile table of flare's calls to DIR/profile-*.txt.
+
+usage: host_overhead.py --json OUT.json [--iters 100] [--compile] [--profile DIR]
+"""
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flare
+from bench_common import git_commit
+
+# (name, b, s, h, h_kv, d, causal): the shapes of the issue plus a GQA model shape.
+SHAPES = [
+    ("gpt3-2.7b", 4, 1024, 32, 32, 80, True),
+    ("gpt2-124m", 16, 1024, 12, 12, 64, True),
+    ("llama3-1b", 4, 2048, 32, 8, 64, True),
+]
+SDPA_BACKENDS = {"torch-cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "torch-flash": SDPBackend.FLASH_ATTENTION}
+
+
+def attention_fn(impl, causal, h, h_kv):
+    """A callable (q, k, v) → out in flare's (b, s, h, d) layout for one implementation."""
+    if impl == "flare":
+        return lambda q, k, v: flare.flash_attn_func(q, k, v, causal=causal)
+    backend = SDPA_BACKENDS[impl]
+    gqa = h != h_kv
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                 v.transpose(1, 2), is_causal=causal,
+                                                 enable_gqa=gqa)
+        return out.transpose(1, 2)
+    return sdpa
+
+
+def make_step(fn, q, k, v, dout, pass_):
+    if pass_ == "fwd":
+        def step():
+            with torch.no_grad():
+                fn(q, k, v)
+    else:
+        def step():
+            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+    return step
+
+
+def host_time_us(step, iters):
+    """Host µs per call queueing `iters` calls, and whether the GPU was still busy after."""
+    torch.cuda.synchronize()
+    end = torch.cuda.Event()
+    t0 = time.perf_counter_ns()
+    for _ in range(iters):
+        step()
+    t1 = time.perf_counter_ns()
+    end.record()
+    ran_ahead = not end.query()
+    torch.cuda.synchronize()
+    return (t1 - t0) / 1e3 / iters, ran_ahead
+
+
+def gpu_time_us(step, iters):
+    """GPU µs per call: `iters` calls queued behind a spin kernel long enough to hide the host."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2e9))  # ~1 s at H100 clocks: the host queues everything meanwhile
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def measure(impl, shape, pass_, compiled, iters, profile_dir):
+    name, b, s, h, h_kv, d, causal = shape
+    grad = pass_ != "fwd"
+
+    def make(heads):
+        return torch.randn(b, s, heads, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=grad)
+    q, k, v = make(h), make(h_kv), make(h_kv)
+    dout = torch.randn_like(q) if grad else None
+    fn = attention_fn(impl, causal, h, h_kv)
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    step = make_step(fn, q, k, v, dout, pass_)
+    for _ in range(10):
+        step()
+    host = [host_time_us(step, iters) for _ in range(5)]
+    host_us = statistics.median(t for t, _ in host)
+    ran_ahead = all(r for _, r in host)
+    gpu_us = statistics.median(gpu_time_us(step, iters) for _ in range(3))
+    if profile_dir and impl == "flare":
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(iters):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        tag = f"{name}-{pass_}{'-compiled' if compiled else ''}"
+        with open(os.path.join(profile_dir, f"profile-{tag}.txt"), "w") as f:
+            f.write(text.getvalue())
+    return {"impl": impl, "pass": pass_, "model": name, "b": b, "s": s, "h": h, "h_kv": h_kv,
+            "d": d, "causal": causal, "compiled": compiled, "iters": iters,
+            "host_us_per_call": round(host_us, 2), "gpu_us_per_call": round(gpu_us, 2),
+            "host_ran_ahead": ran_ahead}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--profile", default="")
+    args = ap.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    rows = []
+    for shape in SHAPES:
+        for compiled in ([False, True] if args.compile else [False]):
+            for pass_ in ("fwd", "fwdbwd"):
+                for impl in ("flare", "torch-cudnn", "torch-flash"):
+                    try:
+                        row = measure(impl, shape, pass_, compiled, args.iters, args.profile)
+                    except Exception as e:  # a backend that refuses a shape: say so, go on
+                        row = {"impl": impl, "pass": pass_, "model": shape[0],
+                               "compiled": compiled, "error": f"{type(e).__name__}: {e}"[:300]}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    result = {
+        "card": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "software": {"torch": torch.__version__, "cuda": torch.version.cuda,
+                     "cudnn": torch.backends.cudnn.version(), "flare": flare.__version__},
+        "method": "host_us_per_call: host wall time to queue `iters` calls, median of 5; "
+                  "gpu_us_per_call: the same calls queued behind torch.cuda._sleep, CUDA events, "
+                  "median of 3; host_ran_ahead: the GPU was still busy when queueing ended "
+                  "(all 5 host runs)",
+        "rows": rows,
+    }
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
