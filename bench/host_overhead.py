@@ -110,6 +110,7 @@ def measure(impl, shape, pass_, compiled, iters, profile_dir):
     dout = torch.randn_like(q) if grad else None
     fn = attention_fn(impl, causal, h, h_kv)
     if compiled:
+        torch._dynamo.reset()  # each case compiles afresh: no recompile limit across cases
         fn = torch.compile(fn, fullgraph=True)
     step = make_step(fn, q, k, v, dout, pass_)
     for _ in range(10):

@@ -8,11 +8,12 @@ Two roads lead to the same two functions, forward() and backward() below:
   torch.library.custom_op cost 384 µs of host time and a forward + backward 681 µs (the op's
   generated autograd wrapper, argument defaulting and aliasing checks, all in Python), against
   136 µs and 540 µs of GPU time at GPT-3 2.7B's attention shape (bench/host_overhead.py).
-- Under torch.compile, flash_attn_func calls the operators torch.ops.flare.fwd and
-  torch.ops.flare.bwd, defined here with torch.library: a schema, one kernel for CPU and CUDA,
-  a fake (shape-only) kernel, and fwd's autograd formula (bwd). Dynamo keeps attention in the
-  graph (fullgraph=True works), AOTAutograd places bwd in the backward graph, and the compiled
-  code reaches the kernel through the dispatcher without the eager wrappers.
+- Under torch.compile, the same autograd.Function calls the operators torch.ops.flare.fwd and
+  torch.ops.flare.bwd, defined here with torch.library (a schema, one kernel for CPU and CUDA, a
+  fake (shape-only) kernel). Dynamo traces the Function, so attention stays in the graph
+  (fullgraph=True works), AOTAutograd places bwd in the backward graph, and the compiled code
+  reaches the kernels through the dispatcher with no Python autograd wrapper around them. The
+  operators have no autograd kernel of their own: differentiate through flash_attn_func.
 
 Outputs are allocated contiguous with torch.empty on both roads, in the fake kernels too, so the
 strides the compiler plans for are the strides it gets. Work is queued on the current stream of
@@ -71,8 +72,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     """Allocates out (like q) and lse (float32) and runs flare's forward. Returns (out, lse)."""
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_core.lse_shape(q, is_varlen), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(_core.lse_shape(q, is_varlen), dtype=torch.float32)
     seed, offset = _seeds(rng_state)
     _ext.forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
@@ -85,9 +86,9 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
              deterministic, rng_state, backend):
     """Allocates dq, dk, dv (like q, k, v) and runs flare's backward. Returns (dq, dk, dv)."""
     dout, q, k, v, out = (_unit_last_stride(t) for t in (dout, q, k, v, out))
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     seed, offset = _seeds(rng_state)
     _ext.backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
@@ -125,11 +126,11 @@ def _bwd_fake(dout, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-# fwd's arguments after q, k, v, in schema order; its backward returns one gradient per argument.
+# fwd's argument count: a backward returns one gradient (or None) per argument.
 _N_FWD_INPUTS = 17
 
 
-def _fwd_setup_context(ctx, inputs, output):
+def _save_for_backward(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k = inputs[:5]
     alibi_slopes, rng_state = inputs[13], inputs[15]
     out, lse = output
@@ -147,50 +148,44 @@ def _backward_args(ctx):
             deterministic, rng_state, backend)
 
 
-def _fwd_backward(ctx, dout, dlse):
-    # dlse is ignored, as in flash_attn: the LSE output is not differentiable.
-    dq, dk, dv = torch.ops.flare.bwd(dout, *_backward_args(ctx))
-    return (dq, dk, dv) + (None,) * (_N_FWD_INPUTS - 3)
-
-
-torch.library.register_autograd("flare::fwd", _fwd_backward, setup_context=_fwd_setup_context)
-
-
-# ---- the eager road -----------------------------------------------------------------------------
-
 class Attention(torch.autograd.Function):
-    """forward() and backward() with autograd and nothing else between them and the caller."""
+    """Attention with autograd. Eagerly, forward() and backward() run directly: nothing stands
+    between the caller and the extension. While torch.compile traces it, the same steps go
+    through the operators, which it places in the forward and backward graphs; the compiled code
+    then calls them through the dispatcher (the ops carry no autograd kernel of their own, so no
+    Python wrapper runs at that level)."""
 
     @staticmethod
     def forward(ctx, *inputs):
-        out, lse = forward(*inputs)
-        _fwd_setup_context(ctx, inputs, (out, lse))
+        run = torch.ops.flare.fwd if torch.compiler.is_compiling() else forward
+        out, lse = run(*inputs)
+        _save_for_backward(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = backward(dout, *_backward_args(ctx))
+        # dlse is ignored, as in flash_attn: the LSE output is not differentiable.
+        run = torch.ops.flare.bwd if torch.compiler.is_compiling() else backward
+        dq, dk, dv = run(dout, *_backward_args(ctx))
         return (dq, dk, dv) + (None,) * (_N_FWD_INPUTS - 3)
 
 
-def attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-              backend="auto"):
-    """The differentiable call behind every flash_attn_* function for torch tensors."""
-    window_left, window_right = _core.window_pair(window_size)
+def attention(q, k, v, options, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              alibi_slopes):
+    """The differentiable call behind every flash_attn_* function for torch tensors; `options`
+    is a checked _core.Options."""
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         if max_seqlen_q is None or max_seqlen_k is None:
             raise ValueError("max_seqlen_q / max_seqlen_k: required for a varlen batch")
     else:
         max_seqlen_q = max_seqlen_k = 0
-    dropout_p = float(dropout_p)
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
-            _core.scale_value(softmax_scale), bool(causal), window_left, window_right,
-            float(softcap), alibi_slopes, bool(deterministic), draw_rng_state(dropout_p),
-            _core.backend_code(backend))
-    if torch.compiler.is_compiling():
-        return torch.ops.flare.fwd(*args)
+    o = options
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+            o.dropout_p, o.softmax_scale, o.causal, o.window_left, o.window_right, o.softcap,
+            alibi_slopes, o.deterministic, draw_rng_state(o.dropout_p), o.backend)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return Attention.apply(*args)
+    if torch.compiler.is_compiling():
+        return torch.ops.flare.fwd(*args)
     return forward(*args)

@@ -37,9 +37,9 @@ def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     group = _core.check_arrays(required, [("alibi_slopes", alibi_slopes)])
     return_attn_probs = _core.flag(return_attn_probs, "return_attn_probs")
     if group == "torch":
-        _core.Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                      softcap=softcap, dropout_p=dropout_p, deterministic=deterministic,
-                      backend=backend)
+        options = _core.Options(softmax_scale=softmax_scale, causal=causal,
+                                window_size=window_size, softcap=softcap, dropout_p=dropout_p,
+                                deterministic=deterministic, backend=backend)
         _core.max_seqlen_value(max_seqlen_q, "max_seqlen_q")
         _core.max_seqlen_value(max_seqlen_k, "max_seqlen_k")
         if seed is not None:
@@ -50,12 +50,9 @@ def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError("stream: applies to non-torch arrays; torch tensors run on "
                              "torch.cuda.current_stream()")
         from . import _torch
-        out, lse = _torch.attention(
-            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
-            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-            backend=backend)
+        out, lse = _torch.attention(q, k, v, options, cu_seqlens_q=cu_seqlens_q,
+                                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                    max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes)
     else:
         # deterministic only matters to the backward, which these arrays do not get here.
         _core.flag(deterministic, "deterministic")
