@@ -14,8 +14,9 @@
 #    (bench/compare_table.py); 5. the 128k-token long-sequence run (DIR/long.json); 6. the Python
 #    package's tests with torch on the GPU; then, unless --no-bench, through the Python package:
 #    bench/compare.py (flare against SDPA's flash, cuDNN, efficient and math backends on the
-#    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png) and
-#    bench/gpt_loss.py (a small GPT trained with flare's attention and with SDPA's; fails unless
+#    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png),
+#    bench/host_overhead.py (host and GPU time per call, eager and compiled: DIR/host_overhead.json)
+#    and bench/gpt_loss.py (a small GPT trained with flare's attention and with SDPA's; fails unless
 #    the loss curves agree within the spread between SDPA backends: DIR/gpt_loss-<card>-<date>
 #    .json and .png); 7. ctest -L cpu. After the GPU tests, compute-sanitizer memcheck and
 #    racecheck run on a small subset. Logs go to DIR. The Python benchmarks record the commit from
@@ -165,6 +166,13 @@ if [[ $python -eq 1 ]]; then
     else
       status=1; log "compare.py FAILED (bench_compare.log)"
       tail -20 "$out/bench_compare.log" | tee -a "$out/summary.log"
+    fi
+    log "bench/host_overhead.py: host vs GPU time per call, flare vs SDPA cuDNN/flash, eager and compiled"
+    if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/host_overhead.py \
+         --json "$out/host_overhead.json" --compile > "$out/host_overhead.log" 2>&1; then
+      log "host_overhead.json written"
+    else
+      status=1; log "host_overhead.py FAILED (host_overhead.log)"; tail -20 "$out/host_overhead.log"
     fi
     log "bench/gpt_loss.py: GPT loss curves, flare vs SDPA (flash reference; efficient, cuDNN)"
     if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/gpt_loss.py \

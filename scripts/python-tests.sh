@@ -17,7 +17,7 @@ python="${PYTHON:-python3}"
 jobs="${FLARE_PY_JOBS:-2}"
 
 # Pinned so a CI run today and one next month test the same thing.
-deps=(numpy==2.3.5 pytest==8.4.2 nanobind==3.1.0)
+deps=(numpy==2.4.6 pytest==8.4.2 nanobind==3.1.0)
 
 venv="$build/venv"
 if [[ ! -x "$venv/bin/python" ]]; then
