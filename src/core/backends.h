@@ -53,6 +53,10 @@ void store_backward(const AttentionParams& p, const RefBackward& r);
 // The tiled online-softmax backend (fp32 accumulation, threads, O(s) extra memory).
 Status flash_forward(const AttentionParams& p);
 Status flash_backward(const AttentionParams& p);
+// The instruction-set level the two run at, chosen on first use (src/cpu/flash_dispatch.cpp):
+// "x86-64-v4", "x86-64-v3" or "x86-64" in portable x86-64 builds, "native" in the others. Fails,
+// as they do, when the environment variable FLARE_CPU_ISA names no level of this build.
+Status flash_simd_level(const char** name);
 
 }  // namespace cpu
 

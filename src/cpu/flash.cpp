@@ -68,7 +68,11 @@
 #include "core/score_mod.h"
 #include "cpu/flash_simd.h"
 
-namespace flare::cpu {
+// Compiled once per instruction-set level, each copy in its own namespace and with its own
+// target (flash_simd.h); flash_dispatch.cpp defines cpu::flash_forward / flash_backward and calls
+// the copy for this CPU.
+FLARE_SIMD_BEGIN
+namespace flare::cpu::FLARE_SIMD_NAMESPACE {
 namespace {
 
 using simd::IVec;
@@ -739,4 +743,5 @@ Status flash_backward(const AttentionParams& p) {
   return {};
 }
 
-}  // namespace flare::cpu
+}  // namespace flare::cpu::FLARE_SIMD_NAMESPACE
+FLARE_SIMD_END

@@ -1,10 +1,23 @@
 // flash_simd.h — the handful of SIMD operations the CPU flash backend is written in.
 //
-// One vector type, Vec, as wide as the widest float registers the compiler targets (16 lanes
-// with AVX-512, 8 with AVX, 4 otherwise), written with the GCC/Clang vector extension so that
-// +, −, ·, comparisons and lane access read like scalar code. Fused multiply-add goes through
-// the intrinsic where the ISA has one: in ISO C++ mode GCC does not contract a·b + c on its own
+// One vector type, Vec, as wide as the widest float registers the code targets (16 lanes with
+// AVX-512, 8 with AVX, 4 otherwise), written with the GCC/Clang vector extension so that +, −,
+// ·, comparisons and lane access read like scalar code. Fused multiply-add goes through the
+// intrinsic where the ISA has one: in ISO C++ mode GCC does not contract a·b + c on its own
 // (-ffp-contract=off), and the matrix-product loops live on FMA.
+//
+// Instruction-set levels. A portable x86-64 build compiles flash.cpp once per level, with
+// FLARE_SIMD_LEVEL set (CMakeLists.txt), and flash_dispatch.cpp runs the best one the CPU has:
+//   1  x86-64     (SSE2, 4 lanes)
+//   3  x86-64-v3  (AVX2 and FMA, 8 lanes)
+//   4  x86-64-v4  (AVX-512, 16 lanes, 32 registers)
+// The level's code lies between FLARE_SIMD_BEGIN and FLARE_SIMD_END, which give the functions
+// there the level's target, as -march would, but only those: the standard library's and flare's
+// other inline functions stay baseline code, so the single copy of each that the linker keeps is
+// safe for every caller (with -march, an AVX-512 copy of a std::vector member could be the one
+// kept). Each configuration has its own namespace (FLARE_SIMD_NAMESPACE), so no two share a
+// symbol. Without FLARE_SIMD_LEVEL (FLARE_NATIVE builds, other hosts, the tests of the vector
+// math) the compiler's own target decides.
 //
 // exp and tanh are our own because std::exp in a loop does not vectorise. Both are accurate to
 // about one ulp (tests/test_cpu_flash.cpp measures them against double precision):
@@ -21,22 +34,75 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__AVX__)
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // declares every level's intrinsics, whatever the compiler's target
 #endif
 
-namespace flare::cpu::simd {
-
-#if defined(__AVX512F__)
-inline constexpr int kLanes = 16;
-inline constexpr int kRegisters = 32;
-#elif defined(__AVX__)
-inline constexpr int kLanes = 8;
-inline constexpr int kRegisters = 16;
+// FLARE_SIMD_LANES, FLARE_SIMD_FMA and FLARE_SIMD_TARGET (the level's target features).
+#if defined(FLARE_SIMD_LEVEL)
+#if FLARE_SIMD_LEVEL == 4
+#define FLARE_SIMD_LANES 16
+#define FLARE_SIMD_FMA 1
+#define FLARE_SIMD_TARGET "avx512f,avx512cd,avx512bw,avx512dq,avx512vl,avx2,fma"
+#elif FLARE_SIMD_LEVEL == 3
+#define FLARE_SIMD_LANES 8
+#define FLARE_SIMD_FMA 1
+#define FLARE_SIMD_TARGET "avx2,fma"
+#elif FLARE_SIMD_LEVEL == 1
+#define FLARE_SIMD_LANES 4
+#define FLARE_SIMD_FMA 0
 #else
-inline constexpr int kLanes = 4;
-inline constexpr int kRegisters = 16;
+#error "FLARE_SIMD_LEVEL must be 1, 3 or 4"
 #endif
+#elif defined(__AVX512F__)
+#define FLARE_SIMD_LANES 16
+#define FLARE_SIMD_FMA 1
+#elif defined(__AVX__)
+#define FLARE_SIMD_LANES 8
+#if defined(__FMA__)
+#define FLARE_SIMD_FMA 1
+#else
+#define FLARE_SIMD_FMA 0
+#endif
+#else
+#define FLARE_SIMD_LANES 4
+#define FLARE_SIMD_FMA 0
+#endif
+
+// One namespace per (lanes, FMA): the code differs exactly when these do.
+#if FLARE_SIMD_LANES == 16
+#define FLARE_SIMD_NAMESPACE avx512
+#elif FLARE_SIMD_LANES == 8 && FLARE_SIMD_FMA
+#define FLARE_SIMD_NAMESPACE avx_fma
+#elif FLARE_SIMD_LANES == 8
+#define FLARE_SIMD_NAMESPACE avx
+#else
+#define FLARE_SIMD_NAMESPACE generic
+#endif
+
+// The target region. GCC does not expand macros inside its pragmas, so the target string is
+// expanded before it is quoted.
+#define FLARE_SIMD_PRAGMA_QUOTED(x) _Pragma(#x)
+#define FLARE_SIMD_PRAGMA(x) FLARE_SIMD_PRAGMA_QUOTED(x)
+#if !defined(FLARE_SIMD_TARGET)
+#define FLARE_SIMD_BEGIN
+#define FLARE_SIMD_END
+#elif defined(__clang__)
+#define FLARE_SIMD_BEGIN                                                              \
+  FLARE_SIMD_PRAGMA(clang attribute push(__attribute__((target(FLARE_SIMD_TARGET))), \
+                                         apply_to = function))
+#define FLARE_SIMD_END _Pragma("clang attribute pop")
+#else
+#define FLARE_SIMD_BEGIN \
+  _Pragma("GCC push_options") FLARE_SIMD_PRAGMA(GCC target(FLARE_SIMD_TARGET))
+#define FLARE_SIMD_END _Pragma("GCC pop_options")
+#endif
+
+FLARE_SIMD_BEGIN
+namespace flare::cpu::FLARE_SIMD_NAMESPACE::simd {
+
+inline constexpr int kLanes = FLARE_SIMD_LANES;
+inline constexpr int kRegisters = kLanes == 16 ? 32 : 16;
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -51,9 +117,9 @@ inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
 // A broadcast (Vec{} + x would cost an add, since 0 + x is not x for x = −0).
 inline Vec splat(float x) {
-#if defined(__AVX512F__)
+#if FLARE_SIMD_LANES == 16
   return _mm512_set1_ps(x);
-#elif defined(__AVX__)
+#elif FLARE_SIMD_LANES == 8
   return _mm256_set1_ps(x);
 #else
   return Vec{x, x, x, x};
@@ -71,9 +137,9 @@ inline IVec lane_index() {
 
 // a·b + c, rounded once where the ISA allows.
 inline Vec fma(Vec a, Vec b, Vec c) {
-#if defined(__AVX512F__)
+#if FLARE_SIMD_LANES == 16
   return _mm512_fmadd_ps(a, b, c);
-#elif defined(__FMA__)
+#elif FLARE_SIMD_LANES == 8 && FLARE_SIMD_FMA
   return _mm256_fmadd_ps(a, b, c);
 #else
   return a * b + c;
@@ -83,7 +149,7 @@ inline Vec fma(Vec a, Vec b, Vec c) {
 // The scalar twin of fma(Vec, Vec, Vec): fused exactly when the vector one is, so a scalar
 // dot product can reproduce a lane of a vector one bit for bit.
 inline float fma(float a, float b, float c) {
-#if defined(__AVX512F__) || defined(__FMA__)
+#if FLARE_SIMD_FMA
   return std::fma(a, b, c);
 #else
   return a * b + c;
@@ -156,4 +222,10 @@ inline Vec tanh(Vec x) {
   return select(ax < 0.625f, small, large);
 }
 
-}  // namespace flare::cpu::simd
+}  // namespace flare::cpu::FLARE_SIMD_NAMESPACE::simd
+FLARE_SIMD_END
+
+// The configuration this translation unit compiles, by its plain name (the vector-math tests).
+namespace flare::cpu {
+namespace simd = FLARE_SIMD_NAMESPACE::simd;
+}  // namespace flare::cpu
