@@ -25,7 +25,8 @@ namespace cpu {
 
 // How the reference computes: float64 throughout (the ground truth), or "naive low precision":
 // scores and softmax in fp32, P rounded to the input dtype before P·V (and dS before dS·K, dSᵀ·Q
-// in the backward). The second gives the error budget of DESIGN.md's tolerance rule.
+// in the backward). The second gives the error budget of the tolerance rule
+// (docs/architecture.md, "Tolerance rule").
 enum class RefPrecision { kFloat64, kLowPrecision };
 
 // Dense reference outputs in packed logical order, whatever the input strides:
