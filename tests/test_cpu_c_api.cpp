@@ -261,6 +261,26 @@ TEST(CApi, RejectedCallReportsCodeArgumentAndWritesNothing) {
   EXPECT_TRUE(outputs_untouched(good));
 }
 
+TEST(CApi, AliasedOutputsRejected) {
+  // The fuzzed cases: dq sharing dk's memory, dv sharing dout's, lse placed inside o. Each is
+  // refused by name and nothing is written.
+  Problem pr = make_problem(specs()[0]);
+  fill_sentinel(pr);
+  CCall dq_dk(pr);
+  dq_dk.dk.data = dq_dk.dq.data;
+  EXPECT_EQ(dq_dk.backward(), FLARE_INVALID_ARGUMENT);
+  expect_last_error("dk", "shares memory with dq");
+  CCall dv_dout(pr);
+  dv_dout.dv.data = dv_dout.dout.data;
+  EXPECT_EQ(dv_dout.backward(), FLARE_INVALID_ARGUMENT);
+  expect_last_error("dv", "shares memory with the input dout");
+  CCall lse_in_o(pr);
+  lse_in_o.lse.data = lse_in_o.o.data;
+  EXPECT_EQ(lse_in_o.forward(), FLARE_INVALID_ARGUMENT);
+  expect_last_error("lse", "shares memory with o");
+  EXPECT_TRUE(outputs_untouched(pr));
+}
+
 TEST(CApi, NdimOutOfRangeRejected) {
   Problem pr = make_problem(specs()[2]);  // varlen with ALiBi: every tensor argument is present
   fill_sentinel(pr);
