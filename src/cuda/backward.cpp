@@ -24,6 +24,7 @@
 #include <string>
 
 #include "core/backends.h"
+#include "cuda/device_probe.h"
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm80/bwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
@@ -96,13 +97,10 @@ bool aligned(const void* ptr, uintptr_t bytes) {
 
 // Everything after the device is current: workspace, the three launches, the free.
 Status run_backward(const AttentionParams& p, cudaStream_t stream) {
-  int device = 0, sms = 0, smem_optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return cuda_failure("device query", err);
+  DeviceFacts device;
+  if (const Status s = current_device_facts(&device); !s.ok())
+    return Status::device_error("backward: " + s.message());
+  const int sms = device.sms, smem_optin = device.smem_optin;
 
   sm80::BwdWorkspace w;
   w.bucket = sm80::bwd_head_dim_bucket(p.head_dim);
@@ -153,7 +151,7 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   const size_t accum_bytes = static_cast<size_t>(rows) * w.bucket * w.num_splits * sizeof(float);
   void* scratch = nullptr;
   if (rows > 0) {
-    err = cudaMallocAsync(&scratch, dsum_bytes + accum_bytes, stream);
+    const cudaError_t err = cudaMallocAsync(&scratch, dsum_bytes + accum_bytes, stream);
     if (err != cudaSuccess) return cuda_failure("cudaMallocAsync of the workspace", err);
     // The accumulator first: its rows are read as float4 and must stay 16-byte aligned.
     w.dq_accum = static_cast<float*>(scratch);
@@ -168,7 +166,7 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   }
   if (status.ok()) status = sm80::launch_backward_convert(p, w, stream);
   if (scratch != nullptr) {
-    err = cudaFreeAsync(scratch, stream);
+    const cudaError_t err = cudaFreeAsync(scratch, stream);
     if (status.ok() && err != cudaSuccess) status = cuda_failure("cudaFreeAsync", err);
   }
   return status;

@@ -63,6 +63,7 @@
 #include "core/params.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
+#include "cuda/device_probe.h"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
@@ -976,15 +977,13 @@ Status launch_backward_stages(const AttentionParams& p, const BwdWorkspace& w, i
                               cudaStream_t stream) {
   using Cfg = BwdConfig<kHeadDim, kStages>;
   const auto kernel = attention_backward_kernel<kDType, kHeadDim, kStages>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  if (err != cudaSuccess)
-    return Status::device_error(std::string("backward: cudaFuncSetAttribute: ") +
-                                cudaGetErrorString(err));
+  if (const Status s = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes);
+      !s.ok())
+    return Status::device_error("backward: " + s.message());
   const int ctas = (key_blocks + w.kv_blocks_per_cta - 1) / w.kv_blocks_per_cta;
   const dim3 grid(ctas, p.heads_kv, p.batch);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, w);
-  err = cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status::device_error(std::string("backward: kernel launch: ") + cudaGetErrorString(err));
   return {};
@@ -998,13 +997,13 @@ Status launch_backward_main(const AttentionParams& p, const BwdWorkspace& w, int
     if constexpr (BwdConfig<kHeadDim, kTile.stages>::kSkewed) {
       // The skewed steps exist only in sm_90 device code: a device that runs code built for an
       // earlier architecture (whatever its shared memory) takes the fallback.
-      cudaFuncAttributes attr{};
-      const cudaError_t err =
-          cudaFuncGetAttributes(&attr, attention_backward_kernel<kDType, kHeadDim, kTile.stages>);
-      if (err != cudaSuccess)
-        return Status::device_error(std::string("backward: cudaFuncGetAttributes: ") +
-                                    cudaGetErrorString(err));
-      if (attr.ptxVersion < 90)
+      int ptx = 0;
+      if (const Status s = kernel_ptx_version(
+              reinterpret_cast<const void*>(attention_backward_kernel<kDType, kHeadDim, kTile.stages>),
+              &ptx);
+          !s.ok())
+        return Status::device_error("backward: " + s.message());
+      if (ptx < 90)
         return launch_backward_stages<kDType, kHeadDim, kTile.min_stages>(p, w, key_blocks, stream);
     }
     return launch_backward_stages<kDType, kHeadDim, kTile.stages>(p, w, key_blocks, stream);

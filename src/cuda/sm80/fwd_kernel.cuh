@@ -63,6 +63,7 @@
 #include "core/params.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
+#include "cuda/device_probe.h"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/sm80/chunk_copy.cuh"
 #include "cuda/ptx/fast_math.cuh"
@@ -828,24 +829,22 @@ Status launch_forward_order(const AttentionParams& p, int tile_group, cudaStream
   // compute_80 compiled just in time on a later GPU) or for sm_90a; size shared memory for it, so
   // a device that allows less than the sm_90a plan still runs the sm_80 one.
   int smem = Cfg::kSmemBytes;
-  cudaError_t err = cudaSuccess;
-  if constexpr (PreHopperCfg::kSmemBytes != Cfg::kSmemBytes) {
-    cudaFuncAttributes attr{};
-    err = cudaFuncGetAttributes(&attr, kernel);
-    if (err != cudaSuccess)
-      return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) +
-                                  "): cudaFuncGetAttributes: " + cudaGetErrorString(err));
-    if (attr.ptxVersion < 90) smem = PreHopperCfg::kSmemBytes;
-  }
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess)
+  const auto fail = [](const Status& s) {
     return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) + "): " +
-                                std::to_string(smem) + " bytes of shared memory: " +
-                                cudaGetErrorString(err));
+                                s.message());
+  };
+  if constexpr (PreHopperCfg::kSmemBytes != Cfg::kSmemBytes) {
+    int ptx = 0;
+    if (const Status s = kernel_ptx_version(reinterpret_cast<const void*>(kernel), &ptx); !s.ok())
+      return fail(s);
+    if (ptx < 90) smem = PreHopperCfg::kSmemBytes;
+  }
+  if (const Status s = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem); !s.ok())
+    return fail(s);
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
                   static_cast<unsigned>(p.batch));
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(p, tile_group);
-  err = cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) +
                                 ") launch: " + cudaGetErrorString(err));

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "core/params.h"
+#include "cuda/device_probe.h"
 #include "flare/status.h"
 
 namespace flare::cuda::sm90 {
@@ -52,12 +53,10 @@ Status launch(void (*kernel)(Params...), const char* what, int bucket, dim3 grid
               int smem, cudaStream_t stream, const Args&... args) {
   const std::string name = std::string("sm90 ") + what + " (head_dim bucket " +
                            std::to_string(bucket) + ")";
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess)
-    return Status::device_error(name + ": " + std::to_string(smem) +
-                                " bytes of shared memory: " + cudaGetErrorString(err));
+  if (const Status s = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem); !s.ok())
+    return Status::device_error(name + ": " + s.message());
   kernel<<<grid, threads, smem, stream>>>(args...);
-  err = cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return Status::device_error(name + " launch: " + cudaGetErrorString(err));
   return {};
 }

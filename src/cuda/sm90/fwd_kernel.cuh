@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 
 template <DType kDType, int kHeadDim>
 bool forward_runs_on_device() {
-  return runs_sm90a_code_cached<attention_forward_sm90_kernel<kDType, kHeadDim>>();
+  return runs_sm90a_code(reinterpret_cast<const void*>(attention_forward_sm90_kernel<kDType, kHeadDim>));
 }
 
 template <DType kDType, int kHeadDim>

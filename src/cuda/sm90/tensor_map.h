@@ -1,12 +1,11 @@
-// tensor_map.h — host helpers of the sm90 kernels: TMA tensor maps of flare's (b, s, h, d) tensors
-// and whether the device runs a kernel's sm_90a code.
+// tensor_map.h — host helpers of the sm90 kernels: TMA tensor maps of flare's (b, s, h, d) tensors.
+// (Whether the device runs a kernel's sm_90a code is asked in cuda/device_probe.h.)
 #pragma once
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -70,35 +69,6 @@ inline Status encode_accum_map(CUtensorMap* map, float* ptr, int cols, int64_t r
     return Status::device_error("sm90: tensor map of the dQ accumulator: cuTensorMapEncodeTiled error " +
                                 std::to_string(r));
   return {};
-}
-
-// Whether the current device runs `kernel`'s sm_90a code: an sm_90 device and a binary built with
-// sm_90a in CMAKE_CUDA_ARCHITECTURES (not sm_80 code run forward, which has no wgmma).
-inline bool runs_sm90a_code(const void* kernel) {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
-    return false;
-  if (major != 9 || minor != 0) return false;
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return false;
-  return attr.binaryVersion == 90;
-}
-
-// runs_sm90a_code for kernel kKernel, asked once per device (the dispatch asks on every call).
-template <auto kKernel>
-bool runs_sm90a_code_cached() {
-  constexpr int kDevices = 64;
-  static std::atomic<signed char> known[kDevices] = {};  // 0 not asked, 1 no, 2 yes
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (device < 0 || device >= kDevices) return runs_sm90a_code(reinterpret_cast<const void*>(kKernel));
-  const signed char k = known[device].load(std::memory_order_relaxed);
-  if (k != 0) return k == 2;
-  const bool yes = runs_sm90a_code(reinterpret_cast<const void*>(kKernel));
-  known[device].store(yes ? 2 : 1, std::memory_order_relaxed);
-  return yes;
 }
 
 }  // namespace flare::cuda::sm90

@@ -1,0 +1,153 @@
+// device_probe.h — what the dispatch asks the CUDA runtime about a device and a kernel, asked once
+// per (device, kernel) and cached.
+//
+// The dispatch runs on every forward and backward, on the host, while the GPU runs earlier work;
+// a training step needs the host to stay ahead. Attribute queries (SM count, shared memory, the
+// PTX version a kernel was built for, whether its sm_90a code runs) and cudaFuncSetAttribute are
+// driver round trips whose answers cannot change while the process lives, so each is made once.
+// The caches are process-wide, keyed by device ordinal (and kernel), and thread-safe.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "flare/status.h"
+
+namespace flare::cuda {
+
+struct DeviceFacts {
+  int ordinal = 0;
+  int sms = 0;         // streaming multiprocessors
+  int smem_optin = 0;  // shared memory one block may opt into, bytes
+  int major = 0, minor = 0;
+};
+
+namespace probe_detail {
+
+inline std::mutex& mutex() {
+  static std::mutex m;
+  return m;
+}
+
+struct KernelKey {
+  const void* kernel;
+  int device;
+  bool operator==(const KernelKey& o) const { return kernel == o.kernel && device == o.device; }
+};
+struct KernelKeyHash {
+  size_t operator()(const KernelKey& k) const {
+    return std::hash<const void*>()(k.kernel) ^ (static_cast<size_t>(k.device) << 1);
+  }
+};
+
+struct KernelFacts {
+  int ptx_version = 0;     // cudaFuncAttributes::ptxVersion of the code this device runs
+  int binary_version = 0;  // cudaFuncAttributes::binaryVersion
+  int smem_set = -1;       // dynamic shared memory already allowed with cudaFuncSetAttribute
+};
+
+inline std::unordered_map<int, DeviceFacts>& devices() {
+  static std::unordered_map<int, DeviceFacts> m;
+  return m;
+}
+inline std::unordered_map<KernelKey, KernelFacts, KernelKeyHash>& kernels() {
+  static std::unordered_map<KernelKey, KernelFacts, KernelKeyHash> m;
+  return m;
+}
+
+inline Status failure(const std::string& what, cudaError_t err) {
+  return Status::device_error(what + ": " + cudaGetErrorString(err));
+}
+
+// The cached facts of `kernel` on `device` (the current device), probing on first use.
+// Called with the mutex held.
+inline Status kernel_facts(const void* kernel, int device, KernelFacts** out) {
+  auto& map = kernels();
+  auto it = map.find({kernel, device});
+  if (it == map.end()) {
+    cudaFuncAttributes attr{};
+    if (const cudaError_t err = cudaFuncGetAttributes(&attr, kernel); err != cudaSuccess)
+      return failure("cudaFuncGetAttributes", err);
+    it = map.emplace(KernelKey{kernel, device}, KernelFacts{attr.ptxVersion, attr.binaryVersion})
+             .first;
+  }
+  *out = &it->second;
+  return {};
+}
+
+inline Status current_device(int* device) {
+  if (const cudaError_t err = cudaGetDevice(device); err != cudaSuccess)
+    return failure("cudaGetDevice", err);
+  return {};
+}
+
+}  // namespace probe_detail
+
+// The current device's facts.
+inline Status current_device_facts(DeviceFacts* facts) {
+  int device = 0;
+  FLARE_RETURN_IF_ERROR(probe_detail::current_device(&device));
+  std::lock_guard<std::mutex> lock(probe_detail::mutex());
+  auto& map = probe_detail::devices();
+  auto it = map.find(device);
+  if (it == map.end()) {
+    DeviceFacts f;
+    f.ordinal = device;
+    for (auto [value, attribute] :
+         {std::pair{&f.sms, cudaDevAttrMultiProcessorCount},
+          std::pair{&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
+          std::pair{&f.major, cudaDevAttrComputeCapabilityMajor},
+          std::pair{&f.minor, cudaDevAttrComputeCapabilityMinor}})
+      if (const cudaError_t err = cudaDeviceGetAttribute(value, attribute, device);
+          err != cudaSuccess)
+        return probe_detail::failure("cudaDeviceGetAttribute", err);
+    it = map.emplace(device, f).first;
+  }
+  *facts = it->second;
+  return {};
+}
+
+// The PTX version `kernel`'s code on the current device was compiled from (80 for sm_80 code or
+// compute_80 compiled just in time, 90 for sm_90a).
+inline Status kernel_ptx_version(const void* kernel, int* version) {
+  int device = 0;
+  FLARE_RETURN_IF_ERROR(probe_detail::current_device(&device));
+  std::lock_guard<std::mutex> lock(probe_detail::mutex());
+  probe_detail::KernelFacts* facts = nullptr;
+  FLARE_RETURN_IF_ERROR(probe_detail::kernel_facts(kernel, device, &facts));
+  *version = facts->ptx_version;
+  return {};
+}
+
+// Whether the current device runs `kernel`'s sm_90a code: an sm_90 device and a binary built with
+// sm_90a in CMAKE_CUDA_ARCHITECTURES (not sm_80 code run forward, which has no wgmma).
+inline bool runs_sm90a_code(const void* kernel) {
+  DeviceFacts device;
+  if (!current_device_facts(&device).ok() || device.major != 9 || device.minor != 0) return false;
+  std::lock_guard<std::mutex> lock(probe_detail::mutex());
+  probe_detail::KernelFacts* facts = nullptr;
+  if (!probe_detail::kernel_facts(kernel, device.ordinal, &facts).ok()) return false;
+  return facts->binary_version == 90;
+}
+
+// Lets `kernel` use `bytes` of dynamic shared memory on the current device (once per size).
+inline Status allow_dynamic_smem(const void* kernel, int bytes) {
+  int device = 0;
+  FLARE_RETURN_IF_ERROR(probe_detail::current_device(&device));
+  std::lock_guard<std::mutex> lock(probe_detail::mutex());
+  probe_detail::KernelFacts* facts = nullptr;
+  FLARE_RETURN_IF_ERROR(probe_detail::kernel_facts(kernel, device, &facts));
+  if (facts->smem_set == bytes) return {};
+  if (const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      err != cudaSuccess)
+    return probe_detail::failure(std::to_string(bytes) + " bytes of dynamic shared memory", err);
+  facts->smem_set = bytes;
+  return {};
+}
+
+}  // namespace flare::cuda
