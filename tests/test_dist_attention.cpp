@@ -1,0 +1,351 @@
+// test_dist_attention.cpp — context-parallel attention on in-process ranks against the float64
+// single-device reference, under the tolerance rule of docs/architecture.md (test_util.h).
+//
+// Each case builds one global problem, shards q, k, v and dout to the ranks, runs the forward and
+// backward on every rank at once (one thread per rank), gathers o, lse, dq, dk and dv back into
+// the global tensors (poisoned with NaN first: every element must be written) and checks them as
+// the single-device tests check a backend. Also: configs that disagree across ranks, local
+// tensors that do not fit the plan, a rank that never joins, and options not supported yet.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flare/dist.h"
+#include "test_dist_util.h"
+#include "test_util.h"
+
+namespace flare::test {
+namespace {
+
+using dist::Communicator;
+using dist::ContextParallelAttention;
+using dist::ContextParallelConfig;
+using dist::Strategy;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kTimeoutMs = 60000;  // a correct run never waits for it
+
+struct CpCase {
+  Strategy strategy = Strategy::kZigzag;
+  int world = 2;
+  bool causal = true;
+  int batch = 2;
+  int seqlen = 24;
+  int heads_q = 4;
+  int heads_kv = 2;
+  int head_dim = 64;
+  DType dtype = DType::kFloat32;
+  float softcap = 0.0f;
+  int64_t pad = 0;  // extra row stride of the local tensors
+};
+
+std::string describe(const CpCase& c) {
+  return ::testing::PrintToString(dist::strategy_name(c.strategy)) + " world=" +
+         std::to_string(c.world) + " causal=" + std::to_string(c.causal) +
+         " s=" + std::to_string(c.seqlen) + " b=" + std::to_string(c.batch) +
+         " h=" + std::to_string(c.heads_q) + "/" + std::to_string(c.heads_kv) +
+         " d=" + std::to_string(c.head_dim) + " " + dtype_name(c.dtype) +
+         " softcap=" + std::to_string(c.softcap) + " pad=" + std::to_string(c.pad);
+}
+
+ContextParallelConfig config_of(const CpCase& c) {
+  ContextParallelConfig cfg;
+  cfg.strategy = c.strategy;
+  cfg.batch = c.batch;
+  cfg.seqlen = c.seqlen;
+  cfg.heads_q = c.heads_q;
+  cfg.heads_kv = c.heads_kv;
+  cfg.head_dim = c.head_dim;
+  cfg.dtype = c.dtype;
+  cfg.attention.causal = c.causal;
+  cfg.attention.softcap = c.softcap;
+  return cfg;
+}
+
+// One rank's local tensors.
+struct Local {
+  HostTensor q, k, v, o, lse, dout, dq, dk, dv;
+};
+
+Local make_local(const CpCase& c, const Problem& pr, int rank) {
+  dist::SequenceShard sh;
+  EXPECT_TRUE(dist::sequence_shard(c.strategy, c.seqlen, c.world, rank, &sh).ok());
+  const int64_t s = sh.length;
+  auto qlike = [&] { return HostTensor::make_padded(c.dtype, {c.batch, s, c.heads_q, c.head_dim}, c.pad); };
+  auto kvlike = [&] { return HostTensor::make_padded(c.dtype, {c.batch, s, c.heads_kv, c.head_dim}, c.pad); };
+  Local l{qlike(), kvlike(), kvlike(), qlike(), HostTensor::make(DType::kFloat32, {c.batch, c.heads_q, s}),
+          qlike(), qlike(), kvlike(), kvlike()};
+  for (auto [full, local] : {std::pair{&pr.q, &l.q}, {&pr.k, &l.k}, {&pr.v, &l.v}, {&pr.dout, &l.dout}})
+    EXPECT_TRUE(dist::shard_sequence(full->view, 1, c.strategy, c.world, rank, local->view).ok());
+  for (HostTensor* t : {&l.o, &l.lse, &l.dq, &l.dk, &l.dv}) t->poison();
+  return l;
+}
+
+void run_case(const CpCase& c) {
+  SCOPED_TRACE(describe(c));
+  ProblemSpec spec;
+  spec.batch = c.batch;
+  spec.seqlen_q = spec.seqlen_k = c.seqlen;
+  spec.heads_q = c.heads_q;
+  spec.heads_kv = c.heads_kv;
+  spec.head_dim = c.head_dim;
+  spec.dtype = c.dtype;
+  spec.options.causal = c.causal;
+  spec.options.softcap = c.softcap;
+  spec.seed = test_seed();
+  Problem pr = make_problem(spec);
+
+  std::vector<Local> locals;
+  for (int r = 0; r < c.world; ++r) locals.push_back(make_local(c, pr, r));
+  auto comms = in_process_group(c.world, kTimeoutMs);
+  const auto t0 = Clock::now();
+  const std::vector<Status> st = run_ranks(comms, [&](Communicator& comm) -> Status {
+    std::unique_ptr<ContextParallelAttention> cp;
+    FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
+    Local& l = locals[comm.rank()];
+    FLARE_RETURN_IF_ERROR(cp->forward(l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view));
+    return cp->backward(l.dout.view, l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view,
+                        l.dq.view, l.dk.view, l.dv.view);
+  });
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  for (int r = 0; r < c.world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+  for (int r = 0; r < c.world; ++r) {
+    const Local& l = locals[r];
+    for (auto [local, full, dim] : {std::tuple{&l.o, &pr.o, 1}, {&l.lse, &pr.lse, 2}, {&l.dq, &pr.dq, 1},
+                                    {&l.dk, &pr.dk, 1}, {&l.dv, &pr.dv, 1}})
+      ASSERT_TRUE(dist::unshard_sequence(local->view, dim, c.strategy, c.world, r, full->view).ok());
+  }
+  expect_forward_matches(pr);
+  const AttentionParams bp = pr.backward_params();
+  const cpu::RefBackward ref = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
+  const cpu::RefBackward naive = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
+  expect_gradients_match(pr, bp, ref, naive);
+  ::testing::Test::RecordProperty("ring_ms", std::to_string(ms));
+}
+
+// ---- every strategy × rank count × mask, forward and backward ----------------------------------
+
+struct GridParam {
+  Strategy strategy;
+  int world;
+  bool causal;
+};
+
+class Grid : public ::testing::TestWithParam<GridParam> {};
+
+// Sequence lengths not divisible by the ranks (nor by 2·ranks): uneven chunks everywhere. GQA 4:2.
+TEST_P(Grid, MatchesSingleDeviceReference) {
+  CpCase c;
+  c.strategy = GetParam().strategy;
+  c.world = GetParam().world;
+  c.causal = GetParam().causal;
+  c.seqlen = 5 * c.world + 3;
+  run_case(c);
+}
+
+std::vector<GridParam> grid() {
+  std::vector<GridParam> g;
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+    for (int world : {2, 3, 4, 8})
+      for (bool causal : {false, true}) g.push_back({st, world, causal});
+  return g;
+}
+
+INSTANTIATE_TEST_SUITE_P(Dist, Grid, ::testing::ValuesIn(grid()),
+                         [](const ::testing::TestParamInfo<GridParam>& i) {
+                           return std::string(dist::strategy_name(i.param.strategy)) + "_" +
+                                  std::to_string(i.param.world) + "ranks_" +
+                                  (i.param.causal ? "causal" : "full");
+                         });
+
+// ---- features ----------------------------------------------------------------------------------
+
+TEST(ContextParallel, HeadDims) {
+  for (int d : {40, 80}) {
+    CpCase c;
+    c.world = 3;
+    c.head_dim = d;
+    c.seqlen = 20;
+    run_case(c);
+  }
+}
+
+TEST(ContextParallel, HalfPrecision) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat16})
+    for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+      CpCase c;
+      c.strategy = st;
+      c.world = 4;
+      c.dtype = dt;
+      c.seqlen = 40;
+      run_case(c);
+    }
+}
+
+TEST(ContextParallel, MultiQueryAttention) {
+  CpCase c;
+  c.world = 4;
+  c.heads_q = 8;
+  c.heads_kv = 1;
+  c.seqlen = 32;
+  c.head_dim = 40;
+  run_case(c);
+}
+
+TEST(ContextParallel, SoftcapAndStridedLocals) {
+  CpCase c;
+  c.world = 3;
+  c.softcap = 5.0f;
+  c.pad = 3;
+  c.dtype = DType::kBFloat16;
+  run_case(c);
+}
+
+// Fewer rows than chunks: some ranks hold nothing and some chunks are empty.
+TEST(ContextParallel, FewerRowsThanChunks) {
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+    CpCase c;
+    c.strategy = st;
+    c.world = 4;
+    c.seqlen = 5;
+    run_case(c);
+  }
+}
+
+TEST(ContextParallel, OneRank) {
+  CpCase c;
+  c.world = 1;
+  run_case(c);
+}
+
+// ---- errors ------------------------------------------------------------------------------------
+
+bool has(const Status& s, const std::string& text) {
+  return s.message().find(text) != std::string::npos;
+}
+
+TEST(ContextParallelErrors, ConfigsThatDisagreeFailOnEveryRank) {
+  auto comms = in_process_group(3, kTimeoutMs);
+  const std::vector<Status> st = run_ranks(comms, [](Communicator& comm) -> Status {
+    CpCase c;
+    c.world = 3;
+    ContextParallelConfig cfg = config_of(c);
+    if (comm.rank() == 2) cfg.heads_q = 8;
+    std::unique_ptr<ContextParallelAttention> cp;
+    return ContextParallelAttention::create(&comm, cfg, &cp);
+  });
+  for (const Status& s : st) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(has(s, "heads_q: rank 2 has 8, rank 0 has 4")) << s.message();
+  }
+}
+
+// A rank whose tensors do not fit the plan says why; the others, waiting for it in the ring, fail
+// at the timeout naming it.
+TEST(ContextParallelErrors, LocalShapeMismatch) {
+  const int timeout_ms = 300;
+  CpCase c;
+  c.world = 3;
+  ProblemSpec spec;
+  spec.batch = c.batch;
+  spec.seqlen_q = spec.seqlen_k = c.seqlen;
+  spec.heads_q = c.heads_q;
+  spec.heads_kv = c.heads_kv;
+  spec.head_dim = c.head_dim;
+  Problem pr = make_problem(spec);
+  std::vector<Local> locals;
+  for (int r = 0; r < c.world; ++r) locals.push_back(make_local(c, pr, r));
+  HostTensor short_q = HostTensor::make(c.dtype, {c.batch, 7, c.heads_q, c.head_dim});
+  auto comms = in_process_group(c.world, timeout_ms);
+  const auto t0 = Clock::now();
+  const std::vector<Status> st = run_ranks(comms, [&](Communicator& comm) -> Status {
+    std::unique_ptr<ContextParallelAttention> cp;
+    FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
+    Local& l = locals[comm.rank()];
+    const TensorView q = comm.rank() == 1 ? short_q.view : l.q.view;
+    return cp->forward(q, l.k.view, l.v.view, l.o.view, l.lse.view);
+  });
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  EXPECT_EQ(st[1].code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(has(st[1], "q: shape (2, 7, 4, 64) must be") && has(st[1], "(2, 8, 4, 64)"))
+      << st[1].message();
+  // Rank 2 receives from rank 1 in the ring; rank 0, from rank 2, which has failed by then.
+  EXPECT_EQ(st[2].code(), StatusCode::kDeviceError) << st[2].to_string();
+  EXPECT_TRUE(has(st[2], "from rank 1 within 300 ms")) << st[2].message();
+  EXPECT_EQ(st[0].code(), StatusCode::kDeviceError) << st[0].to_string();
+  EXPECT_LT(ms, 10.0 * timeout_ms);
+}
+
+// A rank that never joins: the others fail within the timeout, naming it.
+TEST(ContextParallelErrors, RankThatNeverJoins) {
+  const int timeout_ms = 250;
+  auto comms = in_process_group(4, timeout_ms);
+  const auto t0 = Clock::now();
+  const std::vector<Status> st = run_ranks(comms, [](Communicator& comm) -> Status {
+    if (comm.rank() == 3) return {};  // never calls in
+    CpCase c;
+    c.world = 4;
+    std::unique_ptr<ContextParallelAttention> cp;
+    return ContextParallelAttention::create(&comm, config_of(c), &cp);
+  });
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(st[r].code(), StatusCode::kDeviceError);
+    EXPECT_TRUE(has(st[r], "host_all_gather") && has(st[r], "rank 3") && has(st[r], "250 ms"))
+        << st[r].message();
+  }
+  EXPECT_GE(ms, 0.9 * timeout_ms);
+  EXPECT_LT(ms, timeout_ms + 3000.0);
+}
+
+TEST(ContextParallelErrors, UnsupportedOptionsAndBadConfigs) {
+  auto comms = in_process_group(1, kTimeoutMs);
+  auto create = [&](const ContextParallelConfig& cfg) {
+    std::unique_ptr<ContextParallelAttention> cp;
+    return ContextParallelAttention::create(comms[0].get(), cfg, &cp);
+  };
+  const ContextParallelConfig good = config_of(CpCase{});
+  ContextParallelConfig cfg = good;
+  cfg.attention.window_left = 4;
+  EXPECT_EQ(create(cfg).code(), StatusCode::kUnsupported);
+  EXPECT_TRUE(has(create(cfg), "sliding window")) << create(cfg).message();
+  cfg = good;
+  cfg.attention.dropout_p = 0.1f;
+  EXPECT_EQ(create(cfg).code(), StatusCode::kUnsupported);
+  float slopes[4] = {};
+  cfg = good;
+  cfg.attention.alibi_slopes = TensorView::contiguous(slopes, DType::kFloat32, {4});
+  EXPECT_TRUE(has(create(cfg), "ALiBi"));
+  cfg = good;
+  cfg.heads_kv = 3;
+  EXPECT_TRUE(has(create(cfg), "config.heads_kv")) << create(cfg).message();
+  cfg = good;
+  cfg.seqlen = 0;
+  EXPECT_TRUE(has(create(cfg), "config.seqlen")) << create(cfg).message();
+  cfg = good;
+  cfg.strategy = static_cast<Strategy>(7);
+  EXPECT_TRUE(has(create(cfg), "config.strategy")) << create(cfg).message();
+  std::unique_ptr<ContextParallelAttention> cp;
+  EXPECT_TRUE(has(ContextParallelAttention::create(nullptr, good, &cp), "comm"));
+  EXPECT_TRUE(create(good).ok());
+}
+
+TEST(ContextParallelErrors, WrongDtypeIsNamed) {
+  CpCase c;
+  c.world = 1;
+  auto comms = in_process_group(1, kTimeoutMs);
+  std::unique_ptr<ContextParallelAttention> cp;
+  ASSERT_TRUE(ContextParallelAttention::create(comms[0].get(), config_of(c), &cp).ok());
+  HostTensor q = HostTensor::make(DType::kBFloat16, {2, 24, 4, 64});
+  HostTensor k = HostTensor::make(DType::kFloat32, {2, 24, 2, 64});
+  HostTensor o = HostTensor::make(DType::kFloat32, {2, 24, 4, 64});
+  HostTensor lse = HostTensor::make(DType::kFloat32, {2, 4, 24});
+  const Status s = cp->forward(q.view, k.view, k.view, o.view, lse.view);
+  EXPECT_TRUE(has(s, "q: dtype bfloat16 differs from the plan's float32")) << s.message();
+}
+
+}  // namespace
+}  // namespace flare::test
