@@ -121,10 +121,11 @@ Status nccl_unique_id(NcclId* id);
 // polled against the timeout; one that does not finish in time aborts the communicator.
 Status make_nccl_communicator(const NcclId& id, int rank, int size, int device,
                               const CommOptions& options, std::unique_ptr<Communicator>* comm);
-// Wraps a caller's ncclComm_t (passed as void*). With take_ownership it is destroyed (or aborted
-// after a failure) with the wrapper; otherwise the caller keeps it. A blocking communicator's
-// operations cannot be interrupted: only a non-blocking one (ncclConfig_t blocking = 0) gets the
-// timeout's abort.
+// Wraps a caller's ncclComm_t (passed as void*). With take_ownership it is destroyed with the
+// wrapper; otherwise the caller keeps it. Either way a timeout aborts it (ncclCommAbort frees it:
+// the caller must not use or destroy it after health() reports a failure). A blocking
+// communicator's calls cannot be interrupted: only a non-blocking one (ncclConfig_t blocking = 0)
+// is bounded by the timeout in every case.
 Status adopt_nccl_communicator(void* nccl_comm, bool take_ownership, const CommOptions& options,
                                std::unique_ptr<Communicator>* comm);
 
