@@ -54,16 +54,20 @@ install(FILES ${PROJECT_BINARY_DIR}/package/flareConfig.cmake
 
 # ---- pkg-config -------------------------------------------------------------------------------
 # What a plain compiler driver needs besides -lflare. The static library brings its own
-# dependencies: OpenMP (the flag, which links the runtime), threads, and the C++ runtime libraries
-# the C++ driver adds and the C driver does not (libstdc++ and libm with GCC), so that `cc` can
-# link a C program. The shared library has them recorded already. The CUDA runtime is a public
-# dependency either way.
+# dependencies: OpenMP (the flag, which links the runtime), threads, NCCL where the NCCL
+# communicator is built, and the C++ runtime libraries the C++ driver adds and the C driver does
+# not (libstdc++ and libm with GCC), so that `cc` can link a C program. The shared library has
+# them recorded already. The CUDA runtime is a public dependency either way.
 set(FLARE_PC_CFLAGS "")
 set(FLARE_PC_LIBS "")
 if(FLARE_PACKAGE_STATIC)
   string(APPEND FLARE_PC_LIBS " ${OpenMP_CXX_FLAGS}")
   if(CMAKE_THREAD_LIBS_INIT)
     string(APPEND FLARE_PC_LIBS " ${CMAKE_THREAD_LIBS_INIT}")
+  endif()
+  if(FLARE_WITH_NCCL)
+    get_filename_component(nccl_dir ${FLARE_NCCL_LIBRARY} DIRECTORY)
+    string(APPEND FLARE_PC_LIBS " -L${nccl_dir} -lnccl")
   endif()
   foreach(lib IN LISTS CMAKE_CXX_IMPLICIT_LINK_LIBRARIES)
     if(NOT lib IN_LIST CMAKE_C_IMPLICIT_LINK_LIBRARIES)
