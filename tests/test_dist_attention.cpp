@@ -39,6 +39,7 @@ struct CpCase {
   int head_dim = 64;
   DType dtype = DType::kFloat32;
   float softcap = 0.0f;
+  int window_left = -1, window_right = -1;
   int64_t pad = 0;  // extra row stride of the local tensors
 };
 
@@ -48,7 +49,19 @@ std::string describe(const CpCase& c) {
          " s=" + std::to_string(c.seqlen) + " b=" + std::to_string(c.batch) +
          " h=" + std::to_string(c.heads_q) + "/" + std::to_string(c.heads_kv) +
          " d=" + std::to_string(c.head_dim) + " " + dtype_name(c.dtype) +
-         " softcap=" + std::to_string(c.softcap) + " pad=" + std::to_string(c.pad);
+         " softcap=" + std::to_string(c.softcap) + " window=(" + std::to_string(c.window_left) +
+         "," + std::to_string(c.window_right) + ") pad=" + std::to_string(c.pad);
+}
+
+// `c` under strategy st; all-to-all hands out whole heads, so it gets 2:1 GQA with as many K/V
+// heads as ranks.
+CpCase with_strategy(CpCase c, Strategy st) {
+  c.strategy = st;
+  if (st == Strategy::kAllToAll) {
+    c.heads_q = 2 * c.world;
+    c.heads_kv = c.world;
+  }
+  return c;
 }
 
 ContextParallelConfig config_of(const CpCase& c) {
@@ -62,6 +75,8 @@ ContextParallelConfig config_of(const CpCase& c) {
   cfg.dtype = c.dtype;
   cfg.attention.causal = c.causal;
   cfg.attention.softcap = c.softcap;
+  cfg.attention.window_left = c.window_left;
+  cfg.attention.window_right = c.window_right;
   return cfg;
 }
 
@@ -95,6 +110,8 @@ void run_case(const CpCase& c) {
   spec.dtype = c.dtype;
   spec.options.causal = c.causal;
   spec.options.softcap = c.softcap;
+  spec.options.window_left = c.window_left;
+  spec.options.window_right = c.window_right;
   spec.seed = test_seed();
   Problem pr = make_problem(spec);
 
@@ -136,19 +153,19 @@ struct GridParam {
 
 class Grid : public ::testing::TestWithParam<GridParam> {};
 
-// Sequence lengths not divisible by the ranks (nor by 2·ranks): uneven chunks everywhere. GQA 4:2.
+// Sequence lengths not divisible by the ranks (nor by 2·ranks): uneven chunks everywhere. GQA
+// 2:1 (all-to-all: as many K/V heads as ranks, since each rank takes whole heads).
 TEST_P(Grid, MatchesSingleDeviceReference) {
   CpCase c;
-  c.strategy = GetParam().strategy;
   c.world = GetParam().world;
   c.causal = GetParam().causal;
   c.seqlen = 5 * c.world + 3;
-  run_case(c);
+  run_case(with_strategy(c, GetParam().strategy));
 }
 
 std::vector<GridParam> grid() {
   std::vector<GridParam> g;
-  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag, Strategy::kAllToAll})
     for (int world : {2, 3, 4, 8})
       for (bool causal : {false, true}) g.push_back({st, world, causal});
   return g;
@@ -156,7 +173,9 @@ std::vector<GridParam> grid() {
 
 INSTANTIATE_TEST_SUITE_P(Dist, Grid, ::testing::ValuesIn(grid()),
                          [](const ::testing::TestParamInfo<GridParam>& i) {
-                           return std::string(dist::strategy_name(i.param.strategy)) + "_" +
+                           std::string name = dist::strategy_name(i.param.strategy);
+                           if (i.param.strategy == Strategy::kAllToAll) name = "alltoall";
+                           return name + "_" +
                                   std::to_string(i.param.world) + "ranks_" +
                                   (i.param.causal ? "causal" : "full");
                          });
@@ -175,13 +194,12 @@ TEST(ContextParallel, HeadDims) {
 
 TEST(ContextParallel, HalfPrecision) {
   for (DType dt : {DType::kBFloat16, DType::kFloat16})
-    for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+    for (Strategy st : {Strategy::kRing, Strategy::kZigzag, Strategy::kAllToAll}) {
       CpCase c;
-      c.strategy = st;
       c.world = 4;
       c.dtype = dt;
       c.seqlen = 40;
-      run_case(c);
+      run_case(with_strategy(c, st));
     }
 }
 
@@ -204,14 +222,29 @@ TEST(ContextParallel, SoftcapAndStridedLocals) {
   run_case(c);
 }
 
+// All-to-all runs one call over the whole sequence, so windows are the single-device ones.
+TEST(ContextParallel, AllToAllSlidingWindowAndMqaHeads) {
+  CpCase c;
+  c.strategy = Strategy::kAllToAll;
+  c.world = 2;
+  c.seqlen = 33;
+  c.window_left = 5;
+  c.window_right = 2;
+  c.causal = false;
+  run_case(c);
+  c.window_right = -1;
+  c.causal = true;
+  c.heads_q = 8;
+  run_case(c);
+}
+
 // Fewer rows than chunks: some ranks hold nothing and some chunks are empty.
 TEST(ContextParallel, FewerRowsThanChunks) {
-  for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag, Strategy::kAllToAll}) {
     CpCase c;
-    c.strategy = st;
     c.world = 4;
     c.seqlen = 5;
-    run_case(c);
+    run_case(with_strategy(c, st));
   }
 }
 
@@ -320,6 +353,10 @@ TEST(ContextParallelErrors, UnsupportedOptionsAndBadConfigs) {
   cfg.attention.alibi_slopes = TensorView::contiguous(slopes, DType::kFloat32, {4});
   EXPECT_TRUE(has(create(cfg), "ALiBi"));
   cfg = good;
+  cfg.attention.window_left = 4;
+  cfg.strategy = Strategy::kAllToAll;
+  EXPECT_TRUE(create(cfg).ok()) << create(cfg).to_string();
+  cfg = good;
   cfg.heads_kv = 3;
   EXPECT_TRUE(has(create(cfg), "config.heads_kv")) << create(cfg).message();
   cfg = good;
@@ -331,6 +368,25 @@ TEST(ContextParallelErrors, UnsupportedOptionsAndBadConfigs) {
   std::unique_ptr<ContextParallelAttention> cp;
   EXPECT_TRUE(has(ContextParallelAttention::create(nullptr, good, &cp), "comm"));
   EXPECT_TRUE(create(good).ok());
+}
+
+// All-to-all hands out whole heads: K/V heads that do not divide among the ranks are refused, not
+// copied.
+TEST(ContextParallelErrors, AllToAllNeedsHeadsDivisibleByRanks) {
+  auto comms = in_process_group(4, kTimeoutMs);
+  const std::vector<Status> st = run_ranks(comms, [](Communicator& comm) -> Status {
+    CpCase c;
+    c.strategy = Strategy::kAllToAll;
+    c.world = 4;
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    std::unique_ptr<ContextParallelAttention> cp;
+    return ContextParallelAttention::create(&comm, config_of(c), &cp);
+  });
+  for (const Status& s : st) {
+    EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+    EXPECT_TRUE(has(s, "heads_kv = 2 to be multiples of 4")) << s.message();
+  }
 }
 
 TEST(ContextParallelErrors, WrongDtypeIsNamed) {

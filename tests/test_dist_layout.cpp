@@ -29,7 +29,7 @@ SequenceShard shard_of(Strategy st, int64_t s, int n, int r) {
 // Every global row is held by exactly one rank, local rows are numbered densely in chunk order,
 // and chunk lengths differ by at most one.
 TEST(SequenceShard, EveryRowOnceChunksEven) {
-  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag, Strategy::kAllToAll})
     for (int n = 1; n <= 8; ++n)
       for (int64_t s : {0, 1, 5, 7, 16, 33, 64, 101}) {
         SCOPED_TRACE(::testing::Message() << dist::strategy_name(st) << " n=" << n << " s=" << s);
@@ -37,7 +37,7 @@ TEST(SequenceShard, EveryRowOnceChunksEven) {
         int64_t min_len = s, max_len = 0;
         for (int r = 0; r < n; ++r) {
           const SequenceShard sh = shard_of(st, s, n, r);
-          ASSERT_EQ(sh.count, st == Strategy::kRing ? 1 : 2);
+          ASSERT_EQ(sh.count, st == Strategy::kZigzag ? 2 : 1);
           int64_t local = 0;
           for (int c = 0; c < sh.count; ++c) {
             EXPECT_EQ(sh.chunk[c].local_begin, local);

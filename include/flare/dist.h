@@ -8,9 +8,10 @@
 //      runs and is tested on the CPU) and NCCL (GPUs; built when CUDA and NCCL are found).
 //   2. Sequence layout: which global rows each rank holds (contiguous chunks, or the zigzag layout
 //      that balances causal work), as pure index functions, plus shard / unshard copies.
-//   3. ContextParallelAttention: forward and backward over a communicator. K/V blocks travel
-//      around the ring while each rank attends its queries to the block it holds; partial (O, LSE)
-//      pairs are merged in fp32; the backward sends dK/dV back to their owners, dQ stays local.
+//   3. ContextParallelAttention: forward and backward over a communicator. Ring and zigzag: K/V
+//      blocks travel around the ring while each rank attends its queries to the block it holds;
+//      partial (O, LSE) pairs are merged in fp32; the backward sends dK/dV back to their owners,
+//      dQ stays local. All-to-all: ranks trade sequence rows for heads and back.
 // docs/context-parallel.md describes the design, the launch (mpirun, torchrun) and what is missing.
 //
 // Local tensors have the single-device layout of attention.h with the sequence dimension holding
@@ -166,6 +167,11 @@ enum class Strategy : int {
   // The sequence is cut into 2·size chunks and rank r holds chunks r and 2·size−1−r, so that
   // under a causal mask every rank does the same work (ranks differ by at most a row).
   kZigzag = 1,
+  // Head-parallel (Ulysses-style): rows laid out as kRing, then one all-to-all gives each rank
+  // every row of heads_q/size query heads and heads_kv/size K/V heads (both must divide), a
+  // single-device call runs over the whole sequence, and a second all-to-all returns the rows.
+  // No merge; sliding windows work as on one device.
+  kAllToAll = 2,
 };
 const char* strategy_name(Strategy strategy);
 
@@ -176,7 +182,7 @@ struct SequenceChunk {
   int64_t length = 0;
 };
 
-// The rows a rank holds, in local order: chunk[0] then chunk[1] (kRing uses one chunk). Chunk
+// The rows a rank holds, in local order: chunk[0] then chunk[1] (kRing and kAllToAll use one). Chunk
 // lengths differ by at most one row: a sequence of s rows cut into c chunks gives the first
 // s mod c chunks ⌈s/c⌉ rows and the rest ⌊s/c⌋ (no padding; chunks may be empty when s < c).
 struct SequenceShard {
@@ -205,9 +211,10 @@ struct ContextParallelConfig {
   int heads_kv = 0;    // divides heads_q (GQA/MQA: K/V travel with heads_kv heads, never expanded)
   int head_dim = 0;
   DType dtype = DType::kBFloat16;
-  // causal, softmax_scale, softcap, deterministic and backend are honoured. Sliding windows,
-  // ALiBi and dropout need the global position of each block, which the single-device API cannot
-  // take yet: they are refused (kUnsupported).
+  // causal, softmax_scale, softcap, deterministic and backend are honoured, and sliding windows
+  // under kAllToAll. The ring strategies would need each block's global position for windows,
+  // and every strategy for ALiBi and dropout, which the single-device API cannot take yet: those
+  // are refused (kUnsupported).
   AttentionOptions attention;
 };
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/backends.h"
+#include "dist/all_to_all_attention.h"
 #include "dist/dist_internal.h"
 #include "dist/ring_attention.h"
 #include "flare/dist.h"
@@ -20,15 +21,15 @@ namespace flare::dist {
 
 struct ContextParallelAttention::State {
   ContextParallelConfig config;
-  RingContext ring;
+  CpContext ring;  // the plan and scratch of every strategy
 };
 
 namespace {
 
 // The config as fixed-size data, to gather from every rank and compare.
 struct WireConfig {
-  int32_t size, strategy, batch, heads_q, heads_kv, head_dim, dtype, causal, deterministic,
-      backend;
+  int32_t size, strategy, batch, heads_q, heads_kv, head_dim, dtype, causal, window_left,
+      window_right, deterministic, backend;
   int64_t seqlen;
   float softmax_scale, softcap;
 };
@@ -44,6 +45,8 @@ WireConfig wire(const ContextParallelConfig& c, int size) {
   w.head_dim = c.head_dim;
   w.dtype = static_cast<int32_t>(c.dtype);
   w.causal = c.attention.causal;
+  w.window_left = c.attention.window_left;
+  w.window_right = c.attention.window_right;
   w.deterministic = c.attention.deterministic;
   w.backend = static_cast<int32_t>(c.attention.backend);
   w.seqlen = c.seqlen;
@@ -68,6 +71,8 @@ Status compare(const WireConfig& mine, const WireConfig& theirs, int me, int oth
   FLARE_DIST_COMPARE(head_dim)
   FLARE_DIST_COMPARE(dtype)
   FLARE_DIST_COMPARE(causal)
+  FLARE_DIST_COMPARE(window_left)
+  FLARE_DIST_COMPARE(window_right)
   FLARE_DIST_COMPARE(softmax_scale)
   FLARE_DIST_COMPARE(softcap)
   FLARE_DIST_COMPARE(deterministic)
@@ -77,9 +82,10 @@ Status compare(const WireConfig& mine, const WireConfig& theirs, int me, int oth
 }
 
 Status check_config(const ContextParallelConfig& c) {
-  if (c.strategy != Strategy::kRing && c.strategy != Strategy::kZigzag)
+  if (c.strategy != Strategy::kRing && c.strategy != Strategy::kZigzag &&
+      c.strategy != Strategy::kAllToAll)
     return invalid("config.strategy: unknown value ", static_cast<int>(c.strategy),
-                   "; must be ring (0) or zigzag (1)");
+                   "; must be ring (0), zigzag (1) or all-to-all (2)");
   if (c.batch < 1) return invalid("config.batch: ", c.batch, " must be >= 1");
   if (c.seqlen < 1) return invalid("config.seqlen: ", c.seqlen, " must be >= 1");
   if (c.heads_q < 1) return invalid("config.heads_q: ", c.heads_q, " must be >= 1");
@@ -93,9 +99,11 @@ Status check_config(const ContextParallelConfig& c) {
   const AttentionOptions& a = c.attention;
   // A block's mask is bottom-right aligned within the block; these features would need each
   // block's global position, which attention_forward cannot take (docs/context-parallel.md).
-  if (a.window_left != -1 || a.window_right != -1)
+  // All-to-all calls attention over the whole sequence, so its windows are the single-device ones.
+  if ((a.window_left != -1 || a.window_right != -1) && c.strategy != Strategy::kAllToAll)
     return Status::unsupported(cat("config.attention: a sliding window (", a.window_left, ", ",
-                                   a.window_right, ") is not supported by context parallelism yet"));
+                                   a.window_right, ") is not supported by the ",
+                                   strategy_name(c.strategy), " strategy yet (all-to-all has it)"));
   if (a.alibi_slopes.defined())
     return Status::unsupported("config.attention: ALiBi is not supported by context parallelism yet");
   if (a.dropout_p != 0.0f)
@@ -185,8 +193,15 @@ Status ContextParallelAttention::create(Communicator* comm, const ContextParalle
         " communicator (device memory) is not built yet: the ring runs on host memory, with the "
         "in-process communicator (docs/context-parallel.md)"));
 
-  // Agreement: every rank sees every config and fails alike on the first difference.
   const int n = comm->size();
+  if (config.strategy == Strategy::kAllToAll &&
+      (config.heads_q % n != 0 || config.heads_kv % n != 0))
+    return Status::unsupported(cat(
+        "config: all-to-all over ", n, " ranks needs heads_q = ", config.heads_q,
+        " and heads_kv = ", config.heads_kv, " to be multiples of ", n,
+        " (each rank takes whole heads, and K/V heads are never copied); use ring or zigzag"));
+
+  // Agreement: every rank sees every config and fails alike on the first difference.
   const WireConfig mine = wire(config, n);
   std::vector<WireConfig> all(static_cast<size_t>(n));
   FLARE_RETURN_IF_ERROR(comm->host_all_gather(&mine, all.data(), sizeof(WireConfig)));
@@ -194,7 +209,7 @@ Status ContextParallelAttention::create(Communicator* comm, const ContextParalle
 
   auto st = std::make_unique<State>();
   st->config = config;
-  RingContext& ring = st->ring;
+  CpContext& ring = st->ring;
   ring.comm = comm;
   ring.shards.resize(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r)
@@ -205,7 +220,9 @@ Status ContextParallelAttention::create(Communicator* comm, const ContextParalle
   ring.head_dim = config.head_dim;
   ring.dtype = config.dtype;
   ring.causal = config.attention.causal;
-  ring.block_options = ring_block_options(config);
+  // The ring sets the mask per block call; all-to-all makes one call with the caller's options.
+  ring.block_options =
+      config.strategy == Strategy::kAllToAll ? config.attention : ring_block_options(config);
   out->reset(new ContextParallelAttention(std::move(st)));
   return {};
 }
@@ -219,6 +236,8 @@ Status ContextParallelAttention::forward(const TensorView& q, const TensorView& 
   FLARE_RETURN_IF_ERROR(check_locals(st, comm, {{&q, "q"}, {&o, "o"}}, {{&k, "k"}, {&v, "v"}}, lse));
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(make_forward_params(q, k, v, o, lse, st.config.attention, {}, &p));
+  if (st.config.strategy == Strategy::kAllToAll)
+    return all_to_all_attention_forward(st.ring, q, k, v, o, lse, stream);
   return ring_attention_forward(st.ring, q, k, v, o, lse, stream);
 }
 
@@ -236,6 +255,8 @@ Status ContextParallelAttention::backward(const TensorView& dout, const TensorVi
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(
       make_backward_params(dout, q, k, v, o, lse, dq, dk, dv, st.config.attention, {}, &p));
+  if (st.config.strategy == Strategy::kAllToAll)
+    return all_to_all_attention_backward(st.ring, dout, q, k, v, o, lse, dq, dk, dv, stream);
   return ring_attention_backward(st.ring, dout, q, k, v, o, lse, dq, dk, dv, stream);
 }
 

@@ -24,6 +24,7 @@ const char* strategy_name(Strategy strategy) {
   switch (strategy) {
     case Strategy::kRing: return "ring";
     case Strategy::kZigzag: return "zigzag";
+    case Strategy::kAllToAll: return "all-to-all";
   }
   return "unknown";
 }
@@ -31,14 +32,15 @@ const char* strategy_name(Strategy strategy) {
 Status sequence_shard(Strategy strategy, int64_t seqlen, int size, int rank,
                       SequenceShard* shard) {
   if (shard == nullptr) return invalid("sequence_shard: shard is null");
-  if (strategy != Strategy::kRing && strategy != Strategy::kZigzag)
+  if (strategy != Strategy::kRing && strategy != Strategy::kZigzag &&
+      strategy != Strategy::kAllToAll)
     return invalid("strategy: unknown value ", static_cast<int>(strategy),
-                   "; must be ring (0) or zigzag (1)");
+                   "; must be ring (0), zigzag (1) or all-to-all (2)");
   if (seqlen < 0) return invalid("seqlen: ", seqlen, " must be >= 0");
   if (size < 1) return invalid("size: ", size, " must be >= 1");
   if (rank < 0 || rank >= size) return invalid("rank: ", rank, " must be in [0, ", size, ")");
   SequenceShard s;
-  if (strategy == Strategy::kRing) {
+  if (strategy != Strategy::kZigzag) {
     s.count = 1;
     cut(seqlen, size, rank, &s.chunk[0].global_begin, &s.chunk[0].length);
   } else {

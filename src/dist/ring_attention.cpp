@@ -38,21 +38,6 @@
 namespace flare::dist {
 namespace {
 
-// Rows [begin, begin + len) of dimension seq_dim.
-TensorView rows(const TensorView& t, int seq_dim, int64_t begin, int64_t len) {
-  TensorView r = t;
-  r.data = static_cast<unsigned char*>(t.data) +
-           begin * t.stride[seq_dim] * static_cast<int64_t>(dtype_size(t.dtype));
-  r.shape[seq_dim] = len;
-  return r;
-}
-
-template <typename T = unsigned char>
-T* grow(std::vector<unsigned char>& buffer, int64_t bytes) {
-  if (buffer.size() < static_cast<size_t>(bytes)) buffer.resize(static_cast<size_t>(bytes));
-  return reinterpret_cast<T*>(buffer.data());
-}
-
 // Sizes of the problem at this rank.
 struct Dims {
   int64_t b, hq, hkv, d, s_local, s_max;
@@ -64,7 +49,7 @@ struct Dims {
   }
 };
 
-Dims dims_of(const RingContext& ctx) {
+Dims dims_of(const CpContext& ctx) {
   Dims m{ctx.batch, ctx.heads_q, ctx.heads_kv, ctx.head_dim, 0, 0, ctx.dtype};
   m.s_local = ctx.shards[ctx.comm->rank()].length;
   for (const SequenceShard& s : ctx.shards) m.s_max = std::max(m.s_max, s.length);
@@ -87,7 +72,7 @@ KvBlock dense_block(unsigned char* base, const Dims& m, int64_t len) {
 
 // This rank's own block as dense views: the user's tensors when they are dense already (nothing
 // copied), else a packed copy to send from.
-KvBlock local_block(RingContext& ctx, const Dims& m, const TensorView& k, const TensorView& v) {
+KvBlock local_block(CpContext& ctx, const Dims& m, const TensorView& k, const TensorView& v) {
   if (k.is_contiguous() && v.is_contiguous()) return {k, v, m.s_local};
   KvBlock blk = dense_block(grow(ctx.scratch.kv_send, 2 * m.kv_bytes(m.s_max)), m, m.s_local);
   copy_rows(k, 0, blk.k, 0, m.s_local, 1);
@@ -109,13 +94,13 @@ Status pass_block(Communicator& comm, const KvBlock& held, const KvBlock& incomi
 }
 
 // The block this rank receives at step `step` (held at step + 1), in receive buffer step % 2.
-KvBlock incoming_block(RingContext& ctx, const Dims& m, int step) {
+KvBlock incoming_block(CpContext& ctx, const Dims& m, int step) {
   const int n = ctx.comm->size(), owner = ((ctx.comm->rank() - step - 1) % n + n) % n;
   return dense_block(grow(ctx.scratch.kv_recv[step % 2], 2 * m.kv_bytes(m.s_max)), m,
                      ctx.shards[owner].length);
 }
 
-AttentionOptions block_options(const RingContext& ctx, const BlockTask& t) {
+AttentionOptions block_options(const CpContext& ctx, const BlockTask& t) {
   AttentionOptions o = ctx.block_options;
   o.causal = t.causal;
   return o;
@@ -163,13 +148,13 @@ void store_rows(const float* acc, const TensorView& out) {
 
 }  // namespace
 
-Status ring_attention_forward(RingContext& ctx, const TensorView& q, const TensorView& k,
+Status ring_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
                               const TensorView& v, const TensorView& o, const TensorView& lse,
                               Stream stream) {
   Communicator& comm = *ctx.comm;
   const int n = comm.size(), r = comm.rank();
   const Dims m = dims_of(ctx);
-  RingScratch& sc = ctx.scratch;
+  CpScratch& sc = ctx.scratch;
   float* o_acc = grow<float>(sc.o_acc, m.q_elems(m.s_local) * 4);
   float* lse_acc = grow<float>(sc.lse_acc, m.b * m.hq * m.s_local * 4);
   std::fill(o_acc, o_acc + m.q_elems(m.s_local), 0.0f);
@@ -201,14 +186,14 @@ Status ring_attention_forward(RingContext& ctx, const TensorView& q, const Tenso
   return {};
 }
 
-Status ring_attention_backward(RingContext& ctx, const TensorView& dout, const TensorView& q,
+Status ring_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
                                const TensorView& k, const TensorView& v, const TensorView& o,
                                const TensorView& lse, const TensorView& dq, const TensorView& dk,
                                const TensorView& dv, Stream stream) {
   Communicator& comm = *ctx.comm;
   const int n = comm.size(), r = comm.rank();
   const Dims m = dims_of(ctx);
-  RingScratch& sc = ctx.scratch;
+  CpScratch& sc = ctx.scratch;
   const int64_t el = static_cast<int64_t>(dtype_size(m.dtype));
   float* dq_acc = grow<float>(sc.dq_acc, m.q_elems(m.s_local) * 4);
   std::fill(dq_acc, dq_acc + m.q_elems(m.s_local), 0.0f);
