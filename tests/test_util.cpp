@@ -233,25 +233,40 @@ namespace {
 
 }  // namespace
 
-void expect_gradients_match(const Problem& pr, const AttentionParams& bp,
-                            const cpu::RefBackward& ref, const cpu::RefBackward& naive) {
-  const DType dtype = pr.spec.dtype;
+namespace {
+
+// Largest magnitudes of the inputs that scale a gradient's fp32 noise (expect_gradients_match).
+struct GradientScales {
+  double dout, v, k, q;
+};
+
+void check_gradients(const cpu::RefBackward& fast, const cpu::RefBackward& ref,
+                     const cpu::RefBackward& naive, const AttentionParams& bp, DType dtype,
+                     const GradientScales& in) {
   const int64_t n = reduction_length(bp);
   const double d = bp.head_dim;
-  const double ds_bound = 2.0 * d * d * std::ldexp(1.0, -24) * max_abs(pr.read_packed(pr.dout)) *
-                          max_abs(pr.read_packed(pr.v)) * bp.dropout_scale;
+  const double ds_bound = 2.0 * d * d * std::ldexp(1.0, -24) * in.dout * in.v * bp.dropout_scale;
   const double terms = static_cast<double>(std::max<int64_t>(int64_t{bp.seqlen_q} * bp.head_group, bp.seqlen_k));
-  const double dq_noise = terms * bp.scale * ds_bound * max_abs(pr.read_packed(pr.k));
-  const double dk_noise = terms * bp.scale * ds_bound * max_abs(pr.read_packed(pr.q));
+  const double dq_noise = terms * bp.scale * ds_bound * in.k;
+  const double dk_noise = terms * bp.scale * ds_bound * in.q;
   if (max_abs(ref.dq) <= dq_noise)
-    EXPECT_TRUE(within_zero_gradient_bound("dQ", pr.read_dq(), ref.dq, dq_noise, dtype));
+    EXPECT_TRUE(within_zero_gradient_bound("dQ", fast.dq, ref.dq, dq_noise, dtype));
   else
-    EXPECT_TRUE(within_tolerance("dQ", pr.read_dq(), ref.dq, naive.dq, dtype, n));
+    EXPECT_TRUE(within_tolerance("dQ", fast.dq, ref.dq, naive.dq, dtype, n));
   if (max_abs(ref.dk) <= dk_noise)
-    EXPECT_TRUE(within_zero_gradient_bound("dK", pr.read_dk(), ref.dk, dk_noise, dtype));
+    EXPECT_TRUE(within_zero_gradient_bound("dK", fast.dk, ref.dk, dk_noise, dtype));
   else
-    EXPECT_TRUE(within_tolerance("dK", pr.read_dk(), ref.dk, naive.dk, dtype, n));
-  EXPECT_TRUE(within_tolerance("dV", pr.read_dv(), ref.dv, naive.dv, dtype, n));
+    EXPECT_TRUE(within_tolerance("dK", fast.dk, ref.dk, naive.dk, dtype, n));
+  EXPECT_TRUE(within_tolerance("dV", fast.dv, ref.dv, naive.dv, dtype, n));
+}
+
+}  // namespace
+
+void expect_gradients_match(const Problem& pr, const AttentionParams& bp,
+                            const cpu::RefBackward& ref, const cpu::RefBackward& naive) {
+  check_gradients({pr.read_dq(), pr.read_dk(), pr.read_dv()}, ref, naive, bp, pr.spec.dtype,
+                  {max_abs(pr.read_packed(pr.dout)), max_abs(pr.read_packed(pr.v)),
+                   max_abs(pr.read_packed(pr.k)), max_abs(pr.read_packed(pr.q))});
 }
 
 void expect_forward_matches(const Problem& pr) {
@@ -278,6 +293,87 @@ void check_against_reference(const ProblemSpec& spec, bool backward) {
   const cpu::RefBackward rb = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
   const cpu::RefBackward nb = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
   expect_gradients_match(pr, bp, rb, nb);
+}
+
+// ---- inputs holding NaN or ±Inf -----------------------------------------------------------------
+
+double max_abs_finite(const std::vector<double>& x) {
+  double m = 0;
+  for (double e : x)
+    if (std::isfinite(e)) m = std::max(m, std::fabs(e));
+  return m;
+}
+
+::testing::AssertionResult same_nonfinite_pattern(const std::string& name,
+                                                  const std::vector<double>& fast,
+                                                  const std::vector<double>& ref) {
+  if (fast.size() != ref.size())
+    return ::testing::AssertionFailure() << name << ": size mismatch " << fast.size() << " vs "
+                                         << ref.size();
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const bool same = std::isnan(ref[i]) ? std::isnan(fast[i])
+                      : std::isinf(ref[i]) ? fast[i] == ref[i]
+                                           : std::isfinite(fast[i]);
+    if (!same)
+      return ::testing::AssertionFailure()
+             << name << "[" << i << "] = " << fast[i] << " where the reference has " << ref[i]
+             << " (seed " << test_seed() << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+namespace {
+
+// fast, ref and naive where ref is finite; 0 in all three elsewhere (same_nonfinite_pattern has
+// checked those entries). Where the naive kernel alone is not finite it carries no error budget:
+// naive = ref there.
+struct FinitePart {
+  std::vector<double> fast, ref, naive;
+};
+
+FinitePart finite_part(const std::vector<double>& fast, const std::vector<double>& ref,
+                       const std::vector<double>& naive) {
+  FinitePart f{fast, ref, naive};
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(ref[i])) {
+      f.fast[i] = f.ref[i] = f.naive[i] = 0.0;
+    } else if (!std::isfinite(naive[i])) {
+      f.naive[i] = ref[i];
+    }
+  }
+  return f;
+}
+
+}  // namespace
+
+void expect_forward_matches_nonfinite(const Problem& pr) {
+  const AttentionParams fp = pr.forward_params();
+  const cpu::RefForward ref = cpu::reference_forward(fp, cpu::RefPrecision::kFloat64);
+  const cpu::RefForward naive = cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision);
+  const int64_t n = reduction_length(fp);
+  const std::vector<double> o = pr.read_o(), lse = pr.read_lse();
+  EXPECT_TRUE(same_nonfinite_pattern("O", o, ref.o));
+  EXPECT_TRUE(same_nonfinite_pattern("LSE", lse, ref.lse));
+  const FinitePart fo = finite_part(o, ref.o, naive.o);
+  const FinitePart fl = finite_part(lse, ref.lse, naive.lse);
+  EXPECT_TRUE(within_tolerance("O", fo.fast, fo.ref, fo.naive, pr.spec.dtype, n));
+  EXPECT_TRUE(within_tolerance("LSE", fl.fast, fl.ref, fl.naive, DType::kFloat32, n));
+}
+
+void expect_gradients_match_nonfinite(const Problem& pr, const AttentionParams& bp,
+                                      const cpu::RefBackward& ref,
+                                      const cpu::RefBackward& naive) {
+  const cpu::RefBackward fast{pr.read_dq(), pr.read_dk(), pr.read_dv()};
+  EXPECT_TRUE(same_nonfinite_pattern("dQ", fast.dq, ref.dq));
+  EXPECT_TRUE(same_nonfinite_pattern("dK", fast.dk, ref.dk));
+  EXPECT_TRUE(same_nonfinite_pattern("dV", fast.dv, ref.dv));
+  const FinitePart dq = finite_part(fast.dq, ref.dq, naive.dq);
+  const FinitePart dk = finite_part(fast.dk, ref.dk, naive.dk);
+  const FinitePart dv = finite_part(fast.dv, ref.dv, naive.dv);
+  check_gradients({dq.fast, dk.fast, dv.fast}, {dq.ref, dk.ref, dv.ref},
+                  {dq.naive, dk.naive, dv.naive}, bp, pr.spec.dtype,
+                  {max_abs_finite(pr.read_packed(pr.dout)), max_abs_finite(pr.read_packed(pr.v)),
+                   max_abs_finite(pr.read_packed(pr.k)), max_abs_finite(pr.read_packed(pr.q))});
 }
 
 }  // namespace flare::test

@@ -169,4 +169,19 @@ void expect_forward_matches(const Problem& pr);
 // checks every output against the float64 reference under the tolerance rule.
 void check_against_reference(const ProblemSpec& spec, bool backward);
 
+// ---- inputs holding NaN or ±Inf ------------------------------------------------------------------
+// The checks above, for inputs with non-finite entries: every output must have the reference's
+// non-finite pattern (same_nonfinite_pattern), and its finite entries pass the tolerance rule over
+// the finite entries alone, with expect_gradients_match's noise bound taken from the finite input
+// values.
+
+// NaN exactly where ref has NaN, the same signed infinity where ref has one, finite elsewhere.
+::testing::AssertionResult same_nonfinite_pattern(const std::string& name,
+                                                  const std::vector<double>& fast,
+                                                  const std::vector<double>& ref);
+double max_abs_finite(const std::vector<double>& x);
+void expect_forward_matches_nonfinite(const Problem& pr);
+void expect_gradients_match_nonfinite(const Problem& pr, const AttentionParams& bp,
+                                      const cpu::RefBackward& ref, const cpu::RefBackward& naive);
+
 }  // namespace flare::test

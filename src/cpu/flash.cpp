@@ -23,10 +23,18 @@
 // one-hot, the winning key gets exactly P = 1 in both passes, and D = dO·O is summed exactly as
 // dP is, so dP − D cancels to 0 there as it does in exact arithmetic.
 // Against the float64 reference, fp32 errors are 0.7–0.9× (RMS) those of the naive fp32 kernel
-// of DESIGN.md's tolerance rule (final O scaling and LSE in double, FMA products throughout).
+// of the tolerance rule in docs/architecture.md (final O scaling and LSE in double, FMA products
+// throughout).
 // Key tiles outside the union of a query block's visible ranges are never visited, and within a
 // tile only the rows that see one of its keys are computed (visible ranges grow with the row, so
 // those rows are contiguous).
+//
+// NaN and ±Inf propagate as in the reference (tests/test_cpu_nonfinite.cpp): exp keeps NaN; a row
+// that sees keys gets NaN when its sum is NaN or 0 (all visible scores −inf: 0/0); keys a row does
+// not see get probability and dS exactly 0 by select, never by a product. A product of those
+// zeros with an infinite V, dO, Q or K entry would still be NaN (0·Inf) inside the tile's matrix
+// products, so a tile whose operand holds a non-finite value (checked as it is loaded, 1/rows of
+// the product's cost) takes a per-row path that sums the visible keys alone.
 //
 // Threads (OpenMP, dynamic schedule). Forward: one task per (batch, query head, query block),
 // heaviest (last) blocks first for causal balance. Backward, deterministic by construction: each
@@ -224,6 +232,17 @@ void store_rows(const float* src, int ld, double factor, int rows, int d, void* 
   }
 }
 
+// Whether n floats are all finite: x·0 is 0 for finite x and NaN for ±Inf and NaN. Run on a tile
+// just loaded, it costs one multiply-add per vector, 1/rows of the matrix product that reads it.
+bool all_finite(const float* x, int64_t n) {
+  Vec acc = Vec{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += simd::load(x + i) * 0.0f;
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += x[i] * 0.0f;
+  return simd::reduce_sum(acc) + tail == 0.0f;
+}
+
 // ---- scores -------------------------------------------------------------------------------------
 
 // Where one (batch, query head) lives and how its raw dot products become scores.
@@ -325,6 +344,13 @@ void rows_meeting(const int* lo, const int* hi, int rows, int j0, int j1, int* r
   *rb = b;
 }
 
+// Whether some row of [ra, rb) (each seeing a key of [j0, j1)) misses a key of [j0, j1): its
+// probabilities there are 0, which the tile's matrix products multiply like any other. Visible
+// ranges grow with the row, so the first row has the smallest hi and the last the largest lo.
+bool tile_masked(const int* lo, const int* hi, int ra, int rb, int j0, int j1) {
+  return lo[rb - 1] > j0 || hi[ra] < j1;
+}
+
 // Per-thread fp32 scratch carved into 64-byte aligned tiles.
 class Carver {
  public:
@@ -400,6 +426,10 @@ void forward_block(const AttentionParams& p, int b, int h, int qblock, float* sc
     load_transposed(p.k, p.dtype, hd.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, tkt,
                     row_buffer);
     load_rows(p.v, p.dtype, hd.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, tv, dpad);
+    // A masked key's weight is 0, and 0·Inf = NaN: a non-finite value may reach only the rows
+    // that see its key, so then each row sums its visible keys alone, as the reference does.
+    const bool per_row = tile_masked(lo, hi, ra, rb, j0, j0 + nk) &&
+                         !all_finite(tv, int64_t{nk} * dpad);
 
     for_row_blocks(rb - ra, [&](auto rows, int r0) {
       constexpr int R = decltype(rows)::value;
@@ -439,21 +469,32 @@ void forward_block(const AttentionParams& p, int b, int h, int qblock, float* sc
       }
     }
 
-    for_row_blocks(rb - ra, [&](auto rows, int r0) {
-      constexpr int R = decltype(rows)::value;
-      const int r = ra + r0;
-      accumulate_rows<R>(ts + r * kBlockK, kBlockK, 1, tv, dpad, nk, acc + r * dpad, dpad, dvecs);
-    });
+    if (!per_row) {
+      for_row_blocks(rb - ra, [&](auto rows, int r0) {
+        constexpr int R = decltype(rows)::value;
+        const int r = ra + r0;
+        accumulate_rows<R>(ts + r * kBlockK, kBlockK, 1, tv, dpad, nk, acc + r * dpad, dpad,
+                           dvecs);
+      });
+    } else {
+      for (int r = ra; r < rb; ++r) {
+        const int a = std::max(lo[r], j0) - j0, e = std::min(hi[r], j0 + nk) - j0;
+        accumulate_rows<1>(ts + r * kBlockK + a, kBlockK, 1, tv + a * dpad, dpad, e - a,
+                           acc + r * dpad, dpad, dvecs);
+      }
+    }
   }
 
   for (int r = 0; r < nq; ++r) {
-    const bool seen = l[r] > 0.0f;
-    const double factor = seen ? static_cast<double>(p.dropout_scale) / l[r] : 0.0;
+    // l = 0 for a row that sees keys only when every visible score is −inf: the reference's
+    // softmax is then 0/0, NaN. A NaN l (a NaN or +inf score) gives NaN as it stands.
+    const bool sees_keys = lo[r] < hi[r];
+    const double l_row = l[r] > 0.0f ? l[r] : std::numeric_limits<double>::quiet_NaN();
+    const double factor = sees_keys ? static_cast<double>(p.dropout_scale) / l_row : 0.0;
     store_rows(acc + r * dpad, dpad, factor, 1, d, p.o, p.dtype,
                hd.o + int64_t{i0 + r} * p.o_row_stride, p.o_row_stride);
     p.lse[hd.lse + i0 + r] =
-        seen ? static_cast<float>(static_cast<double>(m[r]) + std::log(static_cast<double>(l[r])))
-             : -kInf;
+        sees_keys ? static_cast<float>(static_cast<double>(m[r]) + std::log(l_row)) : -kInf;
   }
 }
 
@@ -518,12 +559,14 @@ void load_query_side(const AttentionParams& p, const Head& hd, int i0, int nq, i
 
 // Row r of the S and dP tiles (keys from j0): S becomes P̃ = P·z (for dV) and dP becomes
 // dS = P ∘ (z·dP − D), times the softcap factor (for dK, dQ; the softmax scale is applied on
-// output).
+// output). Both are exactly 0 on keys the row does not see: P is 0 there, but z·dP − D need not
+// be finite (an Inf in dO, V or O), and a masked key must not turn that into NaN.
 void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int nk, int lo, int hi,
                   float lse, float delta, BackwardTiles* t, int r) {
   float* srow = t->s + r * kBlockK;
   float* dprow = t->dp + r * kBlockK;
   const bool dropout = p.dropout_p > 0.0f;
+  const bool masked = lo > j0 || hi < j0 + nk;  // lanes from nk on are never read
   if (dropout) dropout_row(p, hd.bh, row, j0, nk, p.dropout_scale, t->z);
   for (int n = 0; n < kKeyVecs; ++n) {
     Vec dcap = simd::splat(1.0f);
@@ -537,8 +580,15 @@ void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int
       dpv *= zv;
       pz *= zv;
     }
+    Vec ds = prob * (dpv - delta) * dcap;
+    if (masked) {
+      const IVec col = simd::lane_index() + (j0 + n * kLanes);
+      const IVec visible = (col >= lo) & (col < hi);
+      pz = simd::select(visible, pz, Vec{});
+      ds = simd::select(visible, ds, Vec{});
+    }
     simd::store(srow + n * kLanes, pz);
-    simd::store(dprow + n * kLanes, prob * (dpv - delta) * dcap);
+    simd::store(dprow + n * kLanes, ds);
   }
 }
 
@@ -609,6 +659,11 @@ void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, co
       load_query_side(p, hd, i0, nq, dpad, delta, &t);
       int klo, khi;
       block_ranges(p, hd, i0, nq, lo, hi, &klo, &khi);
+      // P̃ and dS are 0 where row r does not see key c, and 0·Inf = NaN: where dO or Q holds a
+      // non-finite value, each key sums the rows that see it alone, as the reference does.
+      const bool per_key = tile_masked(lo, hi, 0, nq, j0, j0 + nk) &&
+                           !(all_finite(t.q, int64_t{nq} * dpad) &&
+                             all_finite(t.dout, int64_t{nq} * dpad));
       for_row_blocks(nq, [&](auto rows, int r) {
         constexpr int R = decltype(rows)::value;
         rows_times_tile<R>(t.q + r * dpad, dpad, t.kt, d, t.s + r * kBlockK);
@@ -617,11 +672,27 @@ void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, co
       for (int r = 0; r < nq; ++r)
         backward_row(p, hd, i0 + r, j0, nk, lo[r], hi[r], t.lse[r], t.delta[r], &t, r);
       // dV(c, :) += Σ_r P̃(r, c) dO(r, :) and dK(c, :) += Σ_r dS(r, c) Q(r, :), c over the keys.
-      for_row_blocks(nk, [&](auto rows, int c) {
-        constexpr int R = decltype(rows)::value;
-        accumulate_rows<R>(t.s + c, 1, kBlockK, t.dout, dpad, nq, t.acc1 + c * dpad, dpad, dvecs);
-        accumulate_rows<R>(t.dp + c, 1, kBlockK, t.q, dpad, nq, t.acc0 + c * dpad, dpad, dvecs);
-      });
+      if (!per_key) {
+        for_row_blocks(nk, [&](auto rows, int c) {
+          constexpr int R = decltype(rows)::value;
+          accumulate_rows<R>(t.s + c, 1, kBlockK, t.dout, dpad, nq, t.acc1 + c * dpad, dpad,
+                             dvecs);
+          accumulate_rows<R>(t.dp + c, 1, kBlockK, t.q, dpad, nq, t.acc0 + c * dpad, dpad, dvecs);
+        });
+      } else {
+        for (int c = 0; c < nk; ++c) {
+          // Rows [a, e) of the block see key j0 + c: visible ranges grow with the row.
+          int a = 0;
+          while (a < nq && hi[a] <= j0 + c) ++a;
+          int e = a;
+          while (e < nq && lo[e] <= j0 + c) ++e;
+          const int a_off = a * kBlockK + c;
+          accumulate_rows<1>(t.s + a_off, 1, kBlockK, t.dout + a * dpad, dpad, e - a,
+                             t.acc1 + c * dpad, dpad, dvecs);
+          accumulate_rows<1>(t.dp + a_off, 1, kBlockK, t.q + a * dpad, dpad, e - a,
+                             t.acc0 + c * dpad, dpad, dvecs);
+        }
+      }
     }
   }
   store_rows(t.acc0, dpad, p.scale, nk, d, p.dk, p.dtype, first.dk + j0 * p.dk_row_stride,
@@ -655,6 +726,10 @@ void query_block_backward(const AttentionParams& p, int b, int h, int qblock, co
     load_transposed(p.v, p.dtype, hd.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, t.vt,
                     t.row_buffer);
     load_rows(p.k, p.dtype, hd.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, t.k, dpad);
+    // As in the forward: with a masked key in the tile and a non-finite K, each row sums its
+    // visible keys alone (0·Inf = NaN).
+    const bool per_row = tile_masked(lo, hi, ra, rb, j0, j0 + nk) &&
+                         !all_finite(t.k, int64_t{nk} * dpad);
     for_row_blocks(rb - ra, [&](auto rows, int r0) {
       constexpr int R = decltype(rows)::value;
       const int r = ra + r0;
@@ -663,12 +738,20 @@ void query_block_backward(const AttentionParams& p, int b, int h, int qblock, co
     });
     for (int r = ra; r < rb; ++r)
       backward_row(p, hd, i0 + r, j0, nk, lo[r], hi[r], t.lse[r], t.delta[r], &t, r);
-    for_row_blocks(rb - ra, [&](auto rows, int r0) {
-      constexpr int R = decltype(rows)::value;
-      const int r = ra + r0;
-      accumulate_rows<R>(t.dp + r * kBlockK, kBlockK, 1, t.k, dpad, nk, t.acc0 + r * dpad, dpad,
-                         dvecs);
-    });
+    if (!per_row) {
+      for_row_blocks(rb - ra, [&](auto rows, int r0) {
+        constexpr int R = decltype(rows)::value;
+        const int r = ra + r0;
+        accumulate_rows<R>(t.dp + r * kBlockK, kBlockK, 1, t.k, dpad, nk, t.acc0 + r * dpad, dpad,
+                           dvecs);
+      });
+    } else {
+      for (int r = ra; r < rb; ++r) {
+        const int a = std::max(lo[r], j0) - j0, e = std::min(hi[r], j0 + nk) - j0;
+        accumulate_rows<1>(t.dp + r * kBlockK + a, kBlockK, 1, t.k + a * dpad, dpad, e - a,
+                           t.acc0 + r * dpad, dpad, dvecs);
+      }
+    }
   }
   store_rows(t.acc0, dpad, p.scale, nq, d, p.dq, p.dtype, hd.dq + i0 * p.dq_row_stride,
              p.dq_row_stride);

@@ -25,7 +25,8 @@
 //         its Taylor polynomial to degree 7, 2^n by building exponent bits. A natural-base exp
 //         (rather than exp2 of x·log2 e) avoids rounding the product, so softmax weights are as
 //         accurate as those of a plain fp32 softmax. Inputs are clamped to [−104, 88]: results
-//         underflow gradually through the subnormals to exp(−inf) = 0, as std::exp does.
+//         underflow gradually through the subnormals to exp(−inf) = 0, as std::exp does;
+//         exp(NaN) = NaN (a NaN score must poison its row, as it does in the reference).
 //   tanh: |x| < 0.625 by the Cephes odd polynomial (no cancellation near 0), otherwise
 //         1 − 2/(e^{2|x|} + 1) with the sign restored.
 #pragma once
@@ -182,11 +183,15 @@ inline float reduce_sum(Vec v) {
 }
 
 inline Vec exp(Vec x) {
-  x = min(max(x, splat(-104.0f)), splat(88.0f));
-  // n = round(x·log2 e) via truncation of a positive number (halves rounded up).
-  const Vec shifted = fma(x, splat(1.44269504088896341f), splat(151.5f));  // x·log2 e + 151.5
-  const IVec n = __builtin_convertvector(shifted, IVec) - 151;
-  const Vec nf = __builtin_convertvector(n, Vec);
+  // Bounds first, NaN second (max/min return their second operand when either is NaN): a NaN
+  // argument must give a NaN weight, as std::exp does, not the weight of the bound.
+  x = min(splat(88.0f), max(splat(-104.0f), x));
+  // n = round(x·log2 e) by adding 1.5·2^23, whose ulp is 1: the sum is n + 1.5·2^23 exactly,
+  // its low mantissa bits hold n, and NaN stays NaN without a float-to-int conversion.
+  const Vec magic = splat(12582912.0f);
+  const Vec shifted = fma(x, splat(1.44269504088896341f), magic);
+  const Vec nf = shifted - magic;
+  const IVec n = reinterpret_cast<IVec>(shifted) - reinterpret_cast<IVec>(magic);
   // r = x − n·ln 2 in two FMA steps (Cody–Waite): |r| ≤ ln2/2 plus rounding, almost exact.
   Vec r = fma(nf, splat(-0.693145751953125f), x);
   r = fma(nf, splat(-1.428606820309417e-6f), r);
@@ -199,7 +204,8 @@ inline Vec exp(Vec x) {
   p = fma(p, r, splat(1.0f));
   p = fma(p, r, splat(1.0f));
   // 2^n as 2^n1 · 2^n2, both normal for n ≥ −150, so results underflow gradually into the
-  // subnormals as std::exp does, down to exp(−inf) = +0.
+  // subnormals as std::exp does, down to exp(−inf) = +0. A NaN lane's n is meaningless, but
+  // its p is NaN, and so is the product.
   const IVec n1 = n >> 1;
   const Vec two_n1 = reinterpret_cast<Vec>((n1 + 127) << 23);
   const Vec two_n2 = reinterpret_cast<Vec>((n - n1 + 127) << 23);
