@@ -36,7 +36,9 @@
 // products, so a tile whose operand holds a non-finite value (checked as it is loaded, 1/rows of
 // the product's cost) takes a per-row path that sums the visible keys alone.
 //
-// Threads (OpenMP, dynamic schedule). Forward: one task per (batch, query head, query block),
+// Threads (OpenMP, dynamic schedule). Tasks are counted from each sequence's own lengths, so a
+// varlen call costs what its tokens cost whatever its max_seqlen (BlockTasks; the count is kept
+// in cpu/flash_tasks.h for tests). Forward: one task per (batch, query head, query block),
 // heaviest (last) blocks first for causal balance. Backward, deterministic by construction: each
 // output element is summed by one task in a fixed order, whatever the thread count (a test checks
 // the bits with 1 and 4 threads):
@@ -75,6 +77,7 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cpu/flash_simd.h"
+#include "cpu/flash_tasks.h"
 
 // Compiled once per instruction-set level, each copy in its own namespace and with its own
 // target (flash_simd.h); flash_dispatch.cpp defines cpu::flash_forward / flash_backward and calls
@@ -384,6 +387,49 @@ bool allocate_scratch(int threads, int64_t floats, std::vector<std::vector<float
   return true;
 }
 
+// ---- tasks --------------------------------------------------------------------------------------
+
+// The tasks of one pass: one per (sequence, head, block) for the blocks each sequence has. Counted
+// from the sequence lengths themselves, so that a varlen call costs time in proportion to its
+// tokens, not to max_seqlen (only an upper bound on the CPU, where cu_seqlens can be read).
+class BlockTasks {
+ public:
+  struct Task {
+    int b, h;
+    int block;   // in [0, blocks)
+    int blocks;  // of this sequence
+  };
+
+  BlockTasks() = default;  // no tasks
+
+  // `block` rows per block of the query side (`query_side`) or of the keys; `heads` per sequence.
+  // Throws std::bad_alloc (one entry per sequence).
+  BlockTasks(const AttentionParams& p, int heads, int block, bool query_side) : heads_(heads) {
+    first_.resize(static_cast<size_t>(p.batch) + 1);
+    first_[0] = 0;
+    for (int b = 0; b < p.batch; ++b) {
+      const SequenceInfo seq = sequence_info(p, b);
+      first_[b + 1] = first_[b] + int64_t{heads} * ceil_div(query_side ? seq.len_q : seq.len_k, block);
+    }
+  }
+
+  int64_t size() const { return first_.back(); }
+
+  Task operator[](int64_t task) const {
+    // The last sequence starting at or before `task` (sequences without blocks start where the
+    // next one does, so they are never chosen).
+    const int b = static_cast<int>(std::upper_bound(first_.begin(), first_.end(), task) -
+                                   first_.begin()) - 1;
+    const int64_t local = task - first_[b];
+    const int blocks = static_cast<int>((first_[b + 1] - first_[b]) / heads_);
+    return {b, static_cast<int>(local / blocks), static_cast<int>(local % blocks), blocks};
+  }
+
+ private:
+  std::vector<int64_t> first_{0};  // first task of sequence b; first_[batch] = all tasks
+  int heads_ = 1;
+};
+
 // ---- forward ------------------------------------------------------------------------------------
 
 int64_t forward_scratch_floats(int d, int dpad) {
@@ -393,6 +439,7 @@ int64_t forward_scratch_floats(int d, int dpad) {
 }
 
 void forward_block(const AttentionParams& p, int b, int h, int qblock, float* scratch) {
+  flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const Head hd = make_head(p, b, h);
   const int i0 = qblock * kBlockQ;
   if (i0 >= hd.seq.len_q) return;
@@ -597,6 +644,7 @@ void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int
 // probability is 1 on one key (a single visible key, or inputs of magnitude 1e3), O_i = V_j
 // exactly and dP_ij − D_i cancels to 0 as it does in exact arithmetic.
 void delta_block(const AttentionParams& p, int b, int h, int qblock, float* delta, float* scratch) {
+  flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const Head hd = make_head(p, b, h);
   const int i0 = qblock * kBlockQ;
   const int rows = std::min(kBlockQ, hd.seq.len_q - i0);
@@ -630,6 +678,7 @@ int first_row(int len, Pred pred) {
 // Pass 1: dK and dV of keys [j0, j0 + kBlockK) of kv head kvh, over every query head of its group.
 void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, const float* delta,
                         float* scratch) {
+  flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const SequenceInfo seq = sequence_info(p, b);
   const int j0 = kblock * kBlockK;
   if (j0 >= seq.len_k) return;
@@ -704,6 +753,7 @@ void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, co
 // Pass 2: dQ of rows [i0, i0 + kBlockQ) of query head h.
 void query_block_backward(const AttentionParams& p, int b, int h, int qblock, const float* delta,
                           float* scratch) {
+  flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const Head hd = make_head(p, b, h);
   const int i0 = qblock * kBlockQ;
   if (i0 >= hd.seq.len_q) return;
@@ -763,18 +813,21 @@ void query_block_backward(const AttentionParams& p, int b, int h, int qblock, co
 
 Status flash_forward(const AttentionParams& p) {
   const int d = p.head_dim, dpad = round_up(d, kLanes);
-  const int q_blocks = ceil_div(p.seqlen_q, kBlockQ);
-  const int64_t tasks = int64_t{p.batch} * p.heads_q * q_blocks;
-  if (tasks == 0) return {};
-  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), tasks));
+  BlockTasks tasks;
+  try {
+    tasks = BlockTasks(p, p.heads_q, kBlockQ, true);
+  } catch (const std::bad_alloc&) {
+    return Status::out_of_memory("cpu flash forward: task list");
+  }
+  if (tasks.size() == 0) return {};
+  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), tasks.size()));
   std::vector<std::vector<float>> scratch;
   if (!allocate_scratch(threads, forward_scratch_floats(d, dpad), &scratch))
     return Status::out_of_memory("cpu flash forward: per-thread tiles");
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int qblock = q_blocks - 1 - static_cast<int>(task % q_blocks);  // heavy blocks first
-    const int64_t bh = task / q_blocks;
-    forward_block(p, static_cast<int>(bh / p.heads_q), static_cast<int>(bh % p.heads_q), qblock,
+  for (int64_t task = 0; task < tasks.size(); ++task) {
+    const BlockTasks::Task t = tasks[task];
+    forward_block(p, t.b, t.h, t.blocks - 1 - t.block,  // heavy (causal: last) blocks first
                   scratch[omp_get_thread_num()].data());
   }
   return {};
@@ -782,13 +835,16 @@ Status flash_forward(const AttentionParams& p) {
 
 Status flash_backward(const AttentionParams& p) {
   const int d = p.head_dim, dpad = round_up(d, kLanes);
-  const int q_blocks = ceil_div(p.seqlen_q, kBlockQ);
-  const int k_blocks = ceil_div(p.seqlen_k, kBlockK);
-  const int64_t q_tasks = int64_t{p.batch} * p.heads_q * q_blocks;
-  const int64_t k_tasks = int64_t{p.batch} * p.heads_kv * k_blocks;
-  if (q_tasks == 0 && k_tasks == 0) return {};
-  const int threads =
-      static_cast<int>(std::min<int64_t>(omp_get_max_threads(), std::max(q_tasks, k_tasks)));
+  BlockTasks q_tasks, k_tasks;
+  try {
+    q_tasks = BlockTasks(p, p.heads_q, kBlockQ, true);
+    k_tasks = BlockTasks(p, p.heads_kv, kBlockK, false);
+  } catch (const std::bad_alloc&) {
+    return Status::out_of_memory("cpu flash backward: task lists");
+  }
+  if (q_tasks.size() == 0 && k_tasks.size() == 0) return {};
+  const int threads = static_cast<int>(
+      std::min<int64_t>(omp_get_max_threads(), std::max(q_tasks.size(), k_tasks.size())));
   std::vector<std::vector<float>> scratch;
   std::vector<float> delta;
   try {
@@ -803,24 +859,19 @@ Status flash_backward(const AttentionParams& p) {
   {
     float* mine = scratch[omp_get_thread_num()].data();
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < q_tasks; ++task) {
-      const int64_t bh = task / q_blocks;
-      delta_block(p, static_cast<int>(bh / p.heads_q), static_cast<int>(bh % p.heads_q),
-                  static_cast<int>(task % q_blocks), delta.data(), mine);
+    for (int64_t task = 0; task < q_tasks.size(); ++task) {
+      const BlockTasks::Task t = q_tasks[task];
+      delta_block(p, t.b, t.h, t.block, delta.data(), mine);
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < k_tasks; ++task) {
-      const int kblock = static_cast<int>(task % k_blocks);  // causal: early keys are heavy
-      const int64_t bh = task / k_blocks;
-      key_block_backward(p, static_cast<int>(bh / p.heads_kv), static_cast<int>(bh % p.heads_kv),
-                         kblock, delta.data(), mine);
+    for (int64_t task = 0; task < k_tasks.size(); ++task) {
+      const BlockTasks::Task t = k_tasks[task];  // in key order: causal's early keys are heavy
+      key_block_backward(p, t.b, t.h, t.block, delta.data(), mine);
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < q_tasks; ++task) {
-      const int qblock = q_blocks - 1 - static_cast<int>(task % q_blocks);
-      const int64_t bh = task / q_blocks;
-      query_block_backward(p, static_cast<int>(bh / p.heads_q), static_cast<int>(bh % p.heads_q),
-                           qblock, delta.data(), mine);
+    for (int64_t task = 0; task < q_tasks.size(); ++task) {
+      const BlockTasks::Task t = q_tasks[task];
+      query_block_backward(p, t.b, t.h, t.blocks - 1 - t.block, delta.data(), mine);
     }
   }
   return {};
