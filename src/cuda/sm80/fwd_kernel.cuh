@@ -246,7 +246,7 @@ struct PvExactTile {
 // `stride` elements apart) that the rows see, masked pairs skipped: masked_product over this
 // warp's rows warp_row0.. (m16 fragment mf, half: row warp_row0 + 16·mf + 8·half + g).
 template <typename Element, int kMFrags, int kNFrags, int kDFrags>
-__device__ __noinline__ void pv_exact_tile(PvExactTile<Element, kMFrags, kNFrags, kDFrags>& tile,
+__device__ __forceinline__ void pv_exact_tile(PvExactTile<Element, kMFrags, kNFrags, kDFrags>& tile,
                                            const Element* v_tile, int stride, int n0,
                                            int warp_row0, int len_q, int len_k, int window_left,
                                            int window_right) {
@@ -269,6 +269,18 @@ __device__ __noinline__ void pv_exact_tile(PvExactTile<Element, kMFrags, kNFrags
       },
       [&](int slot, int k) { return n0 + k >= seen[slot].lo && n0 + k < seen[slot].hi; },
       [&](int slot, int c) -> float& { return tile.o[slot / 2][c / 2][2 * (slot % 2) + c % 2]; });
+}
+
+// The same as a separate function: O and P come and go through local memory (the tile, 0.25-0.65
+// KiB, becomes a stack frame). Inlined, its registers beside O, P and the key loop's own values
+// made ptxas spill the key loop of several tiles (d 128 on both architectures, the pipelined d 256
+// step: 16-64 bytes), so every tile calls this one.
+template <typename Element, int kMFrags, int kNFrags, int kDFrags>
+__device__ __noinline__ void pv_exact_tile_call(PvExactTile<Element, kMFrags, kNFrags, kDFrags>& tile,
+                                                const Element* v_tile, int stride, int n0,
+                                                int warp_row0, int len_q, int len_k,
+                                                int window_left, int window_right) {
+  pv_exact_tile(tile, v_tile, stride, n0, warp_row0, len_q, len_k, window_left, window_right);
 }
 
 // kGrouped: the CTA's slot follows tile_group (tile_order.cuh); otherwise launch order, and the
@@ -688,10 +700,8 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
   };
 
   // O += P·V for a V tile holding ±Inf or NaN on a step with hidden keys: pair by pair, the
-  // hidden ones skipped (masked_product.cuh), from the same rounded P the MMA would read. The
-  // work is a separate (not inlined) function that receives O and P through local memory: inlined,
-  // its registers beside O, P and the key loop's own values made ptxas spill the register-tight
-  // and pipelined tiles' key loop, which this keeps exactly as it was.
+  // hidden ones skipped (masked_product.cuh), from the same rounded P the MMA would read, in a
+  // separate function (pv_exact_tile_call) that receives O and P through local memory.
   auto pv_exact = [&](const STile& s, const PTile& p16, int n0, const Element* v_tile) {
     PvExactTile<Element, kMFrags, kNFrags, kDFrags> tile;
 #pragma unroll
@@ -712,8 +722,8 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
         }
     }
     const Where at = where();
-    pv_exact_tile(tile, v_tile, kStride, n0, at.m0 + warp_row0, seq.len_q, seq.len_k,
-                  p.window_left, p.window_right);
+    pv_exact_tile_call(tile, v_tile, kStride, n0, at.m0 + warp_row0, seq.len_q, seq.len_k,
+                       p.window_left, p.window_right);
 #pragma unroll
     for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
