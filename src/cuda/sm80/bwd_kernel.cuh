@@ -27,14 +27,7 @@
 // without padding: the d 128 plan is 160 KiB, which fits the A100's limit only unpadded.
 //
 // Rows that see no key (LSE = −inf) form P with LSE = +inf, so their P is exactly 0 and every
-// gradient they feed is 0; rows past the sequence end get the same treatment and D = 0.
-//
-// Non-finite inputs. A masked pair enters the products as an exact 0, and 0·Inf is NaN. So a
-// tile with masked pairs (rows past the sequence end among them) notes whether its Sᵀ or dPᵀ holds a
-// non-finite value (a non-finite Q or dO row makes its whole column non-finite, a non-finite K or V
-// row its whole row) or, where dS is formed as P·(dP − D) with P = 0 on masked pairs, whether a D
-// of its rows is non-finite; where one is, phase 2 forms dV, dK and dQ pair by pair with the masked
-// pairs skipped (masked_product.cuh). Finite inputs pay the note on boundary tiles only.
+// gradient they feed is 0, never NaN; rows past the sequence end get the same treatment and D = 0.
 //
 // Where the cycles go (ncu on an H100, b=1 s=4k h=16 d=128 bf16): one CTA of 8 warps per SM
 // (255 registers: the dK/dV accumulators), so each scheduler has two warps and every issue slot
@@ -71,7 +64,6 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/device_probe.h"
-#include "cuda/masked_product.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
@@ -392,44 +384,6 @@ __device__ __forceinline__ void s_product(float (&acc)[kMt][kPass / 8][4],
   for (int ks = 1; ks < kHeadDim / 16; ++ks) step(ks);
 }
 
-// An accumulator fragment tile passed to exact_tile_product: kMt m16 row tiles × kPairs n8 tiles.
-template <int kMt, int kPairs>
-struct FragTile {
-  float v[kMt][kPairs][4];
-};
-
-// The exact product of a phase-2 step whose boundary tile held a non-finite Sᵀ or dPᵀ element:
-// acc += A·B over the step's pairs that are not masked (masked_product.cuh), for this thread's
-// accumulator fragment: row slot r is row row_base + 16·(r / 2) + 8·(r % 2), column pair cp columns
-// col_base + Pieces::col(piece0 + cp) and + 1. kRowsAreKeys: rows are the block's keys and the
-// reduction runs over the step's kBlockM queries (dV += P̃ᵀ·dO, dK += dSᵀ·Q, A stored (key, query));
-// otherwise rows are queries and it runs over the kBlockN keys (dQ += dS·K, A stored (key, query)
-// too, read transposed). B is a swizzled (reduction index, column) tile.
-template <typename Cfg, typename Element, bool kRowsAreKeys, typename Pieces, int kMt, int kPairs>
-__device__ __forceinline__ void exact_tile_product(FragTile<kMt, kPairs>& acc, uint32_t a_tile,
-                                                uint32_t b_tile, int row_base, int col_base,
-                                                int piece0, int i0, int j0, int len_q, int len_k,
-                                                int window_left, int window_right) {
-  constexpr int kBlockM = Cfg::kBlockM, kHeadDim = Cfg::kTile.head_dim;
-  auto row = [&](int r) { return row_base + (r / 2) * 16 + (r % 2) * 8; };
-  masked_product<kMt * 2, kPairs>(
-      kRowsAreKeys ? kBlockM : Cfg::kBlockN,
-      [&](int r, int k) {
-        return load_shared_element<Element>(
-            a_tile + 2 * (kRowsAreKeys ? swz<kBlockM>(row(r), k) : swz<kBlockM>(k, row(r))));
-      },
-      [&](int k, int cp) {
-        return load_shared_pair<Element>(
-            b_tile + 2 * swz<kHeadDim>(k, col_base + Pieces::col(piece0 + cp)));
-      },
-      [&](int r, int k) {
-        const int query = kRowsAreKeys ? k : row(r), key = kRowsAreKeys ? row(r) : k;
-        const KeyRange seen = visible_keys(i0 + query, len_q, len_k, window_left, window_right);
-        return i0 + query < len_q && j0 + key >= seen.lo && j0 + key < seen.hi;
-      },
-      [&](int r, int c) -> float& { return acc.v[r / 2][c / 2][2 * (r % 2) + c % 2]; });
-}
-
 // How a backward tile forms P and dS (see the Sᵀ passes).
 inline constexpr int kPlain = 0, kGeneral = 1;
 // The order of a warp's phase-2 products: dQ first on warps 4-7 and last on 0-3 (the two-barrier
@@ -495,9 +449,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
 
   __shared__ int s_jb_end;    // kLeanKeyLoop: the loop bound, read back through a volatile load
   __shared__ int2 s_step[3];  // kSkewed: (query block, head) of the step in each Q/dO buffer
-  // Per P/dS buffer: the (query block, head) of the last step whose boundary tile held a non-finite
-  // Sᵀ or dPᵀ element; phase 2 of that step takes the exact products. Reset per key block.
-  __shared__ int2 s_exact[2];
   auto s_step_read = [&](int stage) {
     const volatile int2* const v = &s_step[stage];
     return make_int2(v->x, v->y);
@@ -509,7 +460,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   for (int jb = jb_begin;
        jb < (Cfg::kLeanKeyLoop ? *static_cast<volatile int*>(&s_jb_end) : jb_end); ++jb) {
     const int tid_kv = Cfg::kLeanKeyLoop ? ptx::thread_index_volatile() : tid;
-    if (tid_kv == 0) s_exact[0] = s_exact[1] = make_int2(-1, -1);  // read after the next barrier
     const int j0 = jb * kBlockN;
     const int rows_k = min(kBlockN, seq.len_k - j0);
     // Query rows that see a key of [j0, j0 + rows_k): key j is visible from row i iff j − right ≤ i
@@ -580,9 +530,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       const float* const sLses = sLse + stage * kBlockM;
       const float* const sDsums = sDsum + stage * kBlockM;
 
-      // A tile needs the mask only where it straddles the ragged key end, the ragged query end or a
-      // window edge.
-      const bool full_tile = j0 + kBlockN <= seq.len_k && i0 + kBlockM <= seq.len_q &&
+      // A tile needs the mask only where it straddles the ragged key end or a window edge.
+      const bool full_tile = j0 + kBlockN <= seq.len_k &&
                              (p.window_left < 0 || j0 >= i0 + kBlockM - 1 + diag - p.window_left) &&
                              (p.window_right < 0 || j0 + kBlockN - 1 <= i0 + diag + p.window_right);
       // One pass: the warp's Sᵀ/dPᵀ over queries q0 + [0, kPass), q0 = cs·kSCols + q_rel, through P
@@ -593,21 +542,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       // live at a time; at d 256 both products share one loop, Cfg::kFusedS). Other tiles
       // (kGeneral) run in passes of 16 queries with both products in one loop: their per-element
       // code needs the registers.
-      // Boundary tiles: records that this step takes the exact products when `found`.
-      auto note_nonfinite = [&](bool found) {
-        if (found) s_exact[pds != 0] = make_int2(m_at, h);
-      };
-      // Whether any of this thread's query columns q0 + nt·8 + 2t (+ 1) has a non-finite D: a
-      // masked pair's dS = 0·(dP − D) is then NaN (dS is a product, not a select: a select per
-      // element costs the plain tiles' loop and spills the feature tiles at d 256).
-      auto dsum_nonfinite = [&](auto pass_tag, int q0) {
-        constexpr int kPass = decltype(pass_tag)::value;
-        bool found = false;
-#pragma unroll
-        for (int nt = 0; nt < kPass / 8; ++nt)
-          found |= nonfinite(sDsums[q0 + nt * 8 + 2 * t]) | nonfinite(sDsums[q0 + nt * 8 + 2 * t + 1]);
-        return found;
-      };
       auto s_pass = [&](auto pass_tag, auto mode_tag, const int q_rel) {
         constexpr int kPass = decltype(pass_tag)::value;
         constexpr int kMode = decltype(mode_tag)::value;
@@ -630,11 +564,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
           else
             s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSFirstUnroll>(
                 acc_s, acc_s, a_k_base, b_pass, 0, 0);
-          // A non-finite Sᵀ or dPᵀ element (a non-finite Q, K, dO or V row makes its whole column
-          // or row non-finite) or D: masked pairs' zeros would meet it in the products below.
-          if (!full_tile)
-            note_nonfinite(any_nonfinite(acc_s) |
-                           (Cfg::kFusedS && (any_nonfinite(acc_dp) | dsum_nonfinite(pass_tag, q0))));
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
@@ -648,10 +577,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
           if (!full_tile) {
             // Key j is visible from query i iff diag − left ≤ j − i ≤ diag + right (each side
             // where bounded) and j < len_k. With j − i = e0 + c and j = j_1 + cj, where c and cj
-            // are compile-time per element, each test is one compare against an immediate. (Rows
-            // past the end are not masked here: their Q and dO are zero-filled and their LSE is
-            // +inf, so their P and dS are exact zeros unless K or V holds a non-finite value, which
-            // the notes catch.)
+            // are compile-time per element, each test is one compare against an immediate.
             // kLeanKeyLoop takes the lane's key row from a volatile thread index, so that ptxas
             // does not hold these per-key-block values from the kernel's start (it spills).
             const int tid_m = Cfg::kLeanKeyLoop ? ptx::thread_index_volatile() : tid;
@@ -673,11 +599,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                   acc_s[mt][nt][r] = visible ? acc_s[mt][nt][r] : 0.0f;
                 }
           }
-          if constexpr (!Cfg::kFusedS) {
+          if constexpr (!Cfg::kFusedS)
             s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(
                 acc_dp, acc_dp, a_k_base + kVAfterK, b_pass + kDoAfterQ, 0, 0);
-            if (!full_tile) note_nonfinite(any_nonfinite(acc_dp) | dsum_nonfinite(pass_tag, q0));
-          }
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const int m = q0 + nt * 8 + 2 * t;
@@ -693,9 +617,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
               acc_s, acc_dp, a_k_base, b_pass, kVAfterK, kDoAfterQ);
           const float slope = alibi_slope(p, b, h);
           const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
-          if (!full_tile)
-            note_nonfinite(any_nonfinite(acc_s) | any_nonfinite(acc_dp) |
-                           dsum_nonfinite(pass_tag, q0));
 #pragma unroll
           for (int nt = 0; nt < kPass / 8; ++nt) {
             const float lse2[2] = {lse2_of(q0 + nt * 8 + 2 * t), lse2_of(q0 + nt * 8 + 2 * t + 1)};
@@ -799,55 +720,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       const uint32_t bt_k_base =
           frag_base_x<kHeadDim>(ptx::smem_addr(sK), 0, dcs * Cfg::DqPieces::kCol0, lane2);
 
-      // Whether phase 1 of this step noted a non-finite Sᵀ or dPᵀ element on a boundary tile: then
-      // every product below runs pair by pair with the masked pairs skipped (masked_product.cuh).
-      const volatile int2* const noted = &s_exact[pds != 0];
-      const bool exact = noted->x == m_at && noted->y == h;
-      // The exact products read the step's tiles by element: P̃ᵀ or dSᵀ at (key, query), Q, dO or
-      // K at (row, column). Their shared-window addresses (32 bits, where generic pointers take
-      // two registers each) are formed where used, so the common path holds none of them.
-      auto p_tile = [&]() { return ptx::smem_addr(sP) + pds; };
-      auto ds_tile = [&]() { return ptx::smem_addr(sDs) + pds; };
-      auto q_tile = [&]() { return ptx::smem_addr(sQ) + stage_bytes; };
-      auto do_tile = [&]() { return ptx::smem_addr(sDo) + stage_bytes; };
-      // Exact: the accumulator through exact_tile_product (as a FragTile: the copies vanish once
-      // inlined).
-      auto exact_through = [&](auto rows_are_keys, auto pieces, auto& acc, uint32_t a_tile,
-                               uint32_t b_tile, int row_base, int col_base, int piece0) {
-        using Acc = std::remove_reference_t<decltype(acc)>;
-        constexpr int kMt = std::extent_v<Acc, 0>, kPairs = std::extent_v<Acc, 1>;
-        FragTile<kMt, kPairs> tile;
-#pragma unroll
-        for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < kPairs; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) tile.v[mt][nt][i] = acc[mt][nt][i];
-        exact_tile_product<Cfg, Element, decltype(rows_are_keys)::value, decltype(pieces)>(
-            tile, a_tile, b_tile, row_base, col_base, piece0, i0, j0, seq.len_q, seq.len_k,
-            p.window_left, p.window_right);
-#pragma unroll
-        for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < kPairs; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = tile.v[mt][nt][i];
-      };
-
       // ---- dV += P̃ᵀ·dO, dK += dSᵀ·Q: keys kvg·kKVMt·16 + [0, kKVMt·16), the warp's kKVCols
       // columns (kvc·kKVCols + [0, kKVCols), or strided pieces at d 96 and 192). Each B fragment
       // (dOᵀ, Qᵀ) feeds kKVMt row tiles.
-      auto dkdv_exact = [&](float(&acc)[kKVMt][kKVCols / 8][4], uint32_t a_tile,
-                            uint32_t b_tile) {
-        exact_through(std::true_type{}, typename Cfg::KVPieces{}, acc, a_tile, b_tile,
-              kvg * kKVMt * 16 + (lane2 >> 2), kvc * Cfg::KVPieces::kCol0 + 2 * (lane2 & 3), 0);
-      };
       auto dkdv_product = [&]() {
-        if (exact) {
-          dkdv_exact(acc_dv, p_tile(), do_tile());
-          dkdv_exact(acc_dk, ds_tile(), q_tile());
-          return;
-        }
 #pragma unroll(Cfg::kKVUnroll)
         for (int ks = 0; ks < kBlockM / 16; ++ks) {
           uint32_t a_p[kKVMt][4], a_ds[kKVMt][4];
@@ -884,13 +760,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
           const int c0 =
               dcs * Cfg::DqPieces::kCol0 + Cfg::DqPieces::col(n0);  // first column of this chunk
           float acc_dq[kDqMt][kDqChunk / 8][4] = {};
-          // Exact: row slot r is query qg·kDqMt·16 + g + (r / 2)·16 + 8·(r % 2) of the step,
-          // column slot cs column c0 + DqPieces::col(n0 + cs / 2) − DqPieces::col(n0) + 2t + cs % 2.
-          auto dq_exact = [&]() {
-            exact_through(std::false_type{}, typename Cfg::DqPieces{}, acc_dq, ds_tile(),
-                          ptx::smem_addr(sK),
-                  qg * kDqMt * 16 + (lane2 >> 2), dcs * Cfg::DqPieces::kCol0 + 2 * (lane2 & 3), n0);
-          };
           auto dq_step = [&](int ks) {
             uint32_t a_ds[kDqMt][4];
 #pragma unroll
@@ -908,13 +777,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
               }
             }
           };
-          if (exact) {
-            dq_exact();
-          } else {
-            dq_step(0);  // peeled, as in s_product
+          dq_step(0);  // peeled, as in s_product
 #pragma unroll
-            for (int ks = 1; ks < kBlockN / 16; ++ks) dq_step(ks);
-          }
+          for (int ks = 1; ks < kBlockN / 16; ++ks) dq_step(ks);
           // Accumulator rows are kHeadDim wide: columns past head_dim receive zeros (K is
           // zero-filled there) and are never read, so only the row needs a bound.
           const int i_first = i0 + qg * kDqMt * 16 + (lane2 >> 2);

@@ -71,7 +71,6 @@
 #include "cuda/ptx/mma.cuh"
 #include "cuda/ptx/thread_index.cuh"
 #include "cuda/sm80/fwd_launch.h"
-#include "cuda/masked_product.cuh"
 #include "cuda/sm80/fwd_tiles.h"
 #include "cuda/sm80/tile_order.cuh"
 
@@ -215,72 +214,6 @@ __device__ __forceinline__ void load_tile(typename Cfg::Element* s,
     copy_chunk16(s + row * Cfg::kSmemStride + col, src, g, row < rows_valid, col, d_valid, vec);
     if (kFixedColumn) src += src_step;
   }
-}
-
-// Whether the chunks this thread copied into a (kRows, kHeadDim) tile with load_tile (chunk
-// tid + i·kThreads, as both of its paths and the pipelined step's spread copies place them) hold a
-// non-finite value. Called after the thread's own copies completed (cp.async.wait_group makes them
-// visible to it), before the barrier that publishes the tile, which ORs the answers.
-template <typename Cfg, int kRows>
-__device__ __forceinline__ bool copied_chunks_nonfinite(const typename Cfg::Element* s, int tid) {
-  constexpr int kCpr = Cfg::kChunksPerRow;
-  NonfiniteProbe<typename Cfg::Element> probe;
-  // The pipelined step rolls it, one chunk in flight at a time (unrolled, the loads' registers
-  // spill it, which runs this beside its next S); rolled, the register-tight d 128 step spills.
-#pragma unroll(Cfg::kPipelineS ? 1 : kRows * kCpr / Cfg::kThreads)
-  for (int i = 0; i < kRows * kCpr / Cfg::kThreads; ++i) {
-    const int c = tid + i * Cfg::kThreads;
-    probe.add(*reinterpret_cast<const uint4*>(s + (c / kCpr) * Cfg::kSmemStride + (c % kCpr) * 8));
-  }
-  return probe.found();
-}
-
-// O and P of a warp's rows, for pv_exact_tile.
-template <typename Element, int kMFrags, int kNFrags, int kDFrags>
-struct PvExactTile {
-  float o[kMFrags][kDFrags][4];     // O, the MMA accumulator layout
-  uint32_t p[kMFrags][kNFrags][2];  // P rounded, the A layout of P·V
-};
-
-// O += P·V over the pairs of one key step (keys n0.. of a (kNFrags·8)-key V tile with rows
-// `stride` elements apart) that the rows see, masked pairs skipped: masked_product over this
-// warp's rows warp_row0.. (m16 fragment mf, half: row warp_row0 + 16·mf + 8·half + g).
-template <typename Element, int kMFrags, int kNFrags, int kDFrags>
-__device__ __forceinline__ void pv_exact_tile(PvExactTile<Element, kMFrags, kNFrags, kDFrags>& tile,
-                                           const Element* v_tile, int stride, int n0,
-                                           int warp_row0, int len_q, int len_k, int window_left,
-                                           int window_right) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  constexpr int kSlots = kMFrags * 2;  // row slot: mf = slot / 2, half = slot % 2
-  KeyRange seen[kSlots];
-#pragma unroll
-  for (int slot = 0; slot < kSlots; ++slot)
-    seen[slot] = visible_keys(warp_row0 + (slot / 2) * 16 + (slot % 2) * 8 + g, len_q, len_k,
-                              window_left, window_right);
-  masked_product<kSlots, kDFrags>(
-      min(kNFrags * 8, len_k - n0),
-      [&](int slot, int k) {
-        return quad_fragment_at<Element, kNFrags>(
-            [&](int sl, int nf) { return tile.p[sl / 2][nf][sl % 2]; }, slot, k, lane);
-      },
-      [&](int k, int df) {
-        return unpack2<Element>(
-            *reinterpret_cast<const uint32_t*>(v_tile + k * stride + df * 8 + 2 * t));
-      },
-      [&](int slot, int k) { return n0 + k >= seen[slot].lo && n0 + k < seen[slot].hi; },
-      [&](int slot, int c) -> float& { return tile.o[slot / 2][c / 2][2 * (slot % 2) + c % 2]; });
-}
-
-// The same as a separate function: O and P come and go through local memory (the tile, 0.25-0.65
-// KiB, becomes a stack frame). Inlined, its registers beside O, P and the key loop's own values
-// made ptxas spill the key loop of several tiles (d 128 on both architectures, the pipelined d 256
-// step: 16-64 bytes), so every tile calls this one.
-template <typename Element, int kMFrags, int kNFrags, int kDFrags>
-__device__ __noinline__ void pv_exact_tile_call(PvExactTile<Element, kMFrags, kNFrags, kDFrags>& tile,
-                                                const Element* v_tile, int stride, int n0,
-                                                int warp_row0, int len_q, int len_k,
-                                                int window_left, int window_right) {
-  pv_exact_tile(tile, v_tile, stride, n0, warp_row0, len_q, len_k, window_left, window_right);
 }
 
 // kGrouped: the CTA's slot follows tile_group (tile_order.cuh); otherwise launch order, and the
@@ -690,48 +623,6 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
     }
   };
 
-  // Whether the step at key n0 holds keys that exist but some row of the block does not see: the
-  // only steps where a masked pair can meet a non-finite V (keys past the end are zero-filled and
-  // hidden from every row). A subset of modify_and_mask's boundary steps.
-  auto hides_keys = [&](int n0) {
-    const int full_lo = kBoundsInSmem ? *static_cast<volatile int*>(&s_full_keys[0]) : last.lo;
-    const int full_hi = kBoundsInSmem ? *static_cast<volatile int*>(&s_full_keys[1]) : first.hi;
-    return n0 < full_lo || min(n0 + kBlockN, seq.len_k) > full_hi;
-  };
-
-  // O += P·V for a V tile holding ±Inf or NaN on a step with hidden keys: pair by pair, the
-  // hidden ones skipped (masked_product.cuh), from the same rounded P the MMA would read, in a
-  // separate function (pv_exact_tile_call) that receives O and P through local memory.
-  auto pv_exact = [&](const STile& s, const PTile& p16, int n0, const Element* v_tile) {
-    PvExactTile<Element, kMFrags, kNFrags, kDFrags> tile;
-#pragma unroll
-    for (int mf = 0; mf < kMFrags; ++mf) {
-#pragma unroll
-      for (int df = 0; df < kDFrags; ++df)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) tile.o[mf][df][i] = acc_o[mf][df][i];
-#pragma unroll
-      for (int nf = 0; nf < kNFrags; ++nf)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          if constexpr (kPackEarly)
-            tile.p[mf][nf][half] = p16[mf][nf][half];
-          else
-            tile.p[mf][nf][half] =
-                ptx::pack2<Element>(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]);
-        }
-    }
-    const Where at = where();
-    pv_exact_tile_call(tile, v_tile, kStride, n0, at.m0 + warp_row0, seq.len_q, seq.len_k,
-                       p.window_left, p.window_right);
-#pragma unroll
-    for (int mf = 0; mf < kMFrags; ++mf)
-#pragma unroll
-      for (int df = 0; df < kDFrags; ++df)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_o[mf][df][i] = tile.o[mf][df][i];
-  };
-
   if constexpr (!Cfg::kPipelineS) {
     ptx::cp_async_wait<0>();
     __syncthreads();
@@ -752,24 +643,15 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
       if (p.dropout_p > 0.0f) dropout(s, p16, n0);
 
       ptx::cp_async_wait<0>();
-      // V_j has landed; every warp is done reading K_j. On steps with hidden keys the barrier also
-      // gathers each thread's probe of the V chunks it copied. The verdict is taken at once (each
-      // branch issues K_{j+1}'s copy itself), so the common path holds no flag across the step.
-      auto next_k = [&]() {
-        if constexpr (kStepPointers) gK += kBlockN * p.k_row_stride;
-        if (n + 1 < n_end)
-          load_tile<Cfg, kBlockN>(
-              sK, kStepPointers ? gK : gK + int64_t{n0 + kBlockN} * p.k_row_stride,
-              p.k_row_stride, seq.len_k - n0 - kBlockN, d, vec, tid);
-        ptx::cp_async_commit();
-      };
-      if (__syncthreads_or(hides_keys(n0) && copied_chunks_nonfinite<Cfg, kBlockN>(sV, tid))) {
-        next_k();
-        pv_exact(s, p16, n0, sV);
-      } else {
-        next_k();
-        pv_product(s, p16, sV_lane);
-      }
+      __syncthreads();  // V_j has landed; every warp is done reading K_j
+      if constexpr (kStepPointers) gK += kBlockN * p.k_row_stride;
+      if (n + 1 < n_end)
+        load_tile<Cfg, kBlockN>(
+            sK, kStepPointers ? gK : gK + int64_t{n0 + kBlockN} * p.k_row_stride, p.k_row_stride,
+            seq.len_k - n0 - kBlockN, d, vec, tid);
+      ptx::cp_async_commit();
+
+      pv_product(s, p16, sV_lane);
 
       ptx::cp_async_wait<0>();
       __syncthreads();  // K_{j+1} has landed; every warp is done reading V_j
@@ -816,11 +698,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
       const int n0 = n * kBlockN;
       const uint32_t buf = (n - n_begin) & 1;
       ptx::cp_async_wait<0>();
-      // K_{j+1} and V_j have landed; step j − 1 is done everywhere. On steps with hidden keys the
-      // barrier also gathers each thread's probe of the V_j chunks it copied.
-      const bool v_nonfinite = __syncthreads_or(
-          hides_keys(n0) && copied_chunks_nonfinite<Cfg, kBlockN>(sV + buf * kBlockN * kStride,
-                                                                   ptx::thread_index_volatile()));
+      __syncthreads();  // K_{j+1} and V_j have landed; step j − 1 is done everywhere
 
       // The copies' per-thread offsets come from a volatile thread index: derived from tid,
       // ptxas holds them across the loop and spills.
@@ -870,10 +748,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
       }
       ptx::cp_async_commit();
       if (p.dropout_p > 0.0f) dropout(s, p16, n0);
-      if (v_nonfinite)
-        pv_exact(s, p16, n0, sV + buf * kBlockN * kStride);
-      else
-        pv_product(s, p16, sV_lane + buf * kTileBytes);
+      pv_product(s, p16, sV_lane + buf * kTileBytes);
     }
   }
 
@@ -892,30 +767,16 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
       float l = stats.sum(mf, half);
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.0f ? p.dropout_scale / l : 0.0f;
       const int r = warp_row0 + mf * 16 + half * 8 + g;
-      // l = 0 where every score the row saw was −inf, or where it saw no key: the reference gives
-      // NaN for the first (exp(−inf − −inf)) and O = 0, LSE = −inf for the second. A NaN or +inf
-      // score left l NaN, which the division and the log carry into O and the LSE.
-      float inv = 0.0f, lse = -INFINITY;
-      if (l != 0.0f) {
-        inv = p.dropout_scale / l;
-        lse = stats.max(mf, half) * kLn2 + logf(l);
-      } else {
-        // The register-tight tiles read the sequence's lengths again rather than hold them
-        // through the key loop for this (held, d 128 spills on sm_90a); the others keep theirs
-        // (read again, the pipelined d 256 step spills).
-        const SequenceInfo lens = Cfg::kRegisterTight ? sequence_info(p, out.batch) : out_seq;
-        const KeyRange seen =
-            visible_keys(out_m0 + r, lens.len_q, lens.len_k, p.window_left, p.window_right);
-        if (seen.hi > seen.lo) inv = lse = NAN;
-      }
 #pragma unroll
       for (int df = 0; df < kDFrags; ++df) {
         const uint32_t packed = ptx::pack2<Element>(acc_o[mf][df][2 * half] * inv,
                                                     acc_o[mf][df][2 * half + 1] * inv);
         *reinterpret_cast<uint32_t*>(sQ + r * kStride + df * 8 + 2 * t) = packed;
       }
-      if (t == 0 && r < out_rows) lse_row[r] = lse;
+      if (t == 0 && r < out_rows)
+        lse_row[r] = l > 0.0f ? stats.max(mf, half) * kLn2 + logf(l) : -INFINITY;
     }
   __syncwarp();
 

@@ -22,12 +22,6 @@
 // dSᵀ is double-buffered, so one named barrier per step orders both its write-after-read and its
 // read-after-write. dK is scaled by the softmax scale on the way out, dQ by the convert kernel.
 // d 256 splits the head dim between the warpgroups instead (Bwd90Config::kSplitD).
-// Non-finite inputs: P and dS are selected to 0 on masked pairs (rows past the sequence end
-// included), never multiplied there, and on boundary steps whose Sᵀ or dPᵀ holds a non-finite value
-// (a non-finite Q or dO row makes its whole column non-finite, a non-finite K row its whole row)
-// dV, dK and dQ are formed pair by pair with the masked pairs skipped instead of by wgmma
-// (masked_product.cuh: a masked pair's 0 times an infinite operand would be NaN). The warpgroups
-// agree on it with barrier reductions on those steps only.
 #pragma once
 
 #include <cuda.h>
@@ -43,11 +37,9 @@
 
 #include "core/params.h"
 #include "core/score_mod.h"
-#include "cuda/masked_product.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
-#include "cuda/ptx/thread_index.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm80/bwd_launch.h"
@@ -275,18 +267,14 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::fence_operands(dp);
 
     // Pᵀ and dSᵀ. Element 4j + e: key row key0 + 8·(e / 2), query column q_off + 8j + 2t + e % 2.
-    // Boundary steps (some row of the query block does not see every key of the block, or the
-    // block runs past the last query) mask with visible_keys's test: key < len_k, query < len_q
-    // and −left ≤ key − (query + diag) ≤ right; P and dS are selected to 0 there, since a product
-    // with 0 would keep a NaN or infinite score, dP or D.
+    // Boundary steps (some row of the query block does not see every key of the block) mask
+    // with visible_keys's test: key < len_k and −left ≤ key − (query + diag) ≤ right.
     const KeyRange first = visible_keys(i0, len_q, len_k, p.window_left, p.window_right);
     const KeyRange last =
         visible_keys(min(i0 + kBlockM, len_q) - 1, len_q, len_k, p.window_left, p.window_right);
-    const bool boundary = n0 < last.lo || n0 + kBlockN > first.hi || i0 + kBlockM > len_q;
+    const bool boundary = n0 < last.lo || n0 + kBlockN > first.hi;
     const int key_room = len_k - n0 - key0;  // element in range: 8·(e / 2) < key_room
-    const int query_room = len_q - i0 - q_off - 2 * t;  // element in range: 8j + e % 2 < query_room
     const int rel0 = n0 + key0 - i0 - q_off - 2 * t - diag;
-    bool nonfinite_s = false;  // boundary steps: a non-finite raw Sᵀ or dPᵀ element seen
     const float* lse2 = s_lse[stage] + q_off;
     const float* dsum = s_dsum[stage] + q_off;
     // Rounded as they are formed (the fp32 values die block by block, which keeps d 64's 128
@@ -304,17 +292,12 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pr = ptx::exp2_approx(fmaf(s[4 * j + e], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
-        float ds = pr * (dp[4 * j + e] - (e % 2 ? dd.y : dd.x));
         if (boundary) {
           const int rel = rel0 + 8 * (e / 2) - 8 * j - (e % 2);
-          const bool hidden = 8 * (e / 2) >= key_room || 8 * j + e % 2 >= query_room ||
-                              rel < rel_lo || rel > rel_hi;
-          nonfinite_s |= nonfinite(s[4 * j + e]) | nonfinite(dp[4 * j + e]);
-          pr = hidden ? 0.0f : pr;
-          ds = hidden ? 0.0f : ds;
+          if (8 * (e / 2) >= key_room || rel < rel_lo || rel > rel_hi) pr = 0.0f;
         }
         s[4 * j + e] = pr;
-        dp[4 * j + e] = ds;
+        dp[4 * j + e] = pr * (dp[4 * j + e] - (e % 2 ? dd.y : dd.x));
       }
       const int chunk = q_off / 8 + j;  // 16-byte chunk of the query columns
 #pragma unroll
@@ -334,166 +317,57 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     float dq[kDqCols / 2];
     ptx::fence_operands(acc_dv);
     ptx::fence_operands(acc_dk);
-
-    // The exact products of a boundary step whose Sᵀ or dPᵀ holds a non-finite value: every
-    // product of the step pair by pair, masked pairs skipped (masked_product.cuh). Element (row
-    // slot hf, column slot cs) of an accumulator is register 4·(cs / 2) + 2·hf + cs % 2: row
-    // 8·hf + g of the warp's 16, column 8·(cs / 2) + 2t + cs % 2 of the warpgroup's.
-    // The exact paths take every per-thread position from a volatile thread index: derived from
-    // the kernel's own (lane, key0, col_off ...), ptxas holds such values across the step loop for
-    // them, and the consumers have no register to spare (spills at d 128 and 256).
-    struct Position {
-      int lane, t, warp, c;
-    };
-    auto position = []() {
-      const int x = ptx::thread_index_volatile();
-      return Position{x % 32, x % 4, (x / 32) % 4, x / 128 - 1};
-    };
-    auto element = [&](uint32_t tile, uint32_t panel_bytes, int row, int col) {
-      return load_shared_element<Element>(tile + swizzled(row, col / 8, panel_bytes) + (col % 8) * 2);
-    };
-    // Columns 8j + 2t and 8j + 2t + 1 from column `col0` (a multiple of 8) of row `row`.
-    auto pair = [&](uint32_t tile, uint32_t panel_bytes, int row, int col0, int j, int t_x) {
-      return load_shared_pair<Element>(tile + swizzled(row, col0 / 8 + j, panel_bytes) + 4 * t_x);
-    };
-    auto key_seen = [&](int key, int m) {  // block key `key` from the step's query m
-      const KeyRange r = visible_keys(i0 + m, len_q, len_k, p.window_left, p.window_right);
-      return i0 + m < len_q && n0 + key >= r.lo && n0 + key < r.hi;
-    };
-    // dV += Pᵀ·dO_i (dk false) or dK += dSᵀ·Q_i (dk true) over the step's queries, for this
-    // thread's keys key0 + 8·hf and the warpgroup's columns from col_off. Pᵀ and dSᵀ come from
-    // registers (pa, da: n8 fragment nf, row half hf is register 2·(nf % 2) + hf of [nf / 2]), or
-    // at d 256 from shared memory.
-    auto exact_kv = [&](float(&acc)[kWgCols / 2], bool dk) {
-      const Position x = position();
-      const int key_x = (Cfg::kSplitD ? 0 : x.c * 64) + x.warp * 16 + x.lane / 4;
-      const int col_x = Cfg::kSplitD ? x.c * kWgCols : 0;
-      const uint32_t b_tile = dk ? q_tile : do_tile;
-      masked_product<2, kWgCols / 8>(
-          kBlockM,
-          [&](int hf, int m) {
-            if constexpr (Cfg::kSplitD) {
-              return element(base + (dk ? ds_buf : p_buf), Cfg::kDsPanelBytes, key_x + 8 * hf, m);
-            } else {
-              auto word = [&](int h2, int nf) { return (dk ? da : pa)[nf / 2][2 * (nf % 2) + h2]; };
-              return quad_fragment_at<Element, kWgQueries / 8>(word, hf, m, x.lane);
-            }
-          },
-          [&](int m, int j) { return pair(b_tile, Cfg::kQPanelBytes, m, col_x, j, x.t); },
-          [&](int hf, int m) { return key_seen(key_x + 8 * hf, m); },
-          [&](int hf, int cs) -> float& { return acc[4 * (cs / 2) + 2 * hf + cs % 2]; });
-    };
-
-    // dQ tile = dS·K over the block's keys (dSᵀ's rows and K's rows are the reduction dimension):
-    // by wgmma, or exactly, for rows 64·dq_m + 16·warp + g + 8·hf and columns from dq_col0.
-    auto dq_wgmma = [&]() {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        ptx::wgmma_ss_mn<kDqCols, Element>(
-            dq,
-            ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * 2048u,
-                                     Cfg::kDsPanelBytes),
-            ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * 2048u,
-                                     Cfg::kKVPanelBytes),
-            kk > 0 ? 1 : 0);
-    };
-    auto exact_dq = [&]() {
-#pragma unroll
-      for (int i = 0; i < kDqCols / 2; ++i) dq[i] = 0.0f;
-      const Position x = position();
-      const int q_row = (!Cfg::kSplitD && kBlockM == 128 ? x.c : 0) * 64 + x.warp * 16 + x.lane / 4;
-      const int col_x = Cfg::kSplitD ? x.c * 128 : (kBlockM == 128 ? 0 : x.c * 64);  // dq_col0
-      masked_product<2, kDqCols / 8>(
-          kBlockN,
-          [&](int hf, int n) {
-            return element(base + ds_buf, Cfg::kDsPanelBytes, n, q_row + 8 * hf);
-          },
-          [&](int n, int j) { return pair(sK, Cfg::kKVPanelBytes, n, col_x, j, x.t); },
-          [&](int hf, int n) { return key_seen(n, q_row + 8 * hf); },
-          [&](int hf, int cs) -> float& { return dq[4 * (cs / 2) + 2 * hf + cs % 2]; });
-    };
-    // Boundary steps reduce the barrier that both warpgroups meet at (barrier 1) over their
-    // verdicts; other steps only meet there.
-    auto meet = [&](bool nonfinite_here) {
-      if (!boundary) {
-        ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
-        return false;
-      }
-      return named_barrier_or(1, 128 * Cfg::kConsumers, nonfinite_here);
-    };
-    // Every path below ends with no wgmma in flight (waited inside it): a path that left one in
-    // flight past the join makes ptxas serialise every wgmma of the kernel.
     if constexpr (!Cfg::kSplitD) {
-      // dV += Pᵀ·dO_i, dK += dSᵀ·Q_i from registers; dQ once both warpgroups' dSᵀ are in. A masked
-      // pair of dV and dK meets a non-finite dO or Q row only where that row's column of this
-      // warpgroup's Sᵀ or dPᵀ is non-finite: the warpgroup's own vote decides them; dQ sums over
-      // both warpgroups' keys, so either one's verdict counts.
-      if (boundary && named_barrier_or(5 + c, 128, nonfinite_s)) {
-        exact_kv(acc_dv, false);
-        exact_kv(acc_dk, true);
-        meet(true);
-        if (more) publish(it + 1, next_copy);
-        exact_dq();
-      } else {
-        ptx::wgmma_fence();
+      // dV += Pᵀ·dO_i, dK += dSᵀ·Q_i from registers; dQ below once both warpgroups' dSᵀ are in.
+      ptx::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          ptx::wgmma_rs<kHeadDim, Element>(
-              acc_dv, pa[kk], ptx::wgmma_desc_mn_major(do_tile + kk * 2048u, Cfg::kQPanelBytes),
-              1);
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        ptx::wgmma_rs<kHeadDim, Element>(
+            acc_dv, pa[kk], ptx::wgmma_desc_mn_major(do_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          ptx::wgmma_rs<kHeadDim, Element>(
-              acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * 2048u, Cfg::kQPanelBytes),
-              1);
-        ptx::wgmma_commit();
-        const bool exact = meet(false);
-        if (more) publish(it + 1, next_copy);
-        ptx::wgmma_fence();  // dq was read by the previous step's staging
-        if (exact) {
-          ptx::wgmma_wait<0>();
-          ptx::fence_operands(acc_dv);
-          ptx::fence_operands(acc_dk);
-          exact_dq();
-        } else {
-          dq_wgmma();
-          ptx::wgmma_commit();
-          ptx::wgmma_wait<0>();
-        }
-      }
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        ptx::wgmma_rs<kHeadDim, Element>(
+            acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
+      ptx::wgmma_commit();
+      ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
+      if (more) publish(it + 1, next_copy);
+      ptx::wgmma_fence();  // dq was read by the previous step's staging
     } else {
       // Every operand from shared memory once both warpgroups' Pᵀ and dSᵀ are in: dV += Pᵀ·dO_i
-      // and dK += dSᵀ·Q_i for this warpgroup's 128 columns, and dQ.
+      // and dK += dSᵀ·Q_i for this warpgroup's 128 columns (and dQ below).
       (void)pa;
       (void)da;
-      const bool exact = meet(nonfinite_s);
+      ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
       if (more) publish(it + 1, next_copy);
-      if (exact) {
-        exact_kv(acc_dv, false);
-        exact_kv(acc_dk, true);
-        exact_dq();
-      } else {
-        ptx::wgmma_fence();
-        const uint32_t col_panel = col_off / 64;
+      ptx::wgmma_fence();
+      const uint32_t col_panel = col_off / 64;
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          ptx::wgmma_ss_bmn<kWgCols, Element>(
-              acc_dv, ptx::wgmma_desc_k_major(base + p_buf + kk * 32u),
-              ptx::wgmma_desc_mn_major(do_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
-                                       Cfg::kQPanelBytes),
-              1);
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        ptx::wgmma_ss_bmn<kWgCols, Element>(
+            acc_dv, ptx::wgmma_desc_k_major(base + p_buf + kk * 32u),
+            ptx::wgmma_desc_mn_major(do_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
+                                     Cfg::kQPanelBytes),
+            1);
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          ptx::wgmma_ss_bmn<kWgCols, Element>(
-              acc_dk, ptx::wgmma_desc_k_major(base + ds_buf + kk * 32u),
-              ptx::wgmma_desc_mn_major(q_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
-                                       Cfg::kQPanelBytes),
-              1);
-        dq_wgmma();
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-      }
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        ptx::wgmma_ss_bmn<kWgCols, Element>(
+            acc_dk, ptx::wgmma_desc_k_major(base + ds_buf + kk * 32u),
+            ptx::wgmma_desc_mn_major(q_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
+                                     Cfg::kQPanelBytes),
+            1);
     }
+    // dQ tile = dS·K over the block's keys (dSᵀ's rows and K's rows are the reduction dimension).
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      ptx::wgmma_ss_mn<kDqCols, Element>(
+          dq,
+          ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * 2048u,
+                                   Cfg::kDsPanelBytes),
+          ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * 2048u,
+                                   Cfg::kKVPanelBytes),
+          kk > 0 ? 1 : 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
     ptx::fence_operands(acc_dv);
     ptx::fence_operands(acc_dk);
     ptx::fence_operands(dq);

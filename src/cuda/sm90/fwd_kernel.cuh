@@ -19,11 +19,6 @@
 // Shared memory holds every tile in the 128-byte swizzle TMA writes and wgmma reads (panels of 64
 // columns, see ptx/wgmma.cuh). Rows past a sequence end and columns past head_dim are zero-filled
 // by TMA; the mask keeps the former out of the softmax.
-// Non-finite inputs: the producer's three idle warps probe V_j for ±Inf/NaN on the steps where
-// some row of the tile does not see some existing key, and publish the answer on a `v_checked`
-// barrier; only there and only then do the consumers form P·V pair by pair with the hidden pairs
-// skipped instead of by wgmma (masked_product.cuh: a hidden key's P = 0 times an infinite V would
-// be NaN). Every other step reads no more than before.
 #pragma once
 
 #include <cuda.h>
@@ -39,7 +34,6 @@
 
 #include "core/params.h"
 #include "core/score_mod.h"
-#include "cuda/masked_product.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
@@ -69,8 +63,6 @@ struct Fwd90Config {
   static constexpr uint32_t kKVBytes = kPanels * kKVPanelBytes;  // one K or V tile
   // Dynamic shared memory: Q, the K ring, the V ring, and 1 KiB to align the start to 1024 bytes.
   static constexpr int kSmemBytes = static_cast<int>(kQBytes + 2 * kStages * kKVBytes) + 1024;
-  // The producer warpgroup's warps 1-3 probe V tiles for non-finite values (see the kernel).
-  static constexpr int kCheckerWarps = 3;
   // Registers per thread after setmaxnreg (within launch_regs: common.cuh).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
@@ -94,9 +86,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
-  // q_full, k_full[], v_full[], empty[], v_checked[]
-  __shared__ __align__(8) uint64_t bars[1 + 4 * kStages];
-  __shared__ int s_v_nonfinite[kStages][Cfg::kCheckerWarps];  // per V buffer and checker warp
+  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages];  // q_full, k_full[], v_full[], empty[]
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* const smem = smem_raw + (base - raw);
@@ -108,7 +98,6 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   auto k_full = [&](int s) { return bar0 + 8u * (1 + s); };
   auto v_full = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
   auto empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
-  auto v_checked = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
 
   const int tid = threadIdx.x;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
@@ -120,71 +109,21 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   const KeyRange last = visible_keys(m0 + rows_q - 1, len_q, len_k, p.window_left, p.window_right);
   const int n_begin = first.lo / kBlockN;
   const int n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : n_begin;
-  // Whether the step at key n0 holds keys that exist but some row of the tile does not see: the
-  // only steps where a masked pair can meet a non-finite V (keys past the end are zero-filled and
-  // hidden from every row). A subset of the masked boundary steps.
-  auto hides_keys = [&](int n0) { return n0 < last.lo || min(n0 + kBlockN, len_k) > first.hi; };
 
   if (tid == 0) {
     ptx::mbarrier_init(q_full, 1);
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(k_full(s), 1);
       ptx::mbarrier_init(v_full(s), 1);
-      // The checkers arrive too, so the producer never refills a buffer a checker has not passed:
-      // that keeps their waits on v_full and the consumers' on v_checked one phase apart at most.
-      ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers + Cfg::kCheckerWarps);
-      ptx::mbarrier_init(v_checked(s), Cfg::kCheckerWarps);
+      ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
     }
     ptx::mbarrier_init_fence();
   }
   __syncthreads();
 
   if (tid < 128) {
-    // Producer warpgroup: one thread issues every load; warps 1-3 probe V tiles.
+    // Producer warpgroup: one thread issues every load.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (tid >= 32) {
-      // Checker warps: for every step, wait for V_j; on steps with hidden keys, probe the rows of
-      // those keys and vote; then publish the answer on v_checked and release the buffer on
-      // `empty`. Each thread keeps one 16-byte chunk column (the swizzle only permutes a row's
-      // chunks, and every chunk of a row is probed) and walks rows kRowStep apart: code that fits
-      // the producer's 24 registers.
-      constexpr int kRowChunks = Cfg::kPanels * 8;
-      constexpr int kRowStep = 32 * Cfg::kCheckerWarps / kRowChunks;
-      static_assert(32 * Cfg::kCheckerWarps % kRowChunks == 0, "checker threads per row");
-      const int ct = tid - 32, row0 = ct / kRowChunks;
-      const uint32_t column = (ct % kRowChunks / 8) * Cfg::kKVPanelBytes + (ct % 8) * 16;
-#pragma unroll 1
-      for (int n = n_begin; n < n_end; ++n) {
-        const int it = n - n_begin, stage = it % kStages;
-        ptx::mbarrier_wait(v_full(stage), (it / kStages) & 1);
-        const int n0 = n * kBlockN;
-        bool nonfinite = false;
-        if (hides_keys(n0)) {
-          // Rows [0, last.lo − n0) and [first.hi − n0, len_k − n0) of the tile.
-          const uint32_t tile = sV + stage * Cfg::kKVBytes + column;
-          const int seen_by_all = last.lo - n0, hidden_again = first.hi - n0;
-          const int rows = min(kBlockN, len_k - n0);
-          NonfiniteProbe<Element> probe;
-#pragma unroll 1
-          for (int row = row0; row < rows; row += kRowStep)
-            if (row < seen_by_all || row >= hidden_again) {
-              uint4 v;
-              asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                           : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                           : "r"(tile + row * 128));
-              probe.add(v);
-            }
-          nonfinite = probe.found();
-        }
-        nonfinite = __any_sync(0xffffffffu, nonfinite);
-        if (tid % 32 == 0) {
-          s_v_nonfinite[stage][tid / 32 - 1] = nonfinite;
-          ptx::mbarrier_arrive(v_checked(stage));
-          ptx::mbarrier_arrive(empty(stage));
-        }
-      }
-      return;
-    }
     if (tid == 0) {
       const int hk = h / p.head_group;
       ptx::tma_prefetch_descriptor(&tm_q);
@@ -194,9 +133,6 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
         ptx::tma_load_4d(sQ + pnl * Cfg::kQPanelBytes, &tm_q, q_full, pnl * 64, m0, h, b);
-      // Rolled: unrolled (by the stage count), its addresses no longer fit the 24 registers once
-      // the checker warps' loop shares the warpgroup's code (56 bytes of spills at d 128).
-#pragma unroll 1
       for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
         const int stage = it % kStages, round = it / kStages;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
@@ -310,42 +246,18 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
       pa[kk][3] = ptx::pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
     }
 
-    // O += P·V_j; V's rows are the reduction dimension (MN-major B). On steps with hidden keys,
-    // the checkers' verdict on V_j first: a non-finite value there takes the pair-by-pair product.
+    // O += P·V_j; V's rows are the reduction dimension (MN-major B).
     ptx::mbarrier_wait(v_full(stage), parity);
-    bool v_nonfinite = false;
-    if (hides_keys(n0)) {
-      ptx::mbarrier_wait(v_checked(stage), parity);
-      const volatile int* verdict = s_v_nonfinite[stage];
+    ptx::fence_operands(acc_o);
+    ptx::wgmma_fence();
 #pragma unroll
-      for (int w = 0; w < Cfg::kCheckerWarps; ++w) v_nonfinite = v_nonfinite || verdict[w] != 0;
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * 2048u, Cfg::kKVPanelBytes);
+      ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
     }
-    if (v_nonfinite) {
-      const KeyRange seen[2] = {
-          visible_keys(m0 + r0, len_q, len_k, p.window_left, p.window_right),
-          visible_keys(m0 + r0 + 8, len_q, len_k, p.window_left, p.window_right)};
-      // P's n8 fragment nf, row half hf is register 2·(nf % 2) + hf of pa[nf / 2].
-      auto p_word = [&](int hf, int nf) { return pa[nf / 2][2 * (nf % 2) + hf]; };
-      masked_product<2, kHeadDim / 8>(
-          min(kBlockN, len_k - n0),
-          [&](int hf, int k) { return quad_fragment_at<Element, kBlockN / 8>(p_word, hf, k, lane); },
-          [&](int k, int j) {  // columns 8j + 2t, + 1
-            return load_shared_pair<Element>(v_tile + swizzled(k, j, Cfg::kKVPanelBytes) + 4 * t);
-          },
-          [&](int hf, int k) { return n0 + k >= seen[hf].lo && n0 + k < seen[hf].hi; },
-          [&](int hf, int c) -> float& { return acc_o[4 * (c / 2) + 2 * hf + c % 2]; });
-    } else {
-      ptx::fence_operands(acc_o);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * 2048u, Cfg::kKVPanelBytes);
-        ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
-      }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      ptx::fence_operands(acc_o);
-    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(acc_o);
     ptx::mbarrier_arrive(empty(stage));
   }
 
@@ -357,25 +269,15 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
     float l = row_sum[half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int r = r0 + half * 8;
-    // l = 0 where every score the row saw was −inf, or where it saw no key: NaN for the first (as
-    // the reference's exp(−inf − −inf)), O = 0 and LSE = −inf for the second. A NaN or +inf score
-    // left l NaN, which the division and the log carry into O and the LSE.
-    float inv = 0.0f, lse = -INFINITY;
-    if (l != 0.0f) {
-      inv = 1.0f / l;
-      lse = row_max[half] * kLn2f + logf(l);
-    } else {
-      const KeyRange seen = visible_keys(m0 + r, len_q, len_k, p.window_left, p.window_right);
-      if (seen.hi > seen.lo) inv = lse = NAN;
-    }
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j) {
       const uint32_t packed =
           ptx::pack2<Element>(acc_o[4 * j + 2 * half] * inv, acc_o[4 * j + 2 * half + 1] * inv);
       *reinterpret_cast<uint32_t*>(smem + swizzled(r, j, Cfg::kQPanelBytes) + 4 * t) = packed;
     }
-    if (t == 0 && r < rows_q) lse_row[r] = lse;
+    if (t == 0 && r < rows_q) lse_row[r] = l > 0.0f ? row_max[half] * kLn2f + logf(l) : -INFINITY;
   }
   __syncwarp();
 
