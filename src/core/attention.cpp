@@ -16,23 +16,12 @@
 #include <utility>
 
 #include "core/backends.h"
+#include "core/message.h"
 #include "core/params.h"
 #include "flare/attention.h"
 
 namespace flare {
 namespace {
-
-template <typename... Args>
-std::string cat(const Args&... args) {
-  std::ostringstream s;
-  (s << ... << args);
-  return s.str();
-}
-
-template <typename... Args>
-Status invalid(const Args&... args) {
-  return Status::invalid_argument(cat(args...));
-}
 
 // Callers have checked 0 <= ndim <= kMaxDims, so these never read past the arrays.
 std::string shape_str(const TensorView& t) {
