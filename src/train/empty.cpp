@@ -1,0 +1,1 @@
+// Keeps flare_train buildable before any of its parts exist (see CMakeLists.txt).
