@@ -141,7 +141,7 @@ Status embedding_forward(const int32_t* tokens, const T* token_table, const T* p
 
 // dout (N, C), tokens (N) (already validated by the forward);
 // dtoken_table (padded_vocab, C) accumulated (+=) at the rows of the tokens;
-// dposition_table (≥ seq_len, C) accumulated (rows below seq_len) (+=), or nullptr (LLaMA).
+// dposition_table (≥ seq_len, C) accumulated (+=) in its first seq_len rows, or nullptr (LLaMA).
 template <typename T>
 void embedding_backward(const T* dout, const int32_t* tokens, T* dtoken_table,
                         T* dposition_table, int64_t N, int64_t seq_len, int64_t C);
