@@ -13,6 +13,18 @@
 //   LLaMA — RoPE (optionally with LLaMA-3 frequency scaling), RMSNorm, SwiGLU MLP, no biases,
 //           grouped-query attention (n_kv_head divides n_head; K/V heads are never copied), an
 //           untied output head.
+//
+// Conventions every part relies on (added with the first implementation, model_config.cpp):
+//   - The fused qkv weight holds rows of the n_head query heads, then the n_kv_head key heads,
+//     then the n_kv_head value heads, head_dim rows each. The fused gate_up weight holds the
+//     ffn_hidden gate rows, then the ffn_hidden up rows: y = silu(x·Wgᵀ) ⊙ (x·Wuᵀ).
+//   - RoPE rotates the pairs (j, j + head_dim/2) of each head (the "rotate half" form of Hugging
+//     Face's LlamaForCausalLM), with inverse frequency theta^(-2j/head_dim), j < head_dim/2. So
+//     q/k rows export to Hugging Face names unpermuted.
+//   - Each tensor starts at an offset that is a multiple of kParamAlignment elements (128 bytes
+//     of bf16), so every tensor can be read with 16-byte vector loads. The gaps between tensors
+//     (usually none: most sizes are multiples of 64 already) are zero and stay zero: they get no
+//     gradient and no optimizer update, and they are not part of parameter_count().
 #pragma once
 
 #include <cstdint>
@@ -71,6 +83,13 @@ struct ParameterLayout {
   const ParamSpec* find(const std::string& name) const;
 };
 
+// Tensor offsets in the flat buffer are multiples of this many elements (see the conventions above).
+inline constexpr int64_t kParamAlignment = 64;
+
+// vocab_size rounded up to a multiple of 128: the rows of the embedding and the output head, so
+// the head's matmul has tile-friendly dimensions (50257 → 50304).
+int64_t padded_vocab_size(int64_t vocab_size);
+
 // The named presets ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-125m" … "gpt3-2.7b",
 // "llama2-7b", "llama3.2-1b", "llama3.2-3b", "llama3-8b", and the small "gpt-tiny" /
 // "llama-tiny" used by tests), and the list of their names for help texts.
@@ -84,5 +103,24 @@ Status validate_model_config(const ModelConfig& config);
 
 // The parameter tensors of a valid config, in buffer order.
 ParameterLayout parameter_layout(const ModelConfig& config);
+
+// "gpt" or "llama", for messages and file headers.
+const char* family_name(Family family);
+
+// Trainable parameters of the model as published: embedding rows count vocab_size (not the
+// padding rows), a tied head counts once, alignment gaps do not count. GPT-2 small: 124,439,808.
+int64_t parameter_count(const ModelConfig& config);
+
+// Model FLOPs of one trained token (forward + backward) at sequence length `seq`, the numerator of
+// MFU. PaLM's appendix-B count, 6·N + 12·L·H·Q·T, with two choices stated:
+//   N — the weights that take part in a matmul per token: every linear layer of every block plus
+//       the output head (vocab_size rows, tied or not). Embedding and position lookups are not
+//       matmuls; norms and biases are O(d) per token and are left out.
+//   attention — QKᵀ and P·V cost 2·T·Q FLOPs each per head per token in the forward, ×3 for
+//       forward + backward, so 12·L·H·Q·T without a mask. Training is causal: a token attends to
+//       (T+1)/2 keys on average, so this counts the causal work, 6·L·H·Q·T (the halving
+//       FlashAttention's benchmarks use). nanoGPT and llm.c report MFU with the unhalved term;
+//       add 6·L·H·Q·T to compare with them.
+double model_flops_per_token(const ModelConfig& config, int64_t seq);
 
 }  // namespace flare::train

@@ -1,0 +1,4 @@
+# The trainer's core: model configs and parameter layout, training config, learning-rate schedule,
+# the CPU AdamW reference, checkpoints and the safetensors export.
+target_sources(flare_train PRIVATE
+  ${CMAKE_CURRENT_LIST_DIR}/model_config.cpp)
