@@ -201,8 +201,8 @@ NormParams forward_params(bf16* out, float* mean, float* rstd, const bf16* x, co
 
 }  // namespace
 
-Status layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* x, const bf16* weight,
-                         const bf16* bias, int64_t rows, int64_t channels, float eps,
+Status layernorm_forward(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
+                         float* mean, float* rstd, int64_t rows, int64_t channels, float eps,
                          cudaStream_t stream) {
   const char* op = "layernorm_forward";
   FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
@@ -214,7 +214,7 @@ Status layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* x, con
   return launch_forward<false, false>(p, stream, op);
 }
 
-Status rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, int64_t rows,
+Status rmsnorm_forward(const bf16* x, const bf16* weight, bf16* out, float* rstd, int64_t rows,
                        int64_t channels, float eps, cudaStream_t stream) {
   const char* op = "rmsnorm_forward";
   FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
@@ -225,9 +225,9 @@ Status rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight
   return launch_forward<true, false>(p, stream, op);
 }
 
-Status residual_layernorm_forward(bf16* residual_out, bf16* out, float* mean, float* rstd,
-                                  const bf16* residual, const bf16* branch, const bf16* weight,
-                                  const bf16* bias, int64_t rows, int64_t channels, float eps,
+Status residual_layernorm_forward(const bf16* residual, const bf16* branch, const bf16* weight,
+                                  const bf16* bias, bf16* residual_out, bf16* out, float* mean,
+                                  float* rstd, int64_t rows, int64_t channels, float eps,
                                   cudaStream_t stream) {
   const char* op = "residual_layernorm_forward";
   FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
@@ -243,8 +243,8 @@ Status residual_layernorm_forward(bf16* residual_out, bf16* out, float* mean, fl
   return launch_forward<false, true>(p, stream, op);
 }
 
-Status residual_rmsnorm_forward(bf16* residual_out, bf16* out, float* rstd, const bf16* residual,
-                                const bf16* branch, const bf16* weight, int64_t rows,
+Status residual_rmsnorm_forward(const bf16* residual, const bf16* branch, const bf16* weight,
+                                bf16* residual_out, bf16* out, float* rstd, int64_t rows,
                                 int64_t channels, float eps, cudaStream_t stream) {
   const char* op = "residual_rmsnorm_forward";
   FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
@@ -317,16 +317,16 @@ Status norm_backward(const char* op, bf16* dx, float* dweight, float* dbias, con
 
 }  // namespace
 
-Status layernorm_backward(bf16* dx, float* dweight, float* dbias, const bf16* dresidual,
-                          const bf16* dout, const bf16* x, const bf16* weight, const float* mean,
-                          const float* rstd, int64_t rows, int64_t channels, bool accumulate,
+Status layernorm_backward(const bf16* dout, const bf16* x, const bf16* weight, const float* mean,
+                          const float* rstd, const bf16* dresidual, bf16* dx, float* dweight,
+                          float* dbias, int64_t rows, int64_t channels, bool accumulate,
                           void* scratch, cudaStream_t stream) {
   return norm_backward<false>("layernorm_backward", dx, dweight, dbias, dresidual, dout, x, weight,
                               mean, rstd, rows, channels, accumulate, scratch, stream);
 }
 
-Status rmsnorm_backward(bf16* dx, float* dweight, const bf16* dresidual, const bf16* dout,
-                        const bf16* x, const bf16* weight, const float* rstd, int64_t rows,
+Status rmsnorm_backward(const bf16* dout, const bf16* x, const bf16* weight, const float* rstd,
+                        const bf16* dresidual, bf16* dx, float* dweight, int64_t rows,
                         int64_t channels, bool accumulate, void* scratch, cudaStream_t stream) {
   return norm_backward<true>("rmsnorm_backward", dx, dweight, nullptr, dresidual, dout, x, weight,
                              nullptr, rstd, rows, channels, accumulate, scratch, stream);

@@ -7,6 +7,11 @@
 // them in fp32, see adamw.h) and are reduced over the rows in a fixed order without atomics, so
 // every run gives the same bits.
 //
+// Arguments: inputs, outputs, sizes, options, scratch, stream (the order of cpu/ops.h). The
+// backward's dx = dresidual + ∂L/∂x: pass dresidual = dx to accumulate in place, as the CPU
+// reference's norms do (a norm's input is the residual stream, whose gradient holds the skip
+// connection's share).
+//
 // Sizes: rows ≥ 1 (at most 65535·128), channels ≥ 1; channels that are a multiple of 8 with
 // 16-byte aligned pointers take the 16-byte path, anything else the scalar path.
 #pragma once
@@ -19,22 +24,22 @@ namespace flare::train::cuda {
 
 // out = (x − mean)·rstd·weight + bias, rstd = 1/sqrt(var + eps) (biased variance).
 // mean and rstd (rows, fp32) may be null when no backward follows.
-Status layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* x, const bf16* weight,
-                         const bf16* bias, int64_t rows, int64_t channels, float eps,
+Status layernorm_forward(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
+                         float* mean, float* rstd, int64_t rows, int64_t channels, float eps,
                          cudaStream_t stream);
 // out = x·rstd·weight, rstd = 1/sqrt(mean(x²) + eps).
-Status rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, int64_t rows,
+Status rmsnorm_forward(const bf16* x, const bf16* weight, bf16* out, float* rstd, int64_t rows,
                        int64_t channels, float eps, cudaStream_t stream);
 
 // The residual stream's update fused with the next norm: residual_out = residual + branch
 // (rounded to bf16, the value the unfused pair would store), then the norm of residual_out —
 // one read of each input instead of a separate add pass. residual_out may alias residual.
-Status residual_layernorm_forward(bf16* residual_out, bf16* out, float* mean, float* rstd,
-                                  const bf16* residual, const bf16* branch, const bf16* weight,
-                                  const bf16* bias, int64_t rows, int64_t channels, float eps,
+Status residual_layernorm_forward(const bf16* residual, const bf16* branch, const bf16* weight,
+                                  const bf16* bias, bf16* residual_out, bf16* out, float* mean,
+                                  float* rstd, int64_t rows, int64_t channels, float eps,
                                   cudaStream_t stream);
-Status residual_rmsnorm_forward(bf16* residual_out, bf16* out, float* rstd, const bf16* residual,
-                                const bf16* branch, const bf16* weight, int64_t rows,
+Status residual_rmsnorm_forward(const bf16* residual, const bf16* branch, const bf16* weight,
+                                bf16* residual_out, bf16* out, float* rstd, int64_t rows,
                                 int64_t channels, float eps, cudaStream_t stream);
 
 // Bytes of scratch the backward passes need for their two-stage parameter-gradient reduction.
@@ -42,12 +47,12 @@ int64_t norm_backward_scratch_bytes(int64_t rows, int64_t channels);
 
 // dx = dresidual + ∂L/∂x (dresidual may be null: dx = ∂L/∂x); dweight, dbias (fp32) = or +=
 // (accumulate) their gradients. dx may alias dresidual or dout (the reductions read dout first).
-Status layernorm_backward(bf16* dx, float* dweight, float* dbias, const bf16* dresidual,
-                          const bf16* dout, const bf16* x, const bf16* weight, const float* mean,
-                          const float* rstd, int64_t rows, int64_t channels, bool accumulate,
+Status layernorm_backward(const bf16* dout, const bf16* x, const bf16* weight, const float* mean,
+                          const float* rstd, const bf16* dresidual, bf16* dx, float* dweight,
+                          float* dbias, int64_t rows, int64_t channels, bool accumulate,
                           void* scratch, cudaStream_t stream);
-Status rmsnorm_backward(bf16* dx, float* dweight, const bf16* dresidual, const bf16* dout,
-                        const bf16* x, const bf16* weight, const float* rstd, int64_t rows,
+Status rmsnorm_backward(const bf16* dout, const bf16* x, const bf16* weight, const float* rstd,
+                        const bf16* dresidual, bf16* dx, float* dweight, int64_t rows,
                         int64_t channels, bool accumulate, void* scratch, cudaStream_t stream);
 
 }  // namespace flare::train::cuda
