@@ -1,4 +1,7 @@
 # The trainer's core: model configs and parameter layout, training config, learning-rate schedule,
 # the CPU AdamW reference, checkpoints and the safetensors export.
 target_sources(flare_train PRIVATE
-  ${CMAKE_CURRENT_LIST_DIR}/model_config.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/model_config.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/train_config.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/schedule.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/adamw.cpp)

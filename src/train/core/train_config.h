@@ -1,0 +1,70 @@
+// train_config.h — what one training run is: batch shape, optimizer and schedule settings, how
+// often to evaluate and checkpoint, and where data and checkpoints live; the rules a run must
+// satisfy against its model; and the memory it needs on one device, so the trainer can say
+// "does not fit" before it allocates anything.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "flare/status.h"
+#include "train/core/model_config.h"
+
+namespace flare::train {
+
+struct TrainConfig {
+  int64_t batch = 8;         // sequences per micro-batch (per device)
+  int64_t seq = 1024;        // tokens per sequence; at most the model's max_seq
+  int64_t grad_accum = 1;    // micro-batches summed into one optimizer step
+  int64_t steps = 1000;      // optimizer steps of the run
+  double lr = 6e-4;          // peak learning rate, reached at the end of warm-up
+  double min_lr = 6e-5;      // where the cosine ends, at the last step
+  int64_t warmup = 100;      // steps of linear warm-up (schedule.h)
+  double weight_decay = 0.1; // decoupled, on the tensors the layout marks (matrices)
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;    // clip the global gradient norm to this; 0 turns clipping off
+  uint64_t seed = 1337;      // initialisation and data order
+  bool recompute = false;    // keep only each layer's input; recompute the layer in backward
+  int64_t eval_every = 0;    // steps between validation passes; 0: never
+  int64_t ckpt_every = 0;    // steps between checkpoints; 0: never
+  std::string train_data;    // training shards (a file or pattern the data part understands)
+  std::string val_data;      // validation shards; needed when eval_every > 0
+  std::string checkpoint_dir;  // needed when ckpt_every > 0
+};
+
+// Every rule a run must satisfy for `model`, each failure naming the field: positive sizes,
+// seq ≤ max_seq, 0 ≤ min_lr ≤ lr, warmup ≤ steps, betas in [0, 1), eps > 0, paths present where
+// a feature needs them.
+Status validate_train_config(const TrainConfig& train, const ModelConfig& model);
+
+// Bytes one device holds for a run without sharding. The state is exact; activations count the
+// tensors the backward reads, per layer, in their stored precision (bf16 activations, fp32
+// softmax LSE and norm statistics), which is the floor of what any implementation keeps.
+//   weights      bf16 copy of the flat buffer the forward reads
+//   master       fp32 master weights
+//   adam         fp32 m and v
+//   grads        fp32 gradients (accumulated over micro-batches in fp32)
+//   activations  saved per layer for one micro-batch (only the layer inputs with recompute,
+//                plus one layer's full set, live while that layer runs backward)
+//   logits       bf16 (tokens, padded_vocab) of one micro-batch, reused for their gradient
+//   workspace    one layer's activations again: the activation gradients flowing backward
+struct MemoryEstimate {
+  int64_t weights = 0;
+  int64_t master = 0;
+  int64_t adam = 0;
+  int64_t grads = 0;
+  int64_t activations = 0;
+  int64_t logits = 0;
+  int64_t workspace = 0;
+  int64_t total = 0;
+};
+
+// The estimate for a valid (train, model) pair.
+MemoryEstimate estimate_training_memory(const TrainConfig& train, const ModelConfig& model);
+
+// OK when the estimate fits in `device_bytes`; otherwise out_of_memory with the breakdown.
+Status check_fits(const MemoryEstimate& estimate, int64_t device_bytes);
+
+}  // namespace flare::train

@@ -1,0 +1,98 @@
+// Training-run rules and the memory estimate (src/train/core/train_config.h).
+#include "train/core/train_config.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace flare::train {
+namespace {
+
+ModelConfig preset(const std::string& name) {
+  ModelConfig c;
+  EXPECT_TRUE(model_preset(name, &c).ok());
+  return c;
+}
+
+void expect_rejected(const TrainConfig& t, const ModelConfig& m, const std::string& field) {
+  Status s = validate_train_config(t, m);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << field;
+  EXPECT_NE(s.message().find(field), std::string::npos) << s.message();
+}
+
+TEST(TrainConfig, DefaultsAreValidForGpt2) {
+  Status s = validate_train_config(TrainConfig{}, preset("gpt2"));
+  EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST(TrainConfig, EachRuleNamesItsField) {
+  const ModelConfig m = preset("gpt2");
+  const TrainConfig ok;
+  TrainConfig t;
+  t = ok; t.batch = 0; expect_rejected(t, m, "batch");
+  t = ok; t.seq = 1025; expect_rejected(t, m, "seq: 1025 must be in [1, max_seq = 1024]");
+  t = ok; t.seq = 0; expect_rejected(t, m, "seq");
+  t = ok; t.grad_accum = 0; expect_rejected(t, m, "grad_accum");
+  t = ok; t.steps = 0; expect_rejected(t, m, "steps");
+  t = ok; t.lr = 0; expect_rejected(t, m, "lr");
+  t = ok; t.lr = NAN; expect_rejected(t, m, "lr");
+  t = ok; t.min_lr = 1e-3; expect_rejected(t, m, "min_lr");
+  t = ok; t.min_lr = -1; expect_rejected(t, m, "min_lr");
+  t = ok; t.warmup = 1001; expect_rejected(t, m, "warmup");
+  t = ok; t.warmup = -1; expect_rejected(t, m, "warmup");
+  t = ok; t.weight_decay = -0.1; expect_rejected(t, m, "weight_decay");
+  t = ok; t.beta1 = 1; expect_rejected(t, m, "beta1");
+  t = ok; t.beta2 = -0.5; expect_rejected(t, m, "beta2");
+  t = ok; t.eps = 0; expect_rejected(t, m, "eps");
+  t = ok; t.grad_clip = -1; expect_rejected(t, m, "grad_clip");
+  t = ok; t.eval_every = -1; expect_rejected(t, m, "eval_every");
+  t = ok; t.ckpt_every = -2; expect_rejected(t, m, "ckpt_every");
+  t = ok; t.eval_every = 10; expect_rejected(t, m, "val_data");
+  t = ok; t.ckpt_every = 10; expect_rejected(t, m, "checkpoint_dir");
+  ModelConfig bad = m;
+  bad.n_layer = 0;
+  expect_rejected(ok, bad, "n_layer");
+}
+
+TEST(TrainConfig, MemoryEstimateByHand) {
+  const ModelConfig m = preset("gpt-tiny");  // d 64, 4 heads of 16, ffn 256, 2 layers, vocab 384
+  TrainConfig t;
+  t.batch = 2;
+  t.seq = 32;
+  const int64_t n = parameter_layout(m).total;
+  const int64_t tokens = 64;
+  // Per token per layer: bf16 4·64 + 192 + 64 + 2·256 = 1024 elements; fp32 4 heads + 4 stats.
+  const int64_t layer = tokens * (2 * 1024 + 4 * 8);
+  const int64_t input = tokens * 64 * 2;
+
+  MemoryEstimate e = estimate_training_memory(t, m);
+  EXPECT_EQ(e.weights, 2 * n);
+  EXPECT_EQ(e.master, 4 * n);
+  EXPECT_EQ(e.adam, 8 * n);
+  EXPECT_EQ(e.grads, 4 * n);
+  EXPECT_EQ(e.activations, 2 * layer + 2 * input);
+  EXPECT_EQ(e.logits, tokens * 384 * 2);
+  EXPECT_EQ(e.workspace, layer);
+  EXPECT_EQ(e.total, 18 * n + 3 * layer + 2 * input + tokens * 384 * 2);
+
+  t.recompute = true;
+  MemoryEstimate r = estimate_training_memory(t, m);
+  EXPECT_EQ(r.activations, 2 * input + layer + 2 * input);
+}
+
+TEST(TrainConfig, LlamaSevenBDoesNotFitOneH100WithoutSharding) {
+  // 18 bytes per parameter of state alone: 6.74e9 · 18 ≈ 113 GiB.
+  TrainConfig t;
+  t.batch = 1;
+  t.seq = 4096;
+  const MemoryEstimate e = estimate_training_memory(t, preset("llama2-7b"));
+  EXPECT_GT(e.weights + e.master + e.adam + e.grads, int64_t{80} << 30);
+  Status s = check_fits(e, int64_t{80} << 30);
+  EXPECT_EQ(s.code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(s.message().find("recompute"), std::string::npos);
+  // gpt2 at batch 8 · 1024 fits in 80 GiB.
+  EXPECT_TRUE(check_fits(estimate_training_memory(TrainConfig{}, preset("gpt2")), int64_t{80} << 30).ok());
+}
+
+}  // namespace
+}  // namespace flare::train
