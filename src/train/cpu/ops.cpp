@@ -41,8 +41,8 @@ void axpy(T alpha, const T* x, T* y, int64_t n) {
 // ---- Linear layer -------------------------------------------------------------------------------
 
 template <typename T>
-void matmul_forward(const T* x, const T* weight, const T* bias, T* y, int64_t N, int64_t in,
-                    int64_t out) {
+void matmul_forward(const T* x, const T* weight, Nullable<const T> bias, T* y, int64_t N,
+                    int64_t in, int64_t out) {
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -57,8 +57,8 @@ void matmul_forward(const T* x, const T* weight, const T* bias, T* y, int64_t N,
 }
 
 template <typename T>
-void matmul_backward(const T* dy, const T* x, const T* weight, T* dx, T* dweight, T* dbias,
-                     int64_t N, int64_t in, int64_t out) {
+void matmul_backward(const T* dy, const T* x, const T* weight, Nullable<T> dx, T* dweight,
+                     Nullable<T> dbias, int64_t N, int64_t in, int64_t out) {
   // dx (N, in) = dy (N, out) · W (out, in): each input row is a sum of weight rows.
   if (dx) {
 #pragma omp parallel for schedule(static)
@@ -182,7 +182,8 @@ void rmsnorm_backward(const T* dy, const T* x, const T* weight, const T* rstd, T
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < C; ++c) {
     double dw = 0.0;
-    for (int64_t n = 0; n < N; ++n) dw += static_cast<double>(dy[n * C + c]) * x[n * C + c] * rstd[n];
+    for (int64_t n = 0; n < N; ++n)
+      dw += static_cast<double>(dy[n * C + c]) * x[n * C + c] * rstd[n];
     dweight[c] += static_cast<T>(dw);
   }
 }
@@ -338,7 +339,7 @@ void residual_forward(const T* a, const T* b, T* y, int64_t n) {
 }
 
 template <typename T>
-void residual_backward(const T* dy, T* da, T* db, int64_t n) {
+void residual_backward(const T* dy, Nullable<T> da, Nullable<T> db, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     if (da) da[i] += dy[i];
@@ -349,8 +350,9 @@ void residual_backward(const T* dy, T* da, T* db, int64_t n) {
 // ---- Embedding ----------------------------------------------------------------------------------
 
 template <typename T>
-Status embedding_forward(const int32_t* tokens, const T* token_table, const T* position_table,
-                         T* out, int64_t N, int64_t seq_len, int64_t vocab_size, int64_t C) {
+Status embedding_forward(const int32_t* tokens, const T* token_table,
+                         Nullable<const T> position_table, T* out, int64_t N, int64_t seq_len,
+                         int64_t vocab_size, int64_t C) {
   for (int64_t n = 0; n < N; ++n) {
     if (tokens[n] < 0 || tokens[n] >= vocab_size) {
       return invalid("tokens[", n, "] = ", tokens[n], " must be in [0, vocab_size = ", vocab_size,
@@ -373,7 +375,7 @@ Status embedding_forward(const int32_t* tokens, const T* token_table, const T* p
 
 template <typename T>
 void embedding_backward(const T* dout, const int32_t* tokens, T* dtoken_table,
-                        T* dposition_table, int64_t N, int64_t seq_len, int64_t C) {
+                        Nullable<T> dposition_table, int64_t N, int64_t seq_len, int64_t C) {
   // Two tokens may share a table row, so the split is over columns, rows in order.
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < C; ++c) {
@@ -388,9 +390,9 @@ void embedding_backward(const T* dout, const int32_t* tokens, T* dtoken_table,
 // ---- Classifier ---------------------------------------------------------------------------------
 
 template <typename T>
-Status classifier_forward_backward(const T* logits, const int32_t* targets, T* losses, T* dlogits,
-                                   ClassifierResult* result, int64_t N, int64_t vocab_size,
-                                   int64_t padded_vocab) {
+Status classifier_forward_backward(const T* logits, const int32_t* targets, Nullable<T> losses,
+                                   Nullable<T> dlogits, ClassifierResult* result, int64_t N,
+                                   int64_t vocab_size, int64_t padded_vocab) {
   if (vocab_size < 1 || vocab_size > padded_vocab) {
     return invalid("vocab_size = ", vocab_size, " must be in [1, padded_vocab = ", padded_vocab,
                    "]");

@@ -24,25 +24,31 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flare/status.h"
 #include "train/core/model_config.h"
 
 namespace flare::train::cpu {
 
+// A pointer argument that may be nullptr. It takes no part in deducing T, so a literal nullptr
+// can be passed without naming the scalar type.
+template <typename T>
+using Nullable = std::type_identity_t<T>*;
+
 // ---- Linear layer: y = x · Wᵀ + b ---------------------------------------------------------------
 
 // x (N, in), weight (out, in), bias (out) or nullptr; y (N, out) written.
 template <typename T>
-void matmul_forward(const T* x, const T* weight, const T* bias, T* y, int64_t N, int64_t in,
-                    int64_t out);
+void matmul_forward(const T* x, const T* weight, Nullable<const T> bias, T* y, int64_t N,
+                    int64_t in, int64_t out);
 
 // dy (N, out), x (N, in), weight (out, in).
 // dx (N, in) written (= dy · W); may be nullptr when the input needs no gradient.
 // dweight (out, in) accumulated (+= dyᵀ · x); dbias (out) accumulated (+= Σ_n dy), or nullptr.
 template <typename T>
-void matmul_backward(const T* dy, const T* x, const T* weight, T* dx, T* dweight, T* dbias,
-                     int64_t N, int64_t in, int64_t out);
+void matmul_backward(const T* dy, const T* x, const T* weight, Nullable<T> dx, T* dweight,
+                     Nullable<T> dbias, int64_t N, int64_t in, int64_t out);
 
 // ---- LayerNorm (GPT): y = (x − mean) · rstd · weight + bias, rstd = 1 / sqrt(var + eps) --------
 
@@ -128,7 +134,7 @@ void residual_forward(const T* a, const T* b, T* y, int64_t n);
 
 // dy (n); da (n) and db (n) accumulated (+= dy); either may be nullptr.
 template <typename T>
-void residual_backward(const T* dy, T* da, T* db, int64_t n);
+void residual_backward(const T* dy, Nullable<T> da, Nullable<T> db, int64_t n);
 
 // ---- Token (+ position) embedding ---------------------------------------------------------------
 
@@ -136,15 +142,16 @@ void residual_backward(const T* dy, T* da, T* db, int64_t n);
 // C) or nullptr (LLaMA); out (N, C) written: out[n] = token_table[tokens[n]] (+ position_table[n %
 // seq_len]). Returns invalid_argument, writing nothing, when a token is outside [0, vocab_size).
 template <typename T>
-Status embedding_forward(const int32_t* tokens, const T* token_table, const T* position_table,
-                         T* out, int64_t N, int64_t seq_len, int64_t vocab_size, int64_t C);
+Status embedding_forward(const int32_t* tokens, const T* token_table,
+                         Nullable<const T> position_table, T* out, int64_t N, int64_t seq_len,
+                         int64_t vocab_size, int64_t C);
 
 // dout (N, C), tokens (N) (already validated by the forward);
 // dtoken_table (padded_vocab, C) accumulated (+=) at the rows of the tokens;
 // dposition_table (≥ seq_len, C) accumulated (+=) in its first seq_len rows, or nullptr (LLaMA).
 template <typename T>
 void embedding_backward(const T* dout, const int32_t* tokens, T* dtoken_table,
-                        T* dposition_table, int64_t N, int64_t seq_len, int64_t C);
+                        Nullable<T> dposition_table, int64_t N, int64_t seq_len, int64_t C);
 
 // ---- Classifier: softmax + cross-entropy over the vocabulary, fused -----------------------------
 // The logits rows are padded_vocab wide, but only the first vocab_size columns are classes: the
@@ -165,8 +172,8 @@ struct ClassifierResult {
 // Returns invalid_argument, writing nothing, when a target is outside [0, vocab_size) and not −1,
 // or when vocab_size is not in [1, padded_vocab].
 template <typename T>
-Status classifier_forward_backward(const T* logits, const int32_t* targets, T* losses, T* dlogits,
-                                   ClassifierResult* result, int64_t N, int64_t vocab_size,
-                                   int64_t padded_vocab);
+Status classifier_forward_backward(const T* logits, const int32_t* targets, Nullable<T> losses,
+                                   Nullable<T> dlogits, ClassifierResult* result, int64_t N,
+                                   int64_t vocab_size, int64_t padded_vocab);
 
 }  // namespace flare::train::cpu
