@@ -1,0 +1,179 @@
+// adamw.cu — gradient norm and AdamW over the chunk table (adamw.h).
+#include "train/cuda/adamw.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/message.h"
+#include "train/cuda/device.cuh"
+
+namespace flare::train::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kFinishThreads = 1024;
+
+struct AdamWParams {
+  const TensorChunk* chunks;
+  const float* grads;
+  float* master;
+  float* m;
+  float* v;
+  bf16* weights;                   // or null
+  const float* grad_scale_device;  // or null
+  float grad_scale;                // multiplies *grad_scale_device
+  float lr, beta1, beta2, eps;
+  float bc1, bc2;                  // 1 − beta^t, in double on the host, rounded to fp32
+  float decay;                     // fp32(1 − lr·weight_decay), for decaying tensors
+};
+
+__device__ __forceinline__ double block_sum_double(double x, double* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  double total = lane < warps ? shared[lane] : 0.0;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  return total;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    norm_partials_kernel(const TensorChunk* chunks, const float* grads, double* partials) {
+  __shared__ double shared[32];
+  const TensorChunk chunk = chunks[blockIdx.x];
+  double acc = 0.0;
+  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
+    const double g = grads[i];
+    acc += g * g;
+  }
+  acc = block_sum_double(acc, shared);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+__global__ void __launch_bounds__(kFinishThreads)
+    norm_finish_kernel(const double* partials, int64_t count, double max_norm, float* out) {
+  __shared__ double shared[32];
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kFinishThreads) acc += partials[i];
+  acc = block_sum_double(acc, shared);
+  if (threadIdx.x == 0) {
+    const double norm = sqrt(acc);
+    const double scale = max_norm == 0.0 ? 1.0 : fmin(1.0, max_norm / (norm + 1e-6));
+    out[0] = static_cast<float>(norm);
+    out[1] = static_cast<float>(scale);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWParams p) {
+  const TensorChunk chunk = p.chunks[blockIdx.x];
+  const float scale = p.grad_scale_device ? p.grad_scale * *p.grad_scale_device : p.grad_scale;
+  const float decay = chunk.weight_decay ? p.decay : 1.0f;
+  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
+    const float g = p.grads[i] * scale;
+    const float m = p.beta1 * p.m[i] + (1.0f - p.beta1) * g;
+    const float v = p.beta2 * p.v[i] + (1.0f - p.beta2) * g * g;
+    const float m_hat = m / p.bc1;
+    const float v_hat = v / p.bc2;
+    const float w = p.master[i] * decay - p.lr * (m_hat / (sqrtf(v_hat) + p.eps));
+    p.m[i] = m;
+    p.v[i] = v;
+    p.master[i] = w;
+    if (p.weights) p.weights[i] = __float2bfloat16_rn(w);
+  }
+}
+
+}  // namespace
+
+std::vector<TensorChunk> tensor_chunks(const ParameterLayout& layout, int64_t chunk_elements) {
+  std::vector<TensorChunk> out;
+  for (const ParamSpec& spec : layout.params) {
+    for (int64_t b = spec.offset; b < spec.offset + spec.numel; b += chunk_elements) {
+      TensorChunk c;
+      c.begin = b;
+      c.end = std::min(b + chunk_elements, spec.offset + spec.numel);
+      c.weight_decay = spec.weight_decay ? 1 : 0;
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+DeviceChunkTable::~DeviceChunkTable() {
+  if (chunks_) cudaFree(chunks_);
+}
+
+Status DeviceChunkTable::init(const ParameterLayout& layout) {
+  const std::vector<TensorChunk> host = tensor_chunks(layout, kChunkElements);
+  if (host.empty()) return invalid("DeviceChunkTable: the layout has no parameters");
+  if (host.size() > 0x7fffffffu) return invalid("DeviceChunkTable: ", host.size(), " chunks exceed the grid limit");
+  if (chunks_) cudaFree(chunks_);
+  chunks_ = nullptr;
+  count_ = 0;
+  const size_t bytes = host.size() * sizeof(TensorChunk);
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&chunks_, bytes), "DeviceChunkTable"));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(cudaMemcpy(chunks_, host.data(), bytes, cudaMemcpyHostToDevice), "DeviceChunkTable"));
+  count_ = static_cast<int64_t>(host.size());
+  return Status::ok_status();
+}
+
+int64_t gradient_norm_scratch_bytes(const DeviceChunkTable& table) {
+  return table.count() * static_cast<int64_t>(sizeof(double));
+}
+
+Status gradient_norm(const DeviceChunkTable& table, const float* grads, double max_norm,
+                     float* norm_and_scale, void* scratch, cudaStream_t stream) {
+  const char* op = "gradient_norm";
+  if (table.count() == 0) return invalid(op, ": the chunk table is not initialised");
+  if (!std::isfinite(max_norm) || max_norm < 0)
+    return invalid(op, ": max_norm = ", max_norm, " must be finite and >= 0");
+  if (grads == nullptr || norm_and_scale == nullptr || scratch == nullptr)
+    return invalid(op, ": grads, norm_and_scale and scratch must not be null");
+  auto* partials = static_cast<double*>(scratch);
+  norm_partials_kernel<<<static_cast<unsigned>(table.count()), kThreads, 0, stream>>>(
+      table.chunks(), grads, partials);
+  norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, table.count(), max_norm,
+                                                       norm_and_scale);
+  return launch_status(op);
+}
+
+Status adamw_update(const DeviceChunkTable& table, const AdamWStep& s,
+                    const float* grad_scale_device, const float* grads, float* master, float* m,
+                    float* v, bf16* weights, cudaStream_t stream) {
+  const char* op = "adamw_update";
+  if (table.count() == 0) return invalid(op, ": the chunk table is not initialised");
+  if (grads == nullptr || master == nullptr || m == nullptr || v == nullptr)
+    return invalid(op, ": grads, master, m and v must not be null");
+  if (s.t < 1) return invalid(op, ": t = ", s.t, " must be >= 1 (steps count from 1)");
+  if (!std::isfinite(s.lr) || s.lr < 0) return invalid(op, ": lr = ", s.lr, " must be finite and >= 0");
+  if (!(s.beta1 >= 0 && s.beta1 < 1)) return invalid(op, ": beta1 = ", s.beta1, " must be in [0, 1)");
+  if (!(s.beta2 >= 0 && s.beta2 < 1)) return invalid(op, ": beta2 = ", s.beta2, " must be in [0, 1)");
+  if (!std::isfinite(s.eps) || s.eps <= 0) return invalid(op, ": eps = ", s.eps, " must be finite and > 0");
+  if (!std::isfinite(s.weight_decay) || s.weight_decay < 0)
+    return invalid(op, ": weight_decay = ", s.weight_decay, " must be finite and >= 0");
+  if (!std::isfinite(s.grad_scale) || s.grad_scale < 0)
+    return invalid(op, ": grad_scale = ", s.grad_scale, " must be finite and >= 0");
+  AdamWParams p{};
+  p.chunks = table.chunks();
+  p.grads = grads;
+  p.master = master;
+  p.m = m;
+  p.v = v;
+  p.weights = weights;
+  p.grad_scale_device = grad_scale_device;
+  p.grad_scale = s.grad_scale;
+  const double t = static_cast<double>(s.t);
+  p.bc1 = static_cast<float>(1.0 - std::pow(s.beta1, t));
+  p.bc2 = static_cast<float>(1.0 - std::pow(s.beta2, t));
+  p.beta1 = static_cast<float>(s.beta1);
+  p.beta2 = static_cast<float>(s.beta2);
+  p.lr = static_cast<float>(s.lr);
+  p.eps = static_cast<float>(s.eps);
+  p.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
+  adamw_kernel<<<static_cast<unsigned>(table.count()), kThreads, 0, stream>>>(p);
+  return launch_status(op);
+}
+
+}  // namespace flare::train::cuda
