@@ -4,4 +4,6 @@ target_sources(flare_train PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/model_config.cpp
   ${CMAKE_CURRENT_LIST_DIR}/train_config.cpp
   ${CMAKE_CURRENT_LIST_DIR}/schedule.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/adamw.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/adamw.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/crc32.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/checkpoint.cpp)
