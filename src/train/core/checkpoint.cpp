@@ -2,9 +2,6 @@
 // fields, an atomic writer, and a reader that verifies everything before it fills a buffer.
 #include "train/core/checkpoint.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <bit>
 #include <cerrno>
@@ -13,6 +10,7 @@
 #include <type_traits>
 
 #include "core/message.h"
+#include "train/core/atomic_file.h"
 #include "train/core/crc32.h"
 
 namespace flare::train {
@@ -97,39 +95,22 @@ std::vector<uint8_t> encode_header(const CheckpointMeta& meta, int64_t n) {
 
 // ---- writing ---------------------------------------------------------------------------------
 
-std::string errno_text() { return std::strerror(errno); }
-
-// Writes the checkpoint to `tmp` and syncs it; the caller renames it into place.
-Status write_file(const std::string& tmp, const std::vector<uint8_t>& header,
-                  const float* const buffers[3], int64_t n) {
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) return invalid("path: cannot create '", tmp, "': ", errno_text());
+// The whole file: header, the three buffers, the CRC of everything before it.
+bool write_checkpoint_body(FILE* f, const std::vector<uint8_t>& header, const float* const buffers[3],
+                           int64_t n) {
   Crc32 crc;
-  bool ok = std::fwrite(header.data(), 1, header.size(), f) == header.size();
+  if (std::fwrite(header.data(), 1, header.size(), f) != header.size()) return false;
   crc.update(header.data(), header.size());
-  for (int b = 0; b < 3 && ok; ++b) {
+  for (int b = 0; b < 3; ++b) {
     const size_t bytes = sizeof(float) * static_cast<size_t>(n);
-    ok = std::fwrite(buffers[b], 1, bytes, f) == bytes;
+    if (std::fwrite(buffers[b], 1, bytes, f) != bytes) return false;
     crc.update(buffers[b], bytes);
   }
   const uint32_t checksum = crc.value();
-  ok = ok && std::fwrite(&checksum, sizeof checksum, 1, f) == 1;
-  ok = ok && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
-  const std::string error = errno_text();
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) return invalid("path: writing '", tmp, "' failed: ", error);
-  return Status::ok_status();
+  return std::fwrite(&checksum, sizeof checksum, 1, f) == 1;
 }
 
-// Makes the rename durable: the directory entry is flushed like the file was.
-void sync_directory(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return;  // the file is complete either way; only durability across power loss waits
-  ::fsync(fd);
-  ::close(fd);
-}
+std::string errno_text() { return std::strerror(errno); }
 
 // ---- reading ---------------------------------------------------------------------------------
 
@@ -342,20 +323,10 @@ Status save_checkpoint(const std::string& path, const CheckpointMeta& meta, cons
     return invalid("n: ", n, " must equal the layout's total = ", expected_n, " of model '",
                    meta.model.name, "'");
 
-  const std::string tmp = path + ".tmp";
   const float* const buffers[3] = {master, m, v};
-  Status written = write_file(tmp, encode_header(meta, n), buffers, n);
-  if (!written.ok()) {
-    std::remove(tmp.c_str());
-    return written;
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string error = errno_text();
-    std::remove(tmp.c_str());
-    return invalid("path: renaming '", tmp, "' to '", path, "' failed: ", error);
-  }
-  sync_directory(path);
-  return Status::ok_status();
+  const std::vector<uint8_t> header = encode_header(meta, n);
+  return write_file_atomically(
+      path, [&](FILE* f) { return write_checkpoint_body(f, header, buffers, n); });
 }
 
 Status read_checkpoint_meta(const std::string& path, CheckpointMeta* meta) {

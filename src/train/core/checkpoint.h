@@ -21,9 +21,8 @@
 //   f32[n] master, f32[n] m, f32[n] v
 //   u32 CRC-32 (crc32.h) of every byte before it
 //
-// Writing is atomic: the file is written as "<path>.tmp" in the same directory, flushed to disk
-// (fsync), then renamed over <path> and the directory synced, so a crash or a failed write leaves
-// the previous checkpoint whole. Reading checks, in order, magic, version, size, checksum (a full
+// Writing is atomic (atomic_file.h): "<path>.tmp", fsync, rename, so a crash or a failed write
+// leaves the previous checkpoint whole. Reading checks, in order, magic, version, size, checksum (a full
 // pass over the file) and the model against the caller's, and only then fills the caller's
 // buffers: a rejected file writes nothing.
 #pragma once

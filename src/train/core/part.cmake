@@ -6,4 +6,6 @@ target_sources(flare_train PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/schedule.cpp
   ${CMAKE_CURRENT_LIST_DIR}/adamw.cpp
   ${CMAKE_CURRENT_LIST_DIR}/crc32.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/checkpoint.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/checkpoint.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/atomic_file.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/safetensors.cpp)
