@@ -69,8 +69,8 @@ def draw_rng_state(dropout_p):
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
             deterministic, rng_state, backend):
-    """Allocates out (like q) and lse (float32) and runs flare's forward. Returns (out, lse)."""
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    """Allocates out (like q) and lse (float32) and runs flare's forward. Returns (out, lse).
+    q, k and v have a unit last stride (attention() makes them so; the library rejects others)."""
     is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(_core.lse_shape(q, is_varlen), dtype=torch.float32)
@@ -84,8 +84,10 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
              deterministic, rng_state, backend):
-    """Allocates dq, dk, dv (like q, k, v) and runs flare's backward. Returns (dq, dk, dv)."""
-    dout, q, k, v, out = (_unit_last_stride(t) for t in (dout, q, k, v, out))
+    """Allocates dq, dk, dv (like q, k, v) and runs flare's backward. Returns (dq, dk, dv).
+    q, k, v are the forward's (unit last stride) and out is its own output; only dout, which
+    autograd may hand over in any layout (an expanded gradient has stride 0), is checked."""
+    dout = _unit_last_stride(dout)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -187,6 +189,7 @@ def attention(q, k, v, options, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
             raise ValueError("max_seqlen_q / max_seqlen_k: required for a varlen batch")
     else:
         max_seqlen_q = max_seqlen_k = 0
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     o = options
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
             o.dropout_p, o.softmax_scale, o.causal, o.window_left, o.window_right, o.softcap,
