@@ -16,7 +16,7 @@ pass (forward; forward + backward through autograd) and shape, this script measu
 Each row is measured eagerly and, with --compile, under torch.compile (fullgraph) as well
 ("compiled": true). --profile writes a cProfile table of flare's calls to DIR/profile-*.txt.
 
-usage: host_overhead.py --json OUT.json [--iters 100] [--compile] [--profile DIR]
+usage: host_overhead.py --json OUT.json [--iters 100] [--rounds 7] [--compile] [--profile DIR]
 """
 import argparse
 import cProfile
@@ -99,7 +99,13 @@ def gpu_time_us(step, iters):
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def measure(impl, shape, pass_, compiled, iters, profile_dir):
+IMPLS = ("flare", "torch-cudnn", "torch-flash")
+
+
+def measure_case(shape, pass_, compiled, iters, rounds, profile_dir):
+    """One row per implementation. Host time drifts over seconds on a shared machine, so the
+    implementations are timed in interleaved rounds (flare, cuDNN, flash, flare, ...) and each
+    reports its median: a slow stretch costs all of them alike."""
     name, b, s, h, h_kv, d, causal = shape
     grad = pass_ != "fwd"
 
@@ -108,39 +114,60 @@ def measure(impl, shape, pass_, compiled, iters, profile_dir):
                            requires_grad=grad)
     q, k, v = make(h), make(h_kv), make(h_kv)
     dout = torch.randn_like(q) if grad else None
-    fn = attention_fn(impl, causal, h, h_kv)
     if compiled:
         torch._dynamo.reset()  # each case compiles afresh: no recompile limit across cases
-        fn = torch.compile(fn, fullgraph=True)
-    step = make_step(fn, q, k, v, dout, pass_)
-    for _ in range(10):
+    steps, errors = {}, {}
+    for impl in IMPLS:
+        try:
+            fn = attention_fn(impl, causal, h, h_kv)
+            if compiled:
+                fn = torch.compile(fn, fullgraph=True)
+            step = make_step(fn, q, k, v, dout, pass_)
+            for _ in range(10):
+                step()
+            steps[impl] = step
+        except Exception as e:  # a backend that refuses a shape: say so, go on
+            errors[impl] = f"{type(e).__name__}: {e}"[:300]
+    host = {impl: [] for impl in steps}
+    for _ in range(rounds):
+        for impl, step in steps.items():
+            host[impl].append(host_time_us(step, iters))
+    rows = []
+    for impl in IMPLS:
+        row = {"impl": impl, "pass": pass_, "model": name, "b": b, "s": s, "h": h, "h_kv": h_kv,
+               "d": d, "causal": causal, "compiled": compiled, "iters": iters}
+        if impl in errors:
+            rows.append({**row, "error": errors[impl]})
+            continue
+        step = steps[impl]
+        gpu_us = statistics.median(gpu_time_us(step, iters) for _ in range(3))
+        row.update(host_us_per_call=round(statistics.median(t for t, _ in host[impl]), 2),
+                   gpu_us_per_call=round(gpu_us, 2),
+                   host_ran_ahead=all(r for _, r in host[impl]))
+        if profile_dir and impl == "flare":
+            write_profile(step, iters, profile_dir, f"{name}-{pass_}{'-compiled' if compiled else ''}")
+        rows.append(row)
+    return rows
+
+
+def write_profile(step, iters, profile_dir, tag):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
         step()
-    host = [host_time_us(step, iters) for _ in range(5)]
-    host_us = statistics.median(t for t, _ in host)
-    ran_ahead = all(r for _, r in host)
-    gpu_us = statistics.median(gpu_time_us(step, iters) for _ in range(3))
-    if profile_dir and impl == "flare":
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(iters):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-        tag = f"{name}-{pass_}{'-compiled' if compiled else ''}"
-        with open(os.path.join(profile_dir, f"profile-{tag}.txt"), "w") as f:
-            f.write(text.getvalue())
-    return {"impl": impl, "pass": pass_, "model": name, "b": b, "s": s, "h": h, "h_kv": h_kv,
-            "d": d, "causal": causal, "compiled": compiled, "iters": iters,
-            "host_us_per_call": round(host_us, 2), "gpu_us_per_call": round(gpu_us, 2),
-            "host_ran_ahead": ran_ahead}
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    with open(os.path.join(profile_dir, f"profile-{tag}.txt"), "w") as f:
+        f.write(text.getvalue())
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved host-time rounds")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--profile", default="")
     args = ap.parse_args()
@@ -150,12 +177,8 @@ def main():
     for shape in SHAPES:
         for compiled in ([False, True] if args.compile else [False]):
             for pass_ in ("fwd", "fwdbwd"):
-                for impl in ("flare", "torch-cudnn", "torch-flash"):
-                    try:
-                        row = measure(impl, shape, pass_, compiled, args.iters, args.profile)
-                    except Exception as e:  # a backend that refuses a shape: say so, go on
-                        row = {"impl": impl, "pass": pass_, "model": shape[0],
-                               "compiled": compiled, "error": f"{type(e).__name__}: {e}"[:300]}
+                for row in measure_case(shape, pass_, compiled, args.iters, args.rounds,
+                                        args.profile):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     result = {
@@ -164,10 +187,11 @@ def main():
         "commit": git_commit(),
         "software": {"torch": torch.__version__, "cuda": torch.version.cuda,
                      "cudnn": torch.backends.cudnn.version(), "flare": flare.__version__},
-        "method": "host_us_per_call: host wall time to queue `iters` calls, median of 5; "
+        "method": "host_us_per_call: host wall time to queue `iters` calls, median of `rounds` "
+                  "rounds interleaved across implementations; "
                   "gpu_us_per_call: the same calls queued behind torch.cuda._sleep, CUDA events, "
                   "median of 3; host_ran_ahead: the GPU was still busy when queueing ended "
-                  "(all 5 host runs)",
+                  "(in every round)",
         "rows": rows,
     }
     with open(args.json, "w") as f:
