@@ -218,6 +218,19 @@ struct ContextParallelConfig {
   AttentionOptions attention;
 };
 
+// Where the calls' time went, summed over the calls since the last take_timing(): the time the
+// communication stream spent in exchanges (CUDA events around each), the time the caller's stream
+// spent computing between its waits for communication, and what this rank sent. Exposed
+// communication is then about (wall time − compute_ms); the rest of comm_ms overlapped. Times are
+// measured on CUDA devices only (0 on the host path, which still counts bytes and exchanges).
+struct CpTiming {
+  int calls = 0;
+  int exchanges = 0;
+  int64_t bytes_sent = 0;
+  double comm_ms = 0.0;
+  double compute_ms = 0.0;
+};
+
 class ContextParallelAttention {
  public:
   // Collective: every rank of `comm` calls it with its own copy of the config; each rank checks
@@ -235,6 +248,11 @@ class ContextParallelAttention {
                   const TensorView& v, const TensorView& o, const TensorView& lse,
                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   Stream stream = nullptr);
+
+  // Timing of later calls (off by default: its events cost a little). take_timing() waits on the
+  // host for the recorded events of the calls since the last read, then resets the sums.
+  Status set_timing(bool on);
+  Status take_timing(CpTiming* out);
 
   const ContextParallelConfig& config() const;
   // This rank's rows.

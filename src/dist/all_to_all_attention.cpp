@@ -1,4 +1,5 @@
-// all_to_all_attention.cpp — head-parallel context parallelism (Ulysses-style) at one rank.
+// all_to_all_attention.cpp — head-parallel context parallelism (Ulysses-style) at one rank, on
+// host memory or a CUDA device (ctx.ops).
 //
 // Ranks hold contiguous rows of every head (the ring layout). One all-to-all turns that into
 // every row of heads_q / n query heads and heads_kv / n K/V heads: rank p receives from each rank
@@ -9,166 +10,168 @@
 // positions (causal, sliding window) are the single-device ones over the full sequence.
 //
 // Traffic per rank and call, in elements of the local tensors: forward q + k + v out and in, then
-// O and LSE back; backward dout, q, k, v, O, LSE out and in, then dQ, dK, dV back. Each exchange
-// is one group of 2n transfers (a send to and a receive from every rank, itself included).
+// O and LSE back; backward dout, q, k, v, O, LSE out and in, then dQ, dK, dV back. Each trade is
+// one group of 2n transfers (a send to and a receive from every rank, itself included), issued on
+// the communication stream after the packing and waited for by the unpacking (nothing overlaps:
+// each step needs the previous one's data).
 //
-// Full-sequence buffers are sequence-major in memory, (S, b, heads, d) seen as a (b, S, heads, d)
-// view, so that each source rank's rows form one contiguous region and are received in place.
+// Full-sequence buffers of (b, s, h, d) tensors are sequence-major in memory, (S, b, heads, d)
+// seen as a (b, S, heads, d) view, so that each source rank's rows form one contiguous region and
+// are received in place. LSE must be dense (b, heads, S) for the single-device call, so its rows
+// arrive in a staging buffer and are copied into place.
 #include "dist/all_to_all_attention.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "dist/dist_internal.h"
-#include "dist/layout.h"
 
 namespace flare::dist {
 namespace {
 
 int64_t elem(DType d) { return static_cast<int64_t>(dtype_size(d)); }
 
-// A (b, S, heads, d) view of a sequence-major buffer.
-TensorView seq_major(void* data, DType dtype, int64_t b, int64_t s, int64_t heads, int64_t d) {
-  return TensorView::strided(data, dtype, {b, s, heads, d}, {heads * d, b * heads * d, d, 1});
-}
+// Which dimension of a local tensor holds its rows, which its heads.
+struct Axes {
+  int seq, head;
+};
+constexpr Axes kRowsFirst{1, 2};  // q, k, v, o, dout, dq, dk, dv: (b, s, h, d)
+constexpr Axes kLseAxes{2, 1};    // lse: (b, h, s)
+
+// The full-sequence tensors of this rank's heads, one slot each in the workspace: the forward uses
+// q..lse, the backward all of them.
+enum Full : int { kDout = 0, kQ, kK, kV, kO, kLse, kDq, kDk, kDv, kFullCount };
 
 struct Plan {
   int n, r;
   int64_t b, d, s_total, s_local;
+  int64_t hq, hk;  // heads per rank
   const std::vector<SequenceShard>* shards;
   int64_t begin(int p) const { return (*shards)[p].chunk[0].global_begin; }
   int64_t len(int p) const { return (*shards)[p].length; }
 };
 
 Plan plan_of(const CpContext& ctx) {
-  const int r = ctx.comm->rank();
-  int64_t total = 0;
-  for (const SequenceShard& s : ctx.shards) total += s.length;
-  return {ctx.comm->size(), r, ctx.batch, ctx.head_dim, total, ctx.shards[r].length, &ctx.shards};
+  const int n = ctx.comm->size();
+  return {n,          ctx.comm->rank(), ctx.batch,           ctx.head_dim, ctx.s_total(),
+          ctx.s_local(), ctx.heads_q / n, ctx.heads_kv / n, &ctx.shards};
 }
 
-// This rank's rows of every head of `local` (b, s_local, heads, d) → every row of its own
-// heads_per_rank heads, sequence-major in `full`.
-Status scatter_heads(CpContext& ctx, const Plan& m, const TensorView& local, int64_t hh,
-                     void* full, Stream stream) {
+// `len` rows of `hh` heads as laid out in a slab or a full buffer: sequence-major (b, len, hh, d)
+// for row-first tensors, dense (b, hh, len) for LSE.
+TensorView laid_out(const CpContext& ctx, const Plan& m, void* data, DType dt, Axes ax, int64_t len,
+                    int64_t hh) {
+  if (ax.seq == kLseAxes.seq) return ctx.dense(data, dt, {m.b, hh, len});
+  return TensorView::strided(data, dt, {m.b, len, hh, m.d}, {hh * m.d, m.b * hh * m.d, m.d, 1},
+                             ctx.device, ctx.device_index);
+}
+
+// Bytes of `len` rows of `hh` heads.
+int64_t slab_bytes(const Plan& m, DType dt, Axes ax, int64_t len, int64_t hh) {
+  return m.b * len * hh * (ax.seq == kLseAxes.seq ? 1 : m.d) * elem(dt);
+}
+
+// Rows-first full buffers receive in place; LSE goes through the staging buffer.
+bool in_place(Axes ax) { return ax.seq == kRowsFirst.seq; }
+
+// This rank's rows of every head of `local` → every row of its own hh heads in `full` (scatter),
+// or the reverse (gather). One trade of n sends and n receives.
+Status trade(CpContext& ctx, const Plan& m, const TensorView& local, Axes ax, int64_t hh,
+             void* full, bool scatter) {
+  CpOps& ops = *ctx.ops;
   const DType dt = local.dtype;
-  const int64_t slab = m.s_local * m.b * hh * m.d * elem(dt);  // bytes to each rank
-  auto* send = grow(ctx.scratch.a2a_send, m.n * slab);
-  auto* out = static_cast<unsigned char*>(full);
+  const int64_t mine = slab_bytes(m, dt, ax, m.s_local, hh);  // bytes of this rank's rows
+  auto* send = ctx.at(ctx.ws.a2a_send);
+  auto* stage = ctx.at(ctx.ws.a2a_stage);
+  auto* whole = static_cast<unsigned char*>(full);
+  const TensorView full_view = laid_out(ctx, m, full, dt, ax, m.s_total, hh);
+  // Where rank p's rows of the full buffer travel from or to: in place, or a staging slot.
+  auto region = [&](int p) {
+    return in_place(ax) ? whole + slab_bytes(m, dt, ax, m.begin(p), hh)
+                        : (scatter ? stage : send) + slab_bytes(m, dt, ax, m.begin(p), hh);
+  };
   std::vector<Transfer> t;
   for (int p = 0; p < m.n; ++p) {
-    copy_rows(rows(local, 2, p * hh, hh), 0, seq_major(send + p * slab, dt, m.b, m.s_local, hh, m.d),
-              0, m.s_local, 1);
-    t.push_back(Transfer::send(p, send + p * slab, slab));
-    t.push_back(Transfer::recv(p, out + m.begin(p) * m.b * hh * m.d * elem(dt),
-                               m.len(p) * m.b * hh * m.d * elem(dt)));
+    const TensorView heads = rows(local, ax.head, p * hh, hh);
+    if (scatter) {
+      FLARE_RETURN_IF_ERROR(ops.copy_rows(
+          heads, 0, laid_out(ctx, m, send + p * mine, dt, ax, m.s_local, hh), 0, m.s_local, ax.seq));
+      t.push_back(Transfer::send(p, send + p * mine, mine));
+      t.push_back(Transfer::recv(p, region(p), slab_bytes(m, dt, ax, m.len(p), hh)));
+    } else {
+      if (!in_place(ax))
+        FLARE_RETURN_IF_ERROR(ops.copy_rows(full_view, m.begin(p),
+                                            laid_out(ctx, m, region(p), dt, ax, m.len(p), hh), 0,
+                                            m.len(p), ax.seq));
+      t.push_back(Transfer::send(p, region(p), slab_bytes(m, dt, ax, m.len(p), hh)));
+      t.push_back(Transfer::recv(p, stage + p * mine, mine));
+    }
   }
-  return ctx.comm->exchange(t.data(), static_cast<int>(t.size()), stream);
-}
-
-// The inverse: every row of this rank's heads (sequence-major `full`) → each rank's rows, and
-// this rank's rows of every head into `local`.
-Status gather_heads(CpContext& ctx, const Plan& m, const void* full, int64_t hh,
-                    const TensorView& local, Stream stream) {
-  const DType dt = local.dtype;
-  const int64_t slab = m.s_local * m.b * hh * m.d * elem(dt);  // bytes from each rank
-  auto* stage = grow(ctx.scratch.a2a_stage, m.n * slab);
-  const auto* in = static_cast<const unsigned char*>(full);
-  std::vector<Transfer> t;
+  FLARE_RETURN_IF_ERROR(exchange_after_compute(ctx, t));
+  FLARE_RETURN_IF_ERROR(ops.compute_waits_comm());
   for (int p = 0; p < m.n; ++p) {
-    t.push_back(Transfer::send(p, in + m.begin(p) * m.b * hh * m.d * elem(dt),
-                               m.len(p) * m.b * hh * m.d * elem(dt)));
-    t.push_back(Transfer::recv(p, stage + p * slab, slab));
-  }
-  FLARE_RETURN_IF_ERROR(ctx.comm->exchange(t.data(), static_cast<int>(t.size()), stream));
-  for (int p = 0; p < m.n; ++p)
-    copy_rows(seq_major(stage + p * slab, dt, m.b, m.s_local, hh, m.d), 0,
-              rows(local, 2, p * hh, hh), 0, m.s_local, 1);
-  return {};
-}
-
-// LSE (b, heads_q, s_local) → (b, hh, S) of this rank's heads, dense in `full`.
-Status scatter_lse(CpContext& ctx, const Plan& m, const TensorView& lse, int64_t hh, float* full,
-                   Stream stream) {
-  const int64_t slab = m.b * hh * m.s_local;  // floats to each rank
-  float* send = grow<float>(ctx.scratch.a2a_send, m.n * slab * 4);
-  int64_t staged = 0;
-  for (int p = 0; p < m.n; ++p) staged += m.b * hh * m.len(p);
-  float* stage = grow<float>(ctx.scratch.a2a_stage, staged * 4);
-  std::vector<Transfer> t;
-  int64_t offset = 0;
-  for (int p = 0; p < m.n; ++p) {
-    copy_rows(rows(lse, 1, p * hh, hh), 0,
-              TensorView::contiguous(send + p * slab, DType::kFloat32, {m.b, hh, m.s_local}), 0,
-              m.s_local, 2);
-    t.push_back(Transfer::send(p, send + p * slab, slab * 4));
-    t.push_back(Transfer::recv(p, stage + offset, m.b * hh * m.len(p) * 4));
-    offset += m.b * hh * m.len(p);
-  }
-  FLARE_RETURN_IF_ERROR(ctx.comm->exchange(t.data(), static_cast<int>(t.size()), stream));
-  const TensorView whole = TensorView::contiguous(full, DType::kFloat32, {m.b, hh, m.s_total});
-  offset = 0;
-  for (int p = 0; p < m.n; ++p) {
-    copy_rows(TensorView::contiguous(stage + offset, DType::kFloat32, {m.b, hh, m.len(p)}), 0, whole,
-              m.begin(p), m.len(p), 2);
-    offset += m.b * hh * m.len(p);
+    if (scatter) {
+      if (!in_place(ax))
+        FLARE_RETURN_IF_ERROR(ops.copy_rows(laid_out(ctx, m, region(p), dt, ax, m.len(p), hh), 0,
+                                            full_view, m.begin(p), m.len(p), ax.seq));
+    } else {
+      FLARE_RETURN_IF_ERROR(ops.copy_rows(laid_out(ctx, m, stage + p * mine, dt, ax, m.s_local, hh),
+                                          0, rows(local, ax.head, p * hh, hh), 0, m.s_local,
+                                          ax.seq));
+    }
   }
   return {};
 }
 
-// The inverse of scatter_lse.
-Status gather_lse(CpContext& ctx, const Plan& m, float* full, int64_t hh, const TensorView& lse,
-                  Stream stream) {
-  int64_t packed = 0;
-  for (int p = 0; p < m.n; ++p) packed += m.b * hh * m.len(p);
-  float* send = grow<float>(ctx.scratch.a2a_send, packed * 4);
-  const int64_t slab = m.b * hh * m.s_local;  // floats from each rank
-  float* stage = grow<float>(ctx.scratch.a2a_stage, m.n * slab * 4);
-  const TensorView whole = TensorView::contiguous(full, DType::kFloat32, {m.b, hh, m.s_total});
-  std::vector<Transfer> t;
-  int64_t offset = 0;
-  for (int p = 0; p < m.n; ++p) {
-    copy_rows(whole, m.begin(p),
-              TensorView::contiguous(send + offset, DType::kFloat32, {m.b, hh, m.len(p)}), 0,
-              m.len(p), 2);
-    t.push_back(Transfer::send(p, send + offset, m.b * hh * m.len(p) * 4));
-    t.push_back(Transfer::recv(p, stage + p * slab, slab * 4));
-    offset += m.b * hh * m.len(p);
+// The full buffers of this rank's heads.
+struct FullViews {
+  const CpContext& ctx;
+  const Plan& m;
+  void* at(Full f) const { return ctx.at(ctx.ws.a2a_full[f]); }
+  TensorView q_like(Full f) const {
+    return laid_out(ctx, m, at(f), ctx.dtype, kRowsFirst, m.s_total, m.hq);
   }
-  FLARE_RETURN_IF_ERROR(ctx.comm->exchange(t.data(), static_cast<int>(t.size()), stream));
-  for (int p = 0; p < m.n; ++p)
-    copy_rows(TensorView::contiguous(stage + p * slab, DType::kFloat32, {m.b, hh, m.s_local}), 0,
-              rows(lse, 1, p * hh, hh), 0, m.s_local, 2);
-  return {};
-}
-
-// Buffer `i` of the full-sequence tensors, sized for `heads` heads of `dtype`.
-void* full_buffer(CpContext& ctx, const Plan& m, int i, int64_t heads, DType dtype) {
-  return grow(ctx.scratch.a2a_full[i], m.s_total * m.b * heads * m.d * elem(dtype));
-}
+  TensorView kv_like(Full f) const {
+    return laid_out(ctx, m, at(f), ctx.dtype, kRowsFirst, m.s_total, m.hk);
+  }
+  TensorView lse() const {
+    return laid_out(ctx, m, at(kLse), DType::kFloat32, kLseAxes, m.s_total, m.hq);
+  }
+};
 
 }  // namespace
+
+void plan_all_to_all_workspace(const CpContext& ctx, CpWorkspace* ws) {
+  const Plan m = plan_of(ctx);
+  const int64_t el = elem(ctx.dtype);
+  // A slab set (n slabs of this rank's rows, or every row of this rank's heads) of the largest
+  // tensor traded: q-like rows, or LSE.
+  const int64_t q_rows = std::max(m.b * m.hq * m.d * el, m.b * m.hq * int64_t{4});
+  WorkspaceCursor c;
+  ws->a2a_send = c.take(std::max(m.n * m.s_local, m.s_total) * q_rows);
+  ws->a2a_stage = c.take(std::max(m.n * m.s_local, m.s_total) * q_rows);
+  for (int f = 0; f < kFullCount; ++f) {
+    const int64_t heads = (f == kK || f == kV || f == kDk || f == kDv) ? m.hk : m.hq;
+    ws->a2a_full[f] = c.take(m.s_total * m.b * heads * (f == kLse ? 4 : m.d * el));
+  }
+  ws->bytes = c.end;
+}
 
 Status all_to_all_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
                                     const TensorView& v, const TensorView& o,
                                     const TensorView& lse, Stream stream) {
+  OpsScope scope(*ctx.ops, stream);
+  FLARE_RETURN_IF_ERROR(scope.status());
   const Plan m = plan_of(ctx);
-  const int64_t hq = ctx.heads_q / m.n, hk = ctx.heads_kv / m.n;
-  const DType dt = ctx.dtype;
-  void* qf = full_buffer(ctx, m, 0, hq, dt);
-  void* kf = full_buffer(ctx, m, 1, hk, dt);
-  void* vf = full_buffer(ctx, m, 2, hk, dt);
-  void* of = full_buffer(ctx, m, 3, hq, dt);
-  auto* lsef = static_cast<float*>(full_buffer(ctx, m, 4, hq, DType::kFloat32));
-  FLARE_RETURN_IF_ERROR(scatter_heads(ctx, m, q, hq, qf, stream));
-  FLARE_RETURN_IF_ERROR(scatter_heads(ctx, m, k, hk, kf, stream));
-  FLARE_RETURN_IF_ERROR(scatter_heads(ctx, m, v, hk, vf, stream));
-  FLARE_RETURN_IF_ERROR(attention_forward(
-      seq_major(qf, dt, m.b, m.s_total, hq, m.d), seq_major(kf, dt, m.b, m.s_total, hk, m.d),
-      seq_major(vf, dt, m.b, m.s_total, hk, m.d), seq_major(of, dt, m.b, m.s_total, hq, m.d),
-      TensorView::contiguous(lsef, DType::kFloat32, {m.b, hq, m.s_total}), ctx.block_options, {},
-      stream));
-  FLARE_RETURN_IF_ERROR(gather_heads(ctx, m, of, hq, o, stream));
-  return gather_lse(ctx, m, lsef, hq, lse, stream);
+  const FullViews f{ctx, m};
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, q, kRowsFirst, m.hq, f.at(kQ), true));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, k, kRowsFirst, m.hk, f.at(kK), true));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, v, kRowsFirst, m.hk, f.at(kV), true));
+  FLARE_RETURN_IF_ERROR(attention_forward(f.q_like(kQ), f.kv_like(kK), f.kv_like(kV),
+                                          f.q_like(kO), f.lse(), ctx.block_options, {},
+                                          ctx.ops->compute_stream()));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, o, kRowsFirst, m.hq, f.at(kO), false));
+  return trade(ctx, m, lse, kLseAxes, m.hq, f.at(kLse), false);
 }
 
 Status all_to_all_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
@@ -176,33 +179,23 @@ Status all_to_all_attention_backward(CpContext& ctx, const TensorView& dout, con
                                      const TensorView& o, const TensorView& lse,
                                      const TensorView& dq, const TensorView& dk,
                                      const TensorView& dv, Stream stream) {
+  OpsScope scope(*ctx.ops, stream);
+  FLARE_RETURN_IF_ERROR(scope.status());
   const Plan m = plan_of(ctx);
-  const int64_t hq = ctx.heads_q / m.n, hk = ctx.heads_kv / m.n;
-  const DType dt = ctx.dtype;
-  void* dof = full_buffer(ctx, m, 0, hq, dt);
-  void* qf = full_buffer(ctx, m, 1, hq, dt);
-  void* kf = full_buffer(ctx, m, 2, hk, dt);
-  void* vf = full_buffer(ctx, m, 3, hk, dt);
-  void* of = full_buffer(ctx, m, 4, hq, dt);
-  auto* lsef = static_cast<float*>(full_buffer(ctx, m, 5, hq, DType::kFloat32));
-  void* dqf = full_buffer(ctx, m, 6, hq, dt);
-  void* dkf = full_buffer(ctx, m, 7, hk, dt);
-  void* dvf = full_buffer(ctx, m, 8, hk, dt);
-  FLARE_RETURN_IF_ERROR(scatter_heads(ctx, m, dout, hq, dof, stream));
-  FLARE_RETURN_IF_ERROR(scatter_heads(ctx, m, q, hq, qf, stream));
-  FLARE_RETURN_IF_ERROR(scatter_heads(ctx, m, k, hk, kf, stream));
-  FLARE_RETURN_IF_ERROR(scatter_heads(ctx, m, v, hk, vf, stream));
-  FLARE_RETURN_IF_ERROR(scatter_heads(ctx, m, o, hq, of, stream));
-  FLARE_RETURN_IF_ERROR(scatter_lse(ctx, m, lse, hq, lsef, stream));
-  auto qv = [&](void* p) { return seq_major(p, dt, m.b, m.s_total, hq, m.d); };
-  auto kv = [&](void* p) { return seq_major(p, dt, m.b, m.s_total, hk, m.d); };
+  const FullViews f{ctx, m};
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, dout, kRowsFirst, m.hq, f.at(kDout), true));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, q, kRowsFirst, m.hq, f.at(kQ), true));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, k, kRowsFirst, m.hk, f.at(kK), true));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, v, kRowsFirst, m.hk, f.at(kV), true));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, o, kRowsFirst, m.hq, f.at(kO), true));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, lse, kLseAxes, m.hq, f.at(kLse), true));
   FLARE_RETURN_IF_ERROR(attention_backward(
-      qv(dof), qv(qf), kv(kf), kv(vf), qv(of),
-      TensorView::contiguous(lsef, DType::kFloat32, {m.b, hq, m.s_total}), qv(dqf), kv(dkf),
-      kv(dvf), ctx.block_options, {}, stream));
-  FLARE_RETURN_IF_ERROR(gather_heads(ctx, m, dqf, hq, dq, stream));
-  FLARE_RETURN_IF_ERROR(gather_heads(ctx, m, dkf, hk, dk, stream));
-  return gather_heads(ctx, m, dvf, hk, dv, stream);
+      f.q_like(kDout), f.q_like(kQ), f.kv_like(kK), f.kv_like(kV), f.q_like(kO), f.lse(),
+      f.q_like(kDq), f.kv_like(kDk), f.kv_like(kDv), ctx.block_options, {},
+      ctx.ops->compute_stream()));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, dq, kRowsFirst, m.hq, f.at(kDq), false));
+  FLARE_RETURN_IF_ERROR(trade(ctx, m, dk, kRowsFirst, m.hk, f.at(kDk), false));
+  return trade(ctx, m, dv, kRowsFirst, m.hk, f.at(kDv), false);
 }
 
 }  // namespace flare::dist

@@ -5,6 +5,9 @@
 
 namespace flare::dist {
 
+// Where all-to-all's buffers sit in the workspace (sizes from ctx's plan).
+void plan_all_to_all_workspace(const CpContext& ctx, CpWorkspace* ws);
+
 Status all_to_all_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
                                     const TensorView& v, const TensorView& o,
                                     const TensorView& lse, Stream stream);

@@ -1,5 +1,7 @@
-// context_parallel.cpp — ContextParallelAttention: the plan every rank agrees on at creation, the
-// checks of each call's local tensors, and the dispatch to the ring (ring_attention.cpp).
+// context_parallel.cpp — ContextParallelAttention: the plan every rank agrees on at creation (and
+// the workspace it sizes, on the host or the communicator's CUDA device), the checks of each
+// call's local tensors, and the dispatch to the strategies (ring_attention.cpp,
+// all_to_all_attention.cpp).
 //
 // Checks happen in two places. At creation every rank's config is gathered (host_all_gather) and
 // compared field by field with every other rank's, so all ranks fail alike and no call can later
@@ -160,6 +162,9 @@ Status check_locals(const State& st, const Communicator& comm,
         return invalid(name, ": on ", t->device == DeviceType::kCUDA ? "cuda" : "cpu",
                        ", but the ", comm.kind(), " communicator moves ",
                        comm.device() == DeviceType::kCUDA ? "cuda" : "cpu", " memory");
+      if (t->device == DeviceType::kCUDA && t->device_index != comm.device_index())
+        return invalid(name, ": on cuda:", t->device_index, ", but this rank's ", comm.kind(),
+                       " communicator is on cuda:", comm.device_index());
     }
   return {};
 }
@@ -187,11 +192,10 @@ Status ContextParallelAttention::create(Communicator* comm, const ContextParalle
   if (comm == nullptr) return invalid("comm: is null");
   FLARE_RETURN_IF_ERROR(comm->health());
   FLARE_RETURN_IF_ERROR(check_config(config));
-  if (comm->device() != DeviceType::kCPU)
-    return Status::unsupported(cat(
-        "comm: context-parallel attention over the ", comm->kind(),
-        " communicator (device memory) is not built yet: the ring runs on host memory, with the "
-        "in-process communicator (docs/context-parallel.md)"));
+  if (comm->device() == DeviceType::kCUDA && config.dtype == DType::kFloat32)
+    return Status::unsupported(
+        "config.dtype: float32 over the " + std::string(comm->kind()) +
+        " communicator: the CUDA kernels take float16 or bfloat16 (as FlashAttention does)");
 
   const int n = comm->size();
   if (config.strategy == Strategy::kAllToAll &&
@@ -223,6 +227,18 @@ Status ContextParallelAttention::create(Communicator* comm, const ContextParalle
   // The ring sets the mask per block call; all-to-all makes one call with the caller's options.
   ring.block_options =
       config.strategy == Strategy::kAllToAll ? config.attention : ring_block_options(config);
+  ring.strategy = config.strategy;
+  ring.device = comm->device();
+  ring.device_index = comm->device() == DeviceType::kCUDA ? comm->device_index() : 0;
+  // The workspace, once, from the plan: no call allocates after this.
+  if (config.strategy == Strategy::kAllToAll)
+    plan_all_to_all_workspace(ring, &ring.ws);
+  else
+    plan_ring_workspace(ring, &ring.ws);
+  if (ring.device == DeviceType::kCUDA)
+    FLARE_RETURN_IF_ERROR(make_device_ops(ring.device_index, ring.ws.bytes, &ring.ops));
+  else
+    ring.ops = make_host_ops(ring.ws.bytes);
   out->reset(new ContextParallelAttention(std::move(st)));
   return {};
 }
@@ -236,9 +252,12 @@ Status ContextParallelAttention::forward(const TensorView& q, const TensorView& 
   FLARE_RETURN_IF_ERROR(check_locals(st, comm, {{&q, "q"}, {&o, "o"}}, {{&k, "k"}, {&v, "v"}}, lse));
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(make_forward_params(q, k, v, o, lse, st.config.attention, {}, &p));
-  if (st.config.strategy == Strategy::kAllToAll)
-    return all_to_all_attention_forward(st.ring, q, k, v, o, lse, stream);
-  return ring_attention_forward(st.ring, q, k, v, o, lse, stream);
+  FLARE_RETURN_IF_ERROR(st.config.strategy == Strategy::kAllToAll
+                            ? all_to_all_attention_forward(st.ring, q, k, v, o, lse, stream)
+                            : ring_attention_forward(st.ring, q, k, v, o, lse, stream));
+  // A peer found dead while the call was issued (NCCL's watchdog) is reported now; one found
+  // later, by the next call, by barrier() or by health().
+  return comm.health();
 }
 
 Status ContextParallelAttention::backward(const TensorView& dout, const TensorView& q,
@@ -255,9 +274,18 @@ Status ContextParallelAttention::backward(const TensorView& dout, const TensorVi
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(
       make_backward_params(dout, q, k, v, o, lse, dq, dk, dv, st.config.attention, {}, &p));
-  if (st.config.strategy == Strategy::kAllToAll)
-    return all_to_all_attention_backward(st.ring, dout, q, k, v, o, lse, dq, dk, dv, stream);
-  return ring_attention_backward(st.ring, dout, q, k, v, o, lse, dq, dk, dv, stream);
+  FLARE_RETURN_IF_ERROR(
+      st.config.strategy == Strategy::kAllToAll
+          ? all_to_all_attention_backward(st.ring, dout, q, k, v, o, lse, dq, dk, dv, stream)
+          : ring_attention_backward(st.ring, dout, q, k, v, o, lse, dq, dk, dv, stream));
+  return comm.health();
+}
+
+Status ContextParallelAttention::set_timing(bool on) { return state_->ring.ops->set_timing(on); }
+
+Status ContextParallelAttention::take_timing(CpTiming* out) {
+  if (out == nullptr) return invalid("take_timing: out is null");
+  return state_->ring.ops->take_timing(out);
 }
 
 }  // namespace flare::dist

@@ -1,44 +1,107 @@
 // cp_context.h — one rank's plan for context-parallel attention, shared by the strategies (ring
 // and zigzag in ring_attention.cpp, all-to-all in all_to_all_attention.cpp): the communicator,
-// every rank's rows, the problem's sizes, the options of the single-device calls and host
-// scratch memory kept across calls.
+// every rank's rows, the problem's sizes, the options of the single-device calls, and the
+// workspace (one allocation, sized at create from the plan, on the communicator's device).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "dist/cp_ops.h"
 #include "flare/attention.h"
 #include "flare/dist.h"
 
 namespace flare::dist {
 
-// Host scratch reused across calls (grown on demand, never shrunk).
-struct CpScratch {
-  std::vector<unsigned char> kv_send;    // this rank's K and V packed, when not contiguous
-  std::vector<unsigned char> kv_recv[2]; // K then V of an incoming block, double-buffered
-  std::vector<unsigned char> dkv[2];     // fp32 dK then dV travelling with a block, double-buffered
-  std::vector<unsigned char> o_acc;      // fp32 (b, s_local, h_q, d)
-  std::vector<unsigned char> lse_acc;    // fp32 (b, h_q, s_local)
-  std::vector<unsigned char> o_blk;      // dtype (b, rows, h_q, d): one block call's output
-  std::vector<unsigned char> lse_blk;    // fp32 (b, h_q, rows)
-  std::vector<unsigned char> dq_acc;     // fp32 (b, s_local, h_q, d)
-  std::vector<unsigned char> grad_blk;   // dtype dQ, dK, dV of one block call
-  // All-to-all: head slabs to send, the full-sequence tensors of this rank's heads, and staging.
-  std::vector<unsigned char> a2a_send;
-  std::vector<unsigned char> a2a_full[9];
-  std::vector<unsigned char> a2a_stage;
+// Byte offsets of the buffers in the workspace. The forward's and the backward's buffers share
+// memory (a call uses one set), so calls on one object must be ordered on the device (one stream,
+// or the caller's synchronisation), as their outputs would be anyway.
+struct CpWorkspace {
+  // Ring and zigzag, both passes.
+  int64_t kv_send = 0;    // this rank's K then V packed, when the user's are not dense
+  int64_t kv_recv[2] = {0, 0};  // K then V of an incoming block, double-buffered
+  // Ring forward.
+  int64_t o_acc = 0;      // fp32 (b, s_local, h_q, d)
+  int64_t lse_acc = 0;    // fp32 (b, h_q, s_local)
+  int64_t o_blk = 0;      // dtype (b, rows, h_q, d): one block call's output
+  int64_t lse_blk = 0;    // fp32 (b, h_q, rows)
+  // Ring backward.
+  int64_t dq_acc = 0;     // fp32 (b, s_local, h_q, d)
+  int64_t dkv[2] = {0, 0};  // fp32 dK then dV travelling with a block, double-buffered
+  int64_t grad_blk = 0;   // dtype dQ of one call, then dK, dV of every call of a step
+  int64_t lse_rows = 0;   // fp32 (b, h_q, rows): a call's rows of the forward's LSE
+  // All-to-all.
+  int64_t a2a_send = 0;   // slabs to send, one per rank
+  int64_t a2a_stage = 0;  // slabs received, one per rank
+  int64_t a2a_full[9] = {};  // full-sequence tensors of this rank's heads
+  int64_t bytes = 0;      // the whole workspace
 };
 
-// What a strategy needs besides the tensors: the plan and scratch memory.
+// What a strategy needs besides the tensors: the plan, the workspace and where it runs.
 struct CpContext {
   Communicator* comm = nullptr;
   std::vector<SequenceShard> shards;  // shards[r]: rank r's rows
   int batch = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
   DType dtype = DType::kFloat32;
   bool causal = false;
-  AttentionOptions block_options;  // for every block call; `causal` is set per call
-  CpScratch scratch;
+  AttentionOptions block_options;  // for every block call; `causal` is set per call (ring)
+  DeviceType device = DeviceType::kCPU;
+  int device_index = 0;
+  CpWorkspace ws;
+  std::unique_ptr<CpOps> ops;
+  Strategy strategy = Strategy::kRing;
+
+  int64_t s_local() const { return shards[comm->rank()].length; }
+  int64_t s_max() const {
+    int64_t m = 0;
+    for (const SequenceShard& s : shards) m = m > s.length ? m : s.length;
+    return m;
+  }
+  int64_t s_total() const {
+    int64_t t = 0;
+    for (const SequenceShard& s : shards) t += s.length;
+    return t;
+  }
+  // A workspace buffer.
+  template <typename T = unsigned char>
+  T* at(int64_t offset) const {
+    return reinterpret_cast<T*>(ops->workspace() + offset);
+  }
+  // A dense view of `shape` at `data`, on this rank's device.
+  TensorView dense(void* data, DType dt, std::initializer_list<int64_t> shape) const {
+    return TensorView::contiguous(data, dt, shape, device, device_index);
+  }
 };
+
+// Hands out the workspace's buffers in order, each aligned to 256 bytes (vector loads, and the
+// alignment the CUDA kernels check for their fastest paths).
+struct WorkspaceCursor {
+  int64_t end = 0;
+  int64_t take(int64_t bytes) {
+    const int64_t at = end;
+    end += (bytes + 255) / 256 * 256;
+    return at;
+  }
+};
+
+// One exchange on the communication stream, after the computation issued so far (timed when
+// timing is on). Zero-byte transfers are dropped: both sides know every size, so they drop alike.
+inline Status exchange_after_compute(CpContext& ctx, const std::vector<Transfer>& all) {
+  std::vector<Transfer> t;
+  int64_t sent = 0;
+  for (const Transfer& x : all)
+    if (x.bytes > 0) {
+      t.push_back(x);
+      if (x.kind == Transfer::Kind::kSend) sent += x.bytes;
+    }
+  if (t.empty()) return {};
+  FLARE_RETURN_IF_ERROR(ctx.ops->comm_waits_compute());
+  FLARE_RETURN_IF_ERROR(ctx.ops->comm_started(sent));
+  FLARE_RETURN_IF_ERROR(
+      ctx.comm->exchange(t.data(), static_cast<int>(t.size()), ctx.ops->comm_stream()));
+  return ctx.ops->comm_finished();
+}
 
 // Indices [begin, begin + len) of dimension `dim` (rows of the sequence, or a range of heads).
 inline TensorView rows(const TensorView& t, int dim, int64_t begin, int64_t len) {
@@ -47,13 +110,6 @@ inline TensorView rows(const TensorView& t, int dim, int64_t begin, int64_t len)
            begin * t.stride[dim] * static_cast<int64_t>(dtype_size(t.dtype));
   r.shape[dim] = len;
   return r;
-}
-
-// A scratch buffer of at least `bytes`, grown on demand and kept.
-template <typename T = unsigned char>
-T* grow(std::vector<unsigned char>& buffer, int64_t bytes) {
-  if (buffer.size() < static_cast<size_t>(bytes)) buffer.resize(static_cast<size_t>(bytes));
-  return reinterpret_cast<T*>(buffer.data());
 }
 
 }  // namespace flare::dist

@@ -1,39 +1,40 @@
 // ring_attention.cpp — ring attention at one rank: the forward merges per-block (O, LSE), the
-// backward returns dK/dV to their owners.
+// backward returns dK/dV to their owners. Written once for host memory and CUDA devices: the
+// element-wise passes, the workspace and the ordering of the two streams are CpOps' (cp_ops.h).
 //
 // Forward, at rank r of n, step i = 0 … n−1, holding the K/V block of src = (r − i) mod n:
-//   1. start the next block's transfer: send the held block to r+1 and receive r−1's (the block
-//      of src − 1) into the other receive buffer — skipped at the last step;
-//   2. attend: one attention_forward call per task of ring_step_tasks (layout.h) on this rank's
-//      queries and the held block, each call's (O, LSE) merged into fp32 accumulators (merge.h);
-//   3. the received block is held at step i+1.
+//   1. the computation waits for the block it holds (received by step i−1's exchange);
+//   2. the next block's transfer starts on the communication stream: send the held block to r+1,
+//      receive r−1's (the block of src − 1) into the other receive buffer — once step i−1's
+//      computation, which read that buffer, is done; skipped at the last step;
+//   3. attend, on the caller's stream, while 2 runs: one attention_forward call per task of
+//      ring_step_tasks (layout.h) on this rank's queries and the held block, each call's
+//      (O, LSE) merged into fp32 accumulators (merge.h).
 // Then O and LSE are rounded into the outputs, once.
 //
 // Backward, the same ring, with the forward's final O and LSE. Why blocks give exact gradients:
 // with the full row's LSE, P_ij = exp(s_ij − LSE_i) is the final probability, and the flash
 // backward's D_i = rowsum(dO_i ∘ O_i) is the full row's, so each block call computes exactly the
 // single-device terms of dS for its pairs and their contributions to dQ, dK and dV; the sum over
-// blocks is the single-device gradient. dQ accumulates locally in fp32. dK and dV of the held
-// block accumulate in an fp32 buffer that travels with the block: after step i it goes to r+1,
-// which holds that block at step i+1; after step n−1 the buffer that arrives from r−1 belongs to
-// this rank's own block. So n−1 K/V transfers and n dK/dV transfers per rank, every one to the
-// next rank, and every rank the same amount of work under the zigzag layout.
+// blocks is the single-device gradient, in a fixed order (deterministic). dQ accumulates locally
+// in fp32. dK and dV of the held block accumulate in an fp32 buffer that travels with the block:
+// step i's exchange also sends step i−1's buffer to r+1 (which holds that block at step i) and
+// receives, from r−1, the buffer of the block held at step i. So the block calls of step i run
+// while the buffer they add into is in flight, and only the additions wait for it. After step n−1
+// one more exchange brings this rank's own block's buffer home. Per rank: n−1 K/V transfers and n
+// dK/dV transfers (fp32, twice the bytes of bf16 K/V), every one to the next rank.
 //
-// Buffers and overlap: step i sends the held block while receiving into the other buffer, and
-// step i+1 receives into the buffer sent at step i, so a block is never overwritten while it is
-// read. With the in-process communicator each exchange completes before the attention calls of
-// its step start; a stream-ordered communicator (NCCL) runs it on its own stream while those calls
-// run (docs/context-parallel.md says what the GPU path still needs).
+// Buffers: step i receives into K/V buffer i mod 2 and dK/dV buffer i mod 2; both were last read
+// by the computation of step i−1 or earlier, which the exchange waits for. Transfers of zero
+// bytes (empty shards) are skipped by both sides alike.
 #include "dist/ring_attention.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <vector>
 
-#include "core/numeric.h"
 #include "dist/dist_internal.h"
 #include "dist/layout.h"
-#include "dist/merge.h"
 
 namespace flare::dist {
 namespace {
@@ -42,18 +43,36 @@ namespace {
 struct Dims {
   int64_t b, hq, hkv, d, s_local, s_max;
   DType dtype;
+  int64_t el() const { return static_cast<int64_t>(dtype_size(dtype)); }
   int64_t kv_elems(int64_t len) const { return b * len * hkv * d; }
   int64_t q_elems(int64_t len) const { return b * len * hq * d; }
-  int64_t kv_bytes(int64_t len) const {
-    return kv_elems(len) * static_cast<int64_t>(dtype_size(dtype));
-  }
+  int64_t lse_elems(int64_t len) const { return b * hq * len; }
+  int64_t kv_bytes(int64_t len) const { return kv_elems(len) * el(); }
 };
 
 Dims dims_of(const CpContext& ctx) {
-  Dims m{ctx.batch, ctx.heads_q, ctx.heads_kv, ctx.head_dim, 0, 0, ctx.dtype};
-  m.s_local = ctx.shards[ctx.comm->rank()].length;
-  for (const SequenceShard& s : ctx.shards) m.s_max = std::max(m.s_max, s.length);
-  return m;
+  return {ctx.batch, ctx.heads_q, ctx.heads_kv, ctx.head_dim, ctx.s_local(), ctx.s_max(),
+          ctx.dtype};
+}
+
+int mod(int a, int n) { return (a % n + n) % n; }
+
+// The calls of step `step` at this rank (the block of rank src = r − step).
+std::vector<BlockTask> step_tasks(const CpContext& ctx, int step) {
+  const int n = ctx.comm->size(), r = ctx.comm->rank(), src = mod(r - step, n);
+  return ring_step_tasks(ctx.shards[r], ctx.shards[src], ctx.causal, src == r);
+}
+
+// The most K/V rows the calls of one step read, summed over the step's calls: the backward keeps
+// every call's dK/dV until the step's accumulator has arrived.
+int64_t max_step_k_rows(const CpContext& ctx) {
+  int64_t most = 0;
+  for (int step = 0; step < ctx.comm->size(); ++step) {
+    int64_t sum = 0;
+    for (const BlockTask& t : step_tasks(ctx, step)) sum += t.k_len;
+    most = std::max(most, sum);
+  }
+  return most;
 }
 
 // A K/V block: dense (b, len, h_kv, d) views, in user memory or a receive buffer.
@@ -62,197 +81,215 @@ struct KvBlock {
   int64_t len = 0;
 };
 
-KvBlock dense_block(unsigned char* base, const Dims& m, int64_t len) {
+KvBlock dense_block(const CpContext& ctx, const Dims& m, unsigned char* base, int64_t len) {
   KvBlock blk;
-  blk.k = TensorView::contiguous(base, m.dtype, {m.b, len, m.hkv, m.d});
-  blk.v = TensorView::contiguous(base + m.kv_bytes(m.s_max), m.dtype, {m.b, len, m.hkv, m.d});
+  blk.k = ctx.dense(base, m.dtype, {m.b, len, m.hkv, m.d});
+  blk.v = ctx.dense(base + m.kv_bytes(m.s_max), m.dtype, {m.b, len, m.hkv, m.d});
   blk.len = len;
   return blk;
 }
 
-// This rank's own block as dense views: the user's tensors when they are dense already (nothing
-// copied), else a packed copy to send from.
-KvBlock local_block(CpContext& ctx, const Dims& m, const TensorView& k, const TensorView& v) {
-  if (k.is_contiguous() && v.is_contiguous()) return {k, v, m.s_local};
-  KvBlock blk = dense_block(grow(ctx.scratch.kv_send, 2 * m.kv_bytes(m.s_max)), m, m.s_local);
-  copy_rows(k, 0, blk.k, 0, m.s_local, 1);
-  copy_rows(v, 0, blk.v, 0, m.s_local, 1);
-  return blk;
-}
+// One forward or backward at this rank: the ring's walk, shared by both passes.
+class Ring {
+ public:
+  Ring(CpContext& ctx, Stream stream)
+      : ctx_(ctx), ops_(*ctx.ops), m_(dims_of(ctx)), scope_(ops_, stream) {}
 
-// Step 1 of the ring: the held block to the next rank, the previous rank's into `incoming`.
-Status pass_block(Communicator& comm, const KvBlock& held, const KvBlock& incoming,
-                  const Dims& m, Stream stream) {
-  const int n = comm.size(), r = comm.rank();
-  const Transfer t[4] = {
-      Transfer::send((r + 1) % n, held.k.data, m.kv_bytes(held.len)),
-      Transfer::send((r + 1) % n, held.v.data, m.kv_bytes(held.len)),
-      Transfer::recv((r + n - 1) % n, incoming.k.data, m.kv_bytes(incoming.len)),
-      Transfer::recv((r + n - 1) % n, incoming.v.data, m.kv_bytes(incoming.len)),
-  };
-  return comm.exchange(t, 4, stream);
-}
+  Status begun() const { return scope_.status(); }
+  const Dims& dims() const { return m_; }
+  int size() const { return ctx_.comm->size(); }
+  int rank() const { return ctx_.comm->rank(); }
 
-// The block this rank receives at step `step` (held at step + 1), in receive buffer step % 2.
-KvBlock incoming_block(CpContext& ctx, const Dims& m, int step) {
-  const int n = ctx.comm->size(), owner = ((ctx.comm->rank() - step - 1) % n + n) % n;
-  return dense_block(grow(ctx.scratch.kv_recv[step % 2], 2 * m.kv_bytes(m.s_max)), m,
-                     ctx.shards[owner].length);
-}
-
-AttentionOptions block_options(const CpContext& ctx, const BlockTask& t) {
-  AttentionOptions o = ctx.block_options;
-  o.causal = t.causal;
-  return o;
-}
-
-// Folds one block call's (O, LSE) over local query rows [t.q_begin, t.q_begin + t.q_len) into the
-// fp32 accumulators.
-void merge_block(const Dims& m, const BlockTask& t, const void* o_blk, const float* lse_blk,
-                 float* o_acc, float* lse_acc) {
-  for (int64_t b = 0; b < m.b; ++b)
-    for (int64_t h = 0; h < m.hq; ++h)
-      for (int64_t i = 0; i < t.q_len; ++i) {
-        float& lse = lse_acc[(b * m.hq + h) * m.s_local + t.q_begin + i];
-        const MergeWeights w = merge_weights(lse, lse_blk[(b * m.hq + h) * t.q_len + i]);
-        lse = w.lse;
-        float* acc = o_acc + ((b * m.s_local + t.q_begin + i) * m.hq + h) * m.d;
-        const int64_t blk = ((b * t.q_len + i) * m.hq + h) * m.d;
-        for (int64_t c = 0; c < m.d; ++c)
-          acc[c] = w.a * acc[c] + w.b * load_as_float(o_blk, blk + c, m.dtype);
-      }
-}
-
-// acc rows [row0, row0 + rows) of a dense fp32 (b, len, h, d) += a dense dtype (b, rows, h, d).
-void accumulate_rows(float* acc, int64_t len, int64_t row0, const void* blk, int64_t rows,
-                     int64_t b_count, int64_t hd, DType dtype) {
-  for (int64_t b = 0; b < b_count; ++b)
-    for (int64_t i = 0; i < rows; ++i) {
-      float* dst = acc + (b * len + row0 + i) * hd;
-      const int64_t src = (b * rows + i) * hd;
-      for (int64_t c = 0; c < hd; ++c) dst[c] += load_as_float(blk, src + c, dtype);
+  // This rank's own block as dense views: the user's tensors when they are dense already
+  // (nothing copied), else a packed copy to send from.
+  Status hold_own_block(const TensorView& k, const TensorView& v) {
+    if (k.is_contiguous() && v.is_contiguous()) {
+      held_ = {k, v, m_.s_local};
+      return {};
     }
-}
+    held_ = dense_block(ctx_, m_, ctx_.at(ctx_.ws.kv_send), m_.s_local);
+    FLARE_RETURN_IF_ERROR(ops_.copy_rows(k, 0, held_.k, 0, m_.s_local, 1));
+    return ops_.copy_rows(v, 0, held_.v, 0, m_.s_local, 1);
+  }
+  const KvBlock& held() const { return held_; }
 
-// A dense fp32 (b, s, h, d) into a (b, s, h, d) view of any strides, rounding to its dtype.
-void store_rows(const float* acc, const TensorView& out) {
-  const int64_t s = out.shape[1], h = out.shape[2], d = out.shape[3];
-  for (int64_t b = 0; b < out.shape[0]; ++b)
-    for (int64_t i = 0; i < s; ++i)
-      for (int64_t j = 0; j < h; ++j)
-        for (int64_t c = 0; c < d; ++c)
-          store_from_float(out.data,
-                           b * out.stride[0] + i * out.stride[1] + j * out.stride[2] + c,
-                           out.dtype, acc[((b * s + i) * h + j) * d + c]);
-}
+  // Steps 1 and 2 of a ring step: the computation waits for the held block, then the exchange of
+  // the next block (and `extra` transfers: the backward's travelling dK/dV) starts.
+  Status start_step(int step, const std::vector<Transfer>& extra = {}) {
+    if (step > 0) {
+      held_ = incoming_;
+      FLARE_RETURN_IF_ERROR(ops_.compute_waits_comm());
+    }
+    std::vector<Transfer> t = extra;
+    if (step + 1 < size()) {
+      const int n = size(), r = rank(), owner = mod(r - step - 1, n);
+      incoming_ = dense_block(ctx_, m_, ctx_.at(ctx_.ws.kv_recv[step % 2]),
+                              ctx_.shards[owner].length);
+      t.push_back(Transfer::send((r + 1) % n, held_.k.data, m_.kv_bytes(held_.len)));
+      t.push_back(Transfer::send((r + 1) % n, held_.v.data, m_.kv_bytes(held_.len)));
+      t.push_back(Transfer::recv((r + n - 1) % n, incoming_.k.data, m_.kv_bytes(incoming_.len)));
+      t.push_back(Transfer::recv((r + n - 1) % n, incoming_.v.data, m_.kv_bytes(incoming_.len)));
+    }
+    return exchange(t);
+  }
+
+  Status exchange(const std::vector<Transfer>& t) { return exchange_after_compute(ctx_, t); }
+
+  AttentionOptions options(const BlockTask& t) const {
+    AttentionOptions o = ctx_.block_options;
+    o.causal = t.causal;
+    return o;
+  }
+
+ private:
+  CpContext& ctx_;
+  CpOps& ops_;
+  Dims m_;
+  OpsScope scope_;  // begin() … end() of the ops, around the whole pass
+  KvBlock held_, incoming_;
+};
 
 }  // namespace
+
+void plan_ring_workspace(const CpContext& ctx, CpWorkspace* ws) {
+  const Dims m = dims_of(ctx);
+  WorkspaceCursor c;
+  ws->kv_send = c.take(2 * m.kv_bytes(m.s_max));
+  ws->kv_recv[0] = c.take(2 * m.kv_bytes(m.s_max));
+  ws->kv_recv[1] = c.take(2 * m.kv_bytes(m.s_max));
+  const int64_t shared = c.end;
+  // The forward's buffers, then the backward's over the same bytes.
+  ws->o_acc = c.take(m.q_elems(m.s_local) * 4);
+  ws->lse_acc = c.take(m.lse_elems(m.s_local) * 4);
+  ws->o_blk = c.take(m.q_elems(m.s_local) * m.el());
+  ws->lse_blk = c.take(m.lse_elems(m.s_local) * 4);
+  const int64_t forward_end = c.end;
+  c.end = shared;
+  ws->dq_acc = c.take(m.q_elems(m.s_local) * 4);
+  ws->dkv[0] = c.take(2 * m.kv_elems(m.s_max) * 4);
+  ws->dkv[1] = c.take(2 * m.kv_elems(m.s_max) * 4);
+  ws->grad_blk = c.take((m.q_elems(m.s_local) + 2 * m.kv_elems(max_step_k_rows(ctx))) * m.el());
+  ws->lse_rows = c.take(m.lse_elems(m.s_local) * 4);
+  ws->bytes = std::max(forward_end, c.end);
+}
 
 Status ring_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
                               const TensorView& v, const TensorView& o, const TensorView& lse,
                               Stream stream) {
-  Communicator& comm = *ctx.comm;
-  const int n = comm.size(), r = comm.rank();
-  const Dims m = dims_of(ctx);
-  CpScratch& sc = ctx.scratch;
-  float* o_acc = grow<float>(sc.o_acc, m.q_elems(m.s_local) * 4);
-  float* lse_acc = grow<float>(sc.lse_acc, m.b * m.hq * m.s_local * 4);
-  std::fill(o_acc, o_acc + m.q_elems(m.s_local), 0.0f);
-  std::fill(lse_acc, lse_acc + m.b * m.hq * m.s_local, -INFINITY);  // no key seen yet
-  void* o_blk = grow(sc.o_blk, m.q_elems(m.s_local) * static_cast<int64_t>(dtype_size(m.dtype)));
-  float* lse_blk = grow<float>(sc.lse_blk, m.b * m.hq * m.s_local * 4);
+  Ring ring(ctx, stream);
+  FLARE_RETURN_IF_ERROR(ring.begun());
+  CpOps& ops = *ctx.ops;
+  const Dims& m = ring.dims();
+  auto* o_acc = ctx.at<float>(ctx.ws.o_acc);
+  auto* lse_acc = ctx.at<float>(ctx.ws.lse_acc);
+  void* o_blk = ctx.at(ctx.ws.o_blk);
+  auto* lse_blk = ctx.at<float>(ctx.ws.lse_blk);
+  FLARE_RETURN_IF_ERROR(ops.fill(o_acc, m.q_elems(m.s_local), 0.0f));
+  FLARE_RETURN_IF_ERROR(ops.fill(lse_acc, m.lse_elems(m.s_local), -INFINITY));  // no key seen yet
+  FLARE_RETURN_IF_ERROR(ring.hold_own_block(k, v));
 
-  KvBlock held = local_block(ctx, m, k, v);
-  for (int step = 0; step < n; ++step) {
-    const int src = ((r - step) % n + n) % n;
-    KvBlock incoming;
-    if (step + 1 < n) {
-      incoming = incoming_block(ctx, m, step);
-      FLARE_RETURN_IF_ERROR(pass_block(comm, held, incoming, m, stream));
-    }
-    for (const BlockTask& t : ring_step_tasks(ctx.shards[r], ctx.shards[src], ctx.causal, src == r)) {
-      const TensorView o_t = TensorView::contiguous(o_blk, m.dtype, {m.b, t.q_len, m.hq, m.d});
-      const TensorView lse_t = TensorView::contiguous(lse_blk, DType::kFloat32, {m.b, m.hq, t.q_len});
+  for (int step = 0; step < ring.size(); ++step) {
+    FLARE_RETURN_IF_ERROR(ring.start_step(step));
+    const KvBlock& held = ring.held();
+    for (const BlockTask& t : step_tasks(ctx, step)) {
       FLARE_RETURN_IF_ERROR(attention_forward(
           rows(q, 1, t.q_begin, t.q_len), rows(held.k, 1, t.k_begin, t.k_len),
-          rows(held.v, 1, t.k_begin, t.k_len), o_t, lse_t, block_options(ctx, t), {}, stream));
-      merge_block(m, t, o_blk, lse_blk, o_acc, lse_acc);
+          rows(held.v, 1, t.k_begin, t.k_len), ctx.dense(o_blk, m.dtype, {m.b, t.q_len, m.hq, m.d}),
+          ctx.dense(lse_blk, DType::kFloat32, {m.b, m.hq, t.q_len}), ring.options(t), {},
+          ops.compute_stream()));
+      FLARE_RETURN_IF_ERROR(ops.merge_block(
+          {o_acc, lse_acc, o_blk, lse_blk, m.b, m.hq, m.d, m.s_local, t.q_begin, t.q_len, m.dtype}));
     }
-    held = incoming;
   }
-  store_rows(o_acc, o);
-  if (m.b * m.hq * m.s_local > 0)
-    std::memcpy(lse.data, lse_acc, static_cast<size_t>(m.b * m.hq * m.s_local) * 4);
-  return {};
+  FLARE_RETURN_IF_ERROR(ops.store_rows(o_acc, o));
+  return ops.copy_rows(ctx.dense(lse_acc, DType::kFloat32, {m.b, m.hq, m.s_local}), 0, lse, 0,
+                       m.s_local, 2);
 }
 
 Status ring_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
                                const TensorView& k, const TensorView& v, const TensorView& o,
                                const TensorView& lse, const TensorView& dq, const TensorView& dk,
                                const TensorView& dv, Stream stream) {
-  Communicator& comm = *ctx.comm;
-  const int n = comm.size(), r = comm.rank();
-  const Dims m = dims_of(ctx);
-  CpScratch& sc = ctx.scratch;
-  const int64_t el = static_cast<int64_t>(dtype_size(m.dtype));
-  float* dq_acc = grow<float>(sc.dq_acc, m.q_elems(m.s_local) * 4);
-  std::fill(dq_acc, dq_acc + m.q_elems(m.s_local), 0.0f);
+  Ring ring(ctx, stream);
+  FLARE_RETURN_IF_ERROR(ring.begun());
+  CpOps& ops = *ctx.ops;
+  const Dims& m = ring.dims();
+  const int n = ring.size(), r = ring.rank();
+  auto* dq_acc = ctx.at<float>(ctx.ws.dq_acc);
   // A travelling fp32 dK/dV buffer: dK at 0, dV at kv_elems(s_max).
-  const int64_t dkv_stride = m.kv_elems(m.s_max);
-  float* dkv[2] = {grow<float>(sc.dkv[0], 2 * dkv_stride * 4),
-                   grow<float>(sc.dkv[1], 2 * dkv_stride * 4)};
-  std::fill(dkv[0], dkv[0] + 2 * dkv_stride, 0.0f);
-  unsigned char* grad = grow(sc.grad_blk, (m.q_elems(m.s_local) + 2 * m.kv_elems(m.s_max)) * el);
-  float* lse_rows = grow<float>(sc.lse_blk, m.b * m.hq * m.s_local * 4);
+  const int64_t dv_at = m.kv_elems(m.s_max);
+  float* dkv[2] = {ctx.at<float>(ctx.ws.dkv[0]), ctx.at<float>(ctx.ws.dkv[1])};
+  unsigned char* grad = ctx.at(ctx.ws.grad_blk);
+  auto* lse_rows = ctx.at<float>(ctx.ws.lse_rows);
+  FLARE_RETURN_IF_ERROR(ops.fill(dq_acc, m.q_elems(m.s_local), 0.0f));
+  FLARE_RETURN_IF_ERROR(ops.fill(dkv[0], 2 * dv_at, 0.0f));  // the own block's, at step 0
+  FLARE_RETURN_IF_ERROR(ring.hold_own_block(k, v));
 
-  KvBlock held = local_block(ctx, m, k, v);
+  // Step i's accumulator goes to r+1 and the one of the block held next arrives from r−1.
+  int64_t prev_len = 0;  // rows of the block held at the previous step
+  auto pass_dkv = [&](int step) -> std::vector<Transfer> {
+    if (step == 0) return {};
+    const int64_t in_len = ctx.shards[mod(r - step, n)].length;
+    float* out = dkv[(step - 1) % 2];
+    float* in = dkv[step % 2];
+    return {Transfer::send((r + 1) % n, out, m.kv_elems(prev_len) * 4),
+            Transfer::send((r + 1) % n, out + dv_at, m.kv_elems(prev_len) * 4),
+            Transfer::recv((r + n - 1) % n, in, m.kv_elems(in_len) * 4),
+            Transfer::recv((r + n - 1) % n, in + dv_at, m.kv_elems(in_len) * 4)};
+  };
+
   for (int step = 0; step < n; ++step) {
-    const int src = ((r - step) % n + n) % n;
-    KvBlock incoming;
-    if (step + 1 < n) {
-      incoming = incoming_block(ctx, m, step);
-      FLARE_RETURN_IF_ERROR(pass_block(comm, held, incoming, m, stream));
-    }
-    float* acc_dk = dkv[step % 2];
-    float* acc_dv = acc_dk + dkv_stride;
-    for (const BlockTask& t : ring_step_tasks(ctx.shards[r], ctx.shards[src], ctx.causal, src == r)) {
+    FLARE_RETURN_IF_ERROR(ring.start_step(step, pass_dkv(step)));
+    const KvBlock& held = ring.held();
+    const std::vector<BlockTask> tasks = step_tasks(ctx, step);
+    // Every call's dK/dV stays in grad until the step's accumulator has arrived.
+    unsigned char* dq_t = grad;
+    std::vector<unsigned char*> dk_t(tasks.size());
+    unsigned char* next = grad + m.q_elems(m.s_local) * m.el();
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const BlockTask& t = tasks[i];
+      dk_t[i] = next;
+      next += 2 * m.kv_bytes(t.k_len);
       // The backward takes a dense LSE: rows of the full (b, h, s_local) one are copied out.
       TensorView lse_t = lse;
       if (t.q_len != m.s_local) {
-        lse_t = TensorView::contiguous(lse_rows, DType::kFloat32, {m.b, m.hq, t.q_len});
-        copy_rows(lse, t.q_begin, lse_t, 0, t.q_len, 2);
+        lse_t = ctx.dense(lse_rows, DType::kFloat32, {m.b, m.hq, t.q_len});
+        FLARE_RETURN_IF_ERROR(ops.copy_rows(lse, t.q_begin, lse_t, 0, t.q_len, 2));
       }
-      unsigned char* dq_t = grad;
-      unsigned char* dk_t = dq_t + m.q_elems(t.q_len) * el;
-      unsigned char* dv_t = dk_t + m.kv_elems(t.k_len) * el;
       FLARE_RETURN_IF_ERROR(attention_backward(
           rows(dout, 1, t.q_begin, t.q_len), rows(q, 1, t.q_begin, t.q_len),
           rows(held.k, 1, t.k_begin, t.k_len), rows(held.v, 1, t.k_begin, t.k_len),
           rows(o, 1, t.q_begin, t.q_len), lse_t,
-          TensorView::contiguous(dq_t, m.dtype, {m.b, t.q_len, m.hq, m.d}),
-          TensorView::contiguous(dk_t, m.dtype, {m.b, t.k_len, m.hkv, m.d}),
-          TensorView::contiguous(dv_t, m.dtype, {m.b, t.k_len, m.hkv, m.d}),
-          block_options(ctx, t), {}, stream));
-      accumulate_rows(dq_acc, m.s_local, t.q_begin, dq_t, t.q_len, m.b, m.hq * m.d, m.dtype);
-      accumulate_rows(acc_dk, held.len, t.k_begin, dk_t, t.k_len, m.b, m.hkv * m.d, m.dtype);
-      accumulate_rows(acc_dv, held.len, t.k_begin, dv_t, t.k_len, m.b, m.hkv * m.d, m.dtype);
+          ctx.dense(dq_t, m.dtype, {m.b, t.q_len, m.hq, m.d}),
+          ctx.dense(dk_t[i], m.dtype, {m.b, t.k_len, m.hkv, m.d}),
+          ctx.dense(dk_t[i] + m.kv_bytes(t.k_len), m.dtype, {m.b, t.k_len, m.hkv, m.d}),
+          ring.options(t), {}, ops.compute_stream()));
+      FLARE_RETURN_IF_ERROR(ops.accumulate_rows(dq_acc, m.s_local, t.q_begin, dq_t, t.q_len, m.b,
+                                                m.hq * m.d, m.dtype));
     }
-    // The return trip: this block's dK/dV go on with it; the previous rank's arrive.
-    const int64_t in_len = ctx.shards[((src - 1) % n + n) % n].length;
-    float* in_dk = dkv[(step + 1) % 2];
-    const Transfer t[4] = {
-        Transfer::send((r + 1) % n, acc_dk, m.kv_elems(held.len) * 4),
-        Transfer::send((r + 1) % n, acc_dv, m.kv_elems(held.len) * 4),
-        Transfer::recv((r + n - 1) % n, in_dk, m.kv_elems(in_len) * 4),
-        Transfer::recv((r + n - 1) % n, in_dk + dkv_stride, m.kv_elems(in_len) * 4),
-    };
-    FLARE_RETURN_IF_ERROR(comm.exchange(t, 4, stream));
-    held = incoming;
+    // The additions into the travelling buffer wait for it (step 0's is local and zeroed).
+    if (step > 0 && !tasks.empty()) FLARE_RETURN_IF_ERROR(ops.compute_waits_comm());
+    float* acc = dkv[step % 2];
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const BlockTask& t = tasks[i];
+      FLARE_RETURN_IF_ERROR(ops.accumulate_rows(acc, held.len, t.k_begin, dk_t[i], t.k_len, m.b,
+                                                m.hkv * m.d, m.dtype));
+      FLARE_RETURN_IF_ERROR(ops.accumulate_rows(acc + dv_at, held.len, t.k_begin,
+                                                dk_t[i] + m.kv_bytes(t.k_len), t.k_len, m.b,
+                                                m.hkv * m.d, m.dtype));
+    }
+    prev_len = held.len;
   }
-  store_rows(dq_acc, dq);
-  store_rows(dkv[n % 2], dk);  // after n steps this rank's own block's dK/dV are back
-  store_rows(dkv[n % 2] + dkv_stride, dv);
-  return {};
+  // The last step's buffer goes on; the one arriving is this rank's own block's.
+  if (n > 1) {
+    std::vector<Transfer> home = pass_dkv(n);
+    FLARE_RETURN_IF_ERROR(ring.exchange(home));
+    FLARE_RETURN_IF_ERROR(ops.compute_waits_comm());
+  }
+  const float* own = dkv[n > 1 ? n % 2 : 0];
+  FLARE_RETURN_IF_ERROR(ops.store_rows(dq_acc, dq));
+  FLARE_RETURN_IF_ERROR(ops.store_rows(own, dk));
+  return ops.store_rows(own + dv_at, dv);
 }
 
 }  // namespace flare::dist

@@ -1,4 +1,5 @@
-// ring_attention.h — one rank's side of ring attention, forward and backward, on host memory.
+// ring_attention.h — one rank's side of ring attention, forward and backward, on host memory or a
+// CUDA device (ctx.ops).
 //
 // The caller (context_parallel.cpp) has validated the tensors and agreed on the plan with every
 // other rank; these functions run the ring. See ring_attention.cpp for the step structure.
@@ -7,6 +8,9 @@
 #include "dist/cp_context.h"
 
 namespace flare::dist {
+
+// Where the ring's buffers sit in the workspace (sizes from ctx's plan).
+void plan_ring_workspace(const CpContext& ctx, CpWorkspace* ws);
 
 Status ring_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
                               const TensorView& v, const TensorView& o, const TensorView& lse,
