@@ -4,7 +4,7 @@
 // Each case builds one global problem, shards q, k, v and dout to the ranks, runs the forward and
 // backward on every rank at once (one thread per rank), gathers o, lse, dq, dk and dv back into
 // the global tensors (poisoned with NaN first: every element must be written) and checks them as
-// the single-device tests check a backend. Also: configs that disagree across ranks, local
+// the single-device tests check a backend (setup shared with the GPU tests: test_dist_util.h). Also: configs that disagree across ranks, local
 // tensors that do not fit the plan, a rank that never joins, and options not supported yet.
 #include <gtest/gtest.h>
 
@@ -28,95 +28,10 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kTimeoutMs = 60000;  // a correct run never waits for it
 
-struct CpCase {
-  Strategy strategy = Strategy::kZigzag;
-  int world = 2;
-  bool causal = true;
-  int batch = 2;
-  int seqlen = 24;
-  int heads_q = 4;
-  int heads_kv = 2;
-  int head_dim = 64;
-  DType dtype = DType::kFloat32;
-  float softcap = 0.0f;
-  int window_left = -1, window_right = -1;
-  int64_t pad = 0;  // extra row stride of the local tensors
-};
-
-std::string describe(const CpCase& c) {
-  return ::testing::PrintToString(dist::strategy_name(c.strategy)) + " world=" +
-         std::to_string(c.world) + " causal=" + std::to_string(c.causal) +
-         " s=" + std::to_string(c.seqlen) + " b=" + std::to_string(c.batch) +
-         " h=" + std::to_string(c.heads_q) + "/" + std::to_string(c.heads_kv) +
-         " d=" + std::to_string(c.head_dim) + " " + dtype_name(c.dtype) +
-         " softcap=" + std::to_string(c.softcap) + " window=(" + std::to_string(c.window_left) +
-         "," + std::to_string(c.window_right) + ") pad=" + std::to_string(c.pad);
-}
-
-// `c` under strategy st; all-to-all hands out whole heads, so it gets 2:1 GQA with as many K/V
-// heads as ranks.
-CpCase with_strategy(CpCase c, Strategy st) {
-  c.strategy = st;
-  if (st == Strategy::kAllToAll) {
-    c.heads_q = 2 * c.world;
-    c.heads_kv = c.world;
-  }
-  return c;
-}
-
-ContextParallelConfig config_of(const CpCase& c) {
-  ContextParallelConfig cfg;
-  cfg.strategy = c.strategy;
-  cfg.batch = c.batch;
-  cfg.seqlen = c.seqlen;
-  cfg.heads_q = c.heads_q;
-  cfg.heads_kv = c.heads_kv;
-  cfg.head_dim = c.head_dim;
-  cfg.dtype = c.dtype;
-  cfg.attention.causal = c.causal;
-  cfg.attention.softcap = c.softcap;
-  cfg.attention.window_left = c.window_left;
-  cfg.attention.window_right = c.window_right;
-  return cfg;
-}
-
-// One rank's local tensors.
-struct Local {
-  HostTensor q, k, v, o, lse, dout, dq, dk, dv;
-};
-
-Local make_local(const CpCase& c, const Problem& pr, int rank) {
-  dist::SequenceShard sh;
-  EXPECT_TRUE(dist::sequence_shard(c.strategy, c.seqlen, c.world, rank, &sh).ok());
-  const int64_t s = sh.length;
-  auto qlike = [&] { return HostTensor::make_padded(c.dtype, {c.batch, s, c.heads_q, c.head_dim}, c.pad); };
-  auto kvlike = [&] { return HostTensor::make_padded(c.dtype, {c.batch, s, c.heads_kv, c.head_dim}, c.pad); };
-  Local l{qlike(), kvlike(), kvlike(), qlike(), HostTensor::make(DType::kFloat32, {c.batch, c.heads_q, s}),
-          qlike(), qlike(), kvlike(), kvlike()};
-  for (auto [full, local] : {std::pair{&pr.q, &l.q}, {&pr.k, &l.k}, {&pr.v, &l.v}, {&pr.dout, &l.dout}})
-    EXPECT_TRUE(dist::shard_sequence(full->view, 1, c.strategy, c.world, rank, local->view).ok());
-  for (HostTensor* t : {&l.o, &l.lse, &l.dq, &l.dk, &l.dv}) t->poison();
-  return l;
-}
-
 void run_case(const CpCase& c) {
   SCOPED_TRACE(describe(c));
-  ProblemSpec spec;
-  spec.batch = c.batch;
-  spec.seqlen_q = spec.seqlen_k = c.seqlen;
-  spec.heads_q = c.heads_q;
-  spec.heads_kv = c.heads_kv;
-  spec.head_dim = c.head_dim;
-  spec.dtype = c.dtype;
-  spec.options.causal = c.causal;
-  spec.options.softcap = c.softcap;
-  spec.options.window_left = c.window_left;
-  spec.options.window_right = c.window_right;
-  spec.seed = test_seed();
-  Problem pr = make_problem(spec);
-
-  std::vector<Local> locals;
-  for (int r = 0; r < c.world; ++r) locals.push_back(make_local(c, pr, r));
+  Problem pr = problem_of(c);
+  std::vector<Local> locals = make_locals(c, pr);
   auto comms = in_process_group(c.world, kTimeoutMs);
   const auto t0 = Clock::now();
   const std::vector<Status> st = run_ranks(comms, [&](Communicator& comm) -> Status {
@@ -129,17 +44,8 @@ void run_case(const CpCase& c) {
   });
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   for (int r = 0; r < c.world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
-  for (int r = 0; r < c.world; ++r) {
-    const Local& l = locals[r];
-    for (auto [local, full, dim] : {std::tuple{&l.o, &pr.o, 1}, {&l.lse, &pr.lse, 2}, {&l.dq, &pr.dq, 1},
-                                    {&l.dk, &pr.dk, 1}, {&l.dv, &pr.dv, 1}})
-      ASSERT_TRUE(dist::unshard_sequence(local->view, dim, c.strategy, c.world, r, full->view).ok());
-  }
-  expect_forward_matches(pr);
-  const AttentionParams bp = pr.backward_params();
-  const cpu::RefBackward ref = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
-  const cpu::RefBackward naive = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
-  expect_gradients_match(pr, bp, ref, naive);
+  gather_outputs(c, locals, &pr);
+  expect_matches_reference(pr);
   ::testing::Test::RecordProperty("ring_ms", std::to_string(ms));
 }
 
@@ -256,10 +162,6 @@ TEST(ContextParallel, OneRank) {
 
 // ---- errors ------------------------------------------------------------------------------------
 
-bool has(const Status& s, const std::string& text) {
-  return s.message().find(text) != std::string::npos;
-}
-
 TEST(ContextParallelErrors, ConfigsThatDisagreeFailOnEveryRank) {
   auto comms = in_process_group(3, kTimeoutMs);
   const std::vector<Status> st = run_ranks(comms, [](Communicator& comm) -> Status {
@@ -282,15 +184,8 @@ TEST(ContextParallelErrors, LocalShapeMismatch) {
   const int timeout_ms = 300;
   CpCase c;
   c.world = 3;
-  ProblemSpec spec;
-  spec.batch = c.batch;
-  spec.seqlen_q = spec.seqlen_k = c.seqlen;
-  spec.heads_q = c.heads_q;
-  spec.heads_kv = c.heads_kv;
-  spec.head_dim = c.head_dim;
-  Problem pr = make_problem(spec);
-  std::vector<Local> locals;
-  for (int r = 0; r < c.world; ++r) locals.push_back(make_local(c, pr, r));
+  Problem pr = problem_of(c);
+  std::vector<Local> locals = make_locals(c, pr);
   HostTensor short_q = HostTensor::make(c.dtype, {c.batch, 7, c.heads_q, c.head_dim});
   auto comms = in_process_group(c.world, timeout_ms);
   const auto t0 = Clock::now();

@@ -28,10 +28,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kTimeoutMs = 20000;  // generous: a hung test still ends; never reached when correct
 
-bool has(const Status& s, const std::string& text) {
-  return s.message().find(text) != std::string::npos;
-}
-
 class Sizes : public ::testing::TestWithParam<int> {};
 
 // A ring step: each rank sends its vector to the next and receives the previous rank's.

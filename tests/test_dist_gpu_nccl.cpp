@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "flare/dist.h"
+#include "test_dist_gpu_util.h"
+#include "test_dist_util.h"
 
 namespace flare::test {
 namespace {
@@ -22,56 +24,8 @@ namespace {
 using dist::Communicator;
 using Clock = std::chrono::steady_clock;
 
-int usable_devices() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
-  return std::min(n, 8);
-}
-
-#define SKIP_WITHOUT_TWO_GPUS()                                                              \
-  do {                                                                                       \
-    if (!dist::nccl_built()) GTEST_SKIP() << "this build of flare has no NCCL";              \
-    if (usable_devices() < 2) GTEST_SKIP() << "needs 2 CUDA devices, found " << usable_devices(); \
-  } while (0)
-
-bool has(const Status& s, const std::string& text) {
-  return s.message().find(text) != std::string::npos;
-}
-
-// Creates `n` NCCL communicators (device r for rank r) from threads, runs fn on each; statuses.
-std::vector<Status> run_nccl(int n, int timeout_ms,
-                             const std::function<Status(Communicator&)>& fn,
-                             int absent_rank = -1) {
-  dist::NcclId id;
-  EXPECT_TRUE(dist::nccl_unique_id(&id).ok());
-  std::vector<Status> st(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      if (r == absent_rank) return;
-      std::unique_ptr<Communicator> comm;
-      st[r] = dist::make_nccl_communicator(id, r, n, r, {timeout_ms}, &comm);
-      if (st[r].ok()) st[r] = fn(*comm);
-    });
-  for (auto& t : threads) t.join();
-  return st;
-}
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  explicit DeviceBuffer(size_t n) { cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  void upload(const std::vector<T>& h) { cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
-  std::vector<T> download(size_t n) const {
-    std::vector<T> h(n);
-    cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
-
 TEST(NcclCommunicator, EveryOperation) {
-  SKIP_WITHOUT_TWO_GPUS();
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
   const int n = usable_devices();
   const std::vector<Status> st = run_nccl(n, 60000, [](Communicator& c) -> Status {
     const int r = c.rank(), size = c.size();
@@ -122,7 +76,7 @@ TEST(NcclCommunicator, EveryOperation) {
 
 // One rank never creates its communicator: the others fail within the timeout.
 TEST(NcclCommunicator, RankThatNeverJoins) {
-  SKIP_WITHOUT_TWO_GPUS();
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
   const int timeout_ms = 3000;
   const auto t0 = Clock::now();
   const std::vector<Status> st = run_nccl(2, timeout_ms, [](Communicator&) { return Status{}; },
@@ -135,7 +89,7 @@ TEST(NcclCommunicator, RankThatNeverJoins) {
 
 // Rank 1 skips an exchange: rank 0's barrier reports the timeout; the communicator stays failed.
 TEST(NcclCommunicator, PeerThatSkipsAnOperation) {
-  SKIP_WITHOUT_TWO_GPUS();
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
   const int timeout_ms = 2000;
   const std::vector<Status> st = run_nccl(2, timeout_ms, [&](Communicator& c) -> Status {
     if (c.rank() == 1) {
@@ -155,22 +109,6 @@ TEST(NcclCommunicator, PeerThatSkipsAnOperation) {
   EXPECT_EQ(st[0].code(), StatusCode::kDeviceError) << st[0].to_string();
   EXPECT_TRUE(has(st[0], "exchange (recv from 1)") && has(st[0], "2000 ms")) << st[0].message();
   EXPECT_TRUE(st[1].ok());
-}
-
-// The ring runs on host memory for now: a device communicator is refused by name.
-TEST(NcclCommunicator, ContextParallelOnDevicesIsNotBuiltYet) {
-  SKIP_WITHOUT_TWO_GPUS();
-  const std::vector<Status> st = run_nccl(2, 60000, [](Communicator& c) -> Status {
-    dist::ContextParallelConfig cfg;
-    cfg.batch = 1;
-    cfg.seqlen = 64;
-    cfg.heads_q = cfg.heads_kv = 2;
-    cfg.head_dim = 64;
-    std::unique_ptr<dist::ContextParallelAttention> cp;
-    const Status s = dist::ContextParallelAttention::create(&c, cfg, &cp);
-    return s.code() == StatusCode::kUnsupported ? Status{} : Status::internal(s.to_string());
-  });
-  for (const Status& s : st) EXPECT_TRUE(s.ok()) << s.to_string();
 }
 
 }  // namespace

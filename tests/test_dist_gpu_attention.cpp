@@ -1,0 +1,420 @@
+// test_dist_gpu_attention.cpp — context-parallel attention on real GPUs over NCCL (labels gpu,
+// dist): one thread per visible device in this process, rank r on device r, as
+// test_dist_gpu_nccl.cpp runs the communicator. Each test skips, saying so, without NCCL in the
+// build or with fewer than two CUDA devices.
+//
+// A case builds one global problem on the host, shards it to the ranks (test_dist_util.h), runs
+// forward then backward on every rank's device, gathers every rank's o, lse, dq, dk and dv (each
+// poisoned with NaN first: every element must be written) and checks them against the float64
+// reference under the tolerance rule (docs/architecture.md). The same inputs also run as one
+// single-GPU flare call over the whole sequence on device 0, which must pass the same rule: the
+// context-parallel result is held to what one device achieves on those inputs, and the largest
+// difference between the two is recorded (cp_vs_single_*).
+//
+// Also: two runs bitwise equal (deterministic backward), the timing counters against the bytes
+// the plan must move, a peer that never takes part (an error within the timeout, never a hang),
+// and inputs refused by name.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flare/dist.h"
+#include "gpu_util.h"
+#include "test_dist_gpu_util.h"
+#include "test_dist_util.h"
+#include "test_util.h"
+
+namespace flare::test {
+namespace {
+
+using dist::Communicator;
+using dist::ContextParallelAttention;
+using dist::Strategy;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kTimeoutMs = 120000;  // a correct run never waits for it
+
+// One rank's local tensors on its device (the current one when constructed).
+struct DeviceLocal {
+  GpuTensor q, k, v, o, lse, dout, dq, dk, dv;
+  int device;
+
+  DeviceLocal(const Local& l, int dev) : device(dev) {
+    for (auto [d, h] : {std::pair{&q, &l.q}, {&k, &l.k}, {&v, &l.v}, {&o, &l.o}, {&lse, &l.lse},
+                        {&dout, &l.dout}, {&dq, &l.dq}, {&dk, &l.dk}, {&dv, &l.dv}})
+      d->upload(*h);
+  }
+  // GpuTensor's views name device 0; this rank's are on `device`.
+  TensorView at(const GpuTensor& t) const {
+    TensorView view = t.view();
+    view.device_index = device;
+    return view;
+  }
+  void poison_outputs() const {
+    for (const GpuTensor* t : {&o, &lse, &dq, &dk, &dv}) t->poison();
+  }
+  void download_outputs(Local* l) const {
+    o.download(&l->o);
+    lse.download(&l->lse);
+    dq.download(&l->dq);
+    dk.download(&l->dk);
+    dv.download(&l->dv);
+  }
+};
+
+Status cuda_ok(cudaError_t e, const char* what) {
+  return e == cudaSuccess ? Status{} : Status::device_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Forward then backward of one rank on its stream, waiting for the device at the end.
+Status forward_backward(ContextParallelAttention& cp, const DeviceLocal& d, cudaStream_t stream) {
+  d.poison_outputs();
+  FLARE_RETURN_IF_ERROR(cp.forward(d.at(d.q), d.at(d.k), d.at(d.v), d.at(d.o), d.at(d.lse), stream));
+  FLARE_RETURN_IF_ERROR(cp.backward(d.at(d.dout), d.at(d.q), d.at(d.k), d.at(d.v), d.at(d.o),
+                                    d.at(d.lse), d.at(d.dq), d.at(d.dk), d.at(d.dv), stream));
+  return cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+// Runs case c `runs` times on c.world GPUs with one plan per rank; run i's outputs land in
+// (*outs)[i], one Local per rank (inputs sharded from pr).
+void run_on_gpus(const CpCase& c, const Problem& pr, int runs, std::vector<std::vector<Local>>* outs) {
+  for (int i = 0; i < runs; ++i) outs->push_back(make_locals(c, pr));
+  const std::vector<Status> st = run_nccl(c.world, kTimeoutMs, [&](Communicator& comm) -> Status {
+    const int r = comm.rank();
+    std::unique_ptr<ContextParallelAttention> cp;
+    FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
+    const DeviceLocal d((*outs)[0][r], comm.device_index());
+    cudaStream_t stream = nullptr;
+    FLARE_RETURN_IF_ERROR(cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate"));
+    Status s;
+    for (int i = 0; i < runs && s.ok(); ++i) {
+      s = forward_backward(*cp, d, stream);
+      if (s.ok()) d.download_outputs(&(*outs)[i][r]);
+    }
+    cudaStreamDestroy(stream);
+    return s;
+  });
+  for (int r = 0; r < c.world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+}
+
+// The whole problem as one single-GPU flare call on device 0; outputs into pr.
+void run_single_gpu(Problem* pr) {
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  GpuTensor q, k, v, o, lse, dout, dq, dk, dv;
+  for (auto [d, h] : {std::pair{&q, &pr->q}, {&k, &pr->k}, {&v, &pr->v}, {&o, &pr->o}, {&lse, &pr->lse},
+                      {&dout, &pr->dout}, {&dq, &pr->dq}, {&dk, &pr->dk}, {&dv, &pr->dv}})
+    d->upload(*h);
+  for (const GpuTensor* t : {&o, &lse, &dq, &dk, &dv}) t->poison();
+  Status s = attention_forward(q.view(), k.view(), v.view(), o.view(), lse.view(), pr->options);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  s = attention_backward(dout.view(), q.view(), k.view(), v.view(), o.view(), lse.view(), dq.view(),
+                         dk.view(), dv.view(), pr->options);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  o.download(&pr->o);
+  lse.download(&pr->lse);
+  dq.download(&pr->dq);
+  dk.download(&pr->dk);
+  dv.download(&pr->dv);
+}
+
+double max_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0.0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    if (std::isfinite(a[i]) && std::isfinite(b[i])) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+// The whole check of one case: context parallel and single GPU, each against the reference.
+void run_gpu_case(const CpCase& c) {
+  SCOPED_TRACE(describe(c));
+  const ProblemSpec spec = spec_of(c);
+  Problem pr = make_problem(spec);
+  std::vector<std::vector<Local>> outs;
+  run_on_gpus(c, pr, 1, &outs);
+  if (::testing::Test::HasFatalFailure()) return;
+  gather_outputs(c, outs[0], &pr);
+  {
+    SCOPED_TRACE("context parallel against the float64 reference");
+    expect_matches_reference(pr);
+  }
+  Problem single = make_problem(spec);
+  run_single_gpu(&single);
+  if (::testing::Test::HasFatalFailure()) return;
+  {
+    SCOPED_TRACE("single-GPU flare against the float64 reference (same inputs)");
+    expect_matches_reference(single);
+  }
+  ::testing::Test::RecordProperty("cp_vs_single_o", std::to_string(max_difference(pr.read_o(), single.read_o())));
+  ::testing::Test::RecordProperty("cp_vs_single_dq", std::to_string(max_difference(pr.read_dq(), single.read_dq())));
+  ::testing::Test::RecordProperty("cp_vs_single_dk", std::to_string(max_difference(pr.read_dk(), single.read_dk())));
+  ::testing::Test::RecordProperty("cp_vs_single_dv", std::to_string(max_difference(pr.read_dv(), single.read_dv())));
+}
+
+// ---- ring and zigzag × mask × dtype, forward and backward ----------------------------------------
+
+struct GridParam {
+  Strategy strategy;
+  bool causal;
+  DType dtype;
+};
+
+class GpuGrid : public ::testing::TestWithParam<GridParam> {};
+
+// GQA 4:1, head_dim 128, a length divisible neither by the ranks nor by twice the ranks.
+TEST_P(GpuGrid, MatchesReferenceAndSingleGpu) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  CpCase c;
+  c.world = usable_devices();
+  c.strategy = GetParam().strategy;
+  c.causal = GetParam().causal;
+  c.dtype = GetParam().dtype;
+  c.batch = 2;
+  c.seqlen = 96 * c.world + 37;
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  run_gpu_case(c);
+}
+
+std::vector<GridParam> grid() {
+  std::vector<GridParam> g;
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+    for (bool causal : {false, true})
+      for (DType dt : {DType::kBFloat16, DType::kFloat16}) g.push_back({st, causal, dt});
+  return g;
+}
+
+INSTANTIATE_TEST_SUITE_P(Dist, GpuGrid, ::testing::ValuesIn(grid()),
+                         [](const ::testing::TestParamInfo<GridParam>& i) {
+                           return std::string(dist::strategy_name(i.param.strategy)) + "_" +
+                                  (i.param.causal ? "causal" : "full") + "_" +
+                                  dtype_name(i.param.dtype);
+                         });
+
+// ---- features ------------------------------------------------------------------------------------
+
+TEST(ContextParallelGpu, HeadDims64And80) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  for (int d : {64, 80}) {
+    CpCase c;
+    c.world = usable_devices();
+    c.dtype = DType::kBFloat16;
+    c.seqlen = 77 * c.world + 5;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.head_dim = d;
+    run_gpu_case(c);
+  }
+}
+
+// Blocks of several kernel tiles each, so tile edges fall inside the ring's blocks.
+TEST(ContextParallelGpu, LongerSequence) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+    CpCase c;
+    c.world = usable_devices();
+    c.strategy = st;
+    c.dtype = DType::kBFloat16;
+    c.batch = 1;
+    c.seqlen = 512 * c.world + 5;
+    c.heads_q = 4;
+    c.heads_kv = 1;
+    c.head_dim = 128;
+    run_gpu_case(c);
+  }
+}
+
+// Fewer rows than chunks: empty chunks and ranks, zero-byte transfers skipped on both sides.
+TEST(ContextParallelGpu, FewerRowsThanChunks) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+    CpCase c;
+    c.world = usable_devices();
+    c.strategy = st;
+    c.dtype = DType::kBFloat16;
+    c.seqlen = 2 * c.world - 1;
+    run_gpu_case(c);
+  }
+}
+
+// MQA, softcap, and local tensors with padded rows: K/V are packed before they travel.
+TEST(ContextParallelGpu, MqaSoftcapAndStridedLocals) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  CpCase c;
+  c.world = usable_devices();
+  c.dtype = DType::kFloat16;
+  c.seqlen = 64 * c.world + 3;
+  c.heads_q = 8;
+  c.heads_kv = 1;
+  c.softcap = 5.0f;
+  c.pad = 8;
+  run_gpu_case(c);
+}
+
+TEST(ContextParallelGpu, AllToAll) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  CpCase c;
+  c.world = usable_devices();
+  c.dtype = DType::kBFloat16;
+  c.seqlen = 80 * c.world + 7;
+  c.head_dim = 128;
+  run_gpu_case(with_strategy(c, Strategy::kAllToAll));
+  c.causal = false;
+  c.window_left = 33;
+  c.window_right = 9;
+  c.dtype = DType::kFloat16;
+  run_gpu_case(with_strategy(c, Strategy::kAllToAll));
+}
+
+// Two runs of one plan on the same inputs give the same bytes (deterministic backward; the ring's
+// own sums have a fixed order).
+TEST(ContextParallelGpu, BitwiseReproducible) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag, Strategy::kAllToAll}) {
+    CpCase c;
+    c.world = usable_devices();
+    c.dtype = DType::kBFloat16;
+    c.seqlen = 128 * c.world + 11;
+    c.deterministic = true;
+    c = with_strategy(c, st);
+    SCOPED_TRACE(describe(c));
+    const Problem pr = problem_of(c);
+    std::vector<std::vector<Local>> outs;
+    run_on_gpus(c, pr, 2, &outs);
+    if (HasFatalFailure()) return;
+    for (int r = 0; r < c.world; ++r) {
+      const Local &a = outs[0][r], &b = outs[1][r];
+      for (auto [x, y, name] : {std::tuple{&a.o, &b.o, "o"}, {&a.lse, &b.lse, "lse"},
+                                {&a.dq, &b.dq, "dq"}, {&a.dk, &b.dk, "dk"}, {&a.dv, &b.dv, "dv"}})
+        EXPECT_EQ(std::memcmp(x->bytes.data(), y->bytes.data(), x->bytes.size()), 0)
+            << name << " of rank " << r << " differs between two runs";
+    }
+  }
+}
+
+// The timing counters: every exchange and byte the plan implies, and times that were measured.
+TEST(ContextParallelGpu, TimingCountsTheRingsTraffic) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  CpCase c;
+  c.world = usable_devices();
+  c.dtype = DType::kBFloat16;
+  c.seqlen = 64 * c.world + 3;
+  const Problem pr = problem_of(c);
+  std::vector<Local> locals = make_locals(c, pr);
+  std::vector<dist::CpTiming> timing(static_cast<size_t>(c.world));
+  const std::vector<Status> st = run_nccl(c.world, kTimeoutMs, [&](Communicator& comm) -> Status {
+    std::unique_ptr<ContextParallelAttention> cp;
+    FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
+    FLARE_RETURN_IF_ERROR(cp->set_timing(true));
+    const DeviceLocal d(locals[comm.rank()], comm.device_index());
+    FLARE_RETURN_IF_ERROR(forward_backward(*cp, d, nullptr));
+    return cp->take_timing(&timing[comm.rank()]);
+  });
+  const int n = c.world;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+    // K/V of the block held at steps 0 … n−2 (both passes), the backward's fp32 dK/dV of the
+    // blocks held at steps 0 … n−1 (one step later, and home at the end).
+    int64_t kv = 0, dkv = 0;
+    for (int step = 0; step < n; ++step) {
+      dist::SequenceShard held;
+      ASSERT_TRUE(dist::sequence_shard(c.strategy, c.seqlen, n, ((r - step) % n + n) % n, &held).ok());
+      const int64_t elems = int64_t{c.batch} * held.length * c.heads_kv * c.head_dim;
+      if (step + 1 < n) kv += 2 * elems * 2;
+      dkv += 2 * elems * 4;
+    }
+    const dist::CpTiming& t = timing[r];
+    EXPECT_EQ(t.calls, 2) << "rank " << r;
+    EXPECT_EQ(t.exchanges, 2 * n) << "rank " << r << ": n−1 forward, n+1 backward";
+    EXPECT_EQ(t.bytes_sent, 2 * kv + dkv) << "rank " << r;
+    EXPECT_GT(t.comm_ms, 0.0) << "rank " << r;
+    EXPECT_GT(t.compute_ms, 0.0) << "rank " << r;
+  }
+}
+
+// ---- failures --------------------------------------------------------------------------------------
+
+// Rank 1 makes its plan but never calls forward: rank 0's forward or backward, or its communicator
+// right after its stream drains, reports a device error within the timeout; its stream drains
+// (NCCL's abort releases the transfers waiting for rank 1): an error, never a hang.
+TEST(ContextParallelGpu, DeadPeerIsAnErrorNotAHang) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  const int timeout_ms = 3000;
+  CpCase c;
+  c.world = 2;
+  c.dtype = DType::kBFloat16;
+  c.seqlen = 256;
+  const Problem pr = problem_of(c);
+  std::vector<Local> locals = make_locals(c, pr);
+  const std::vector<Status> st = run_nccl(2, timeout_ms, [&](Communicator& comm) -> Status {
+    std::unique_ptr<ContextParallelAttention> cp;
+    FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
+    if (comm.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3 * timeout_ms));
+      return {};
+    }
+    const DeviceLocal d(locals[0], comm.device_index());
+    cudaStream_t stream = nullptr;
+    FLARE_RETURN_IF_ERROR(cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate"));
+    const auto t0 = Clock::now();
+    Status s = cp->forward(d.at(d.q), d.at(d.k), d.at(d.v), d.at(d.o), d.at(d.lse), stream);
+    if (s.ok())
+      s = cp->backward(d.at(d.dout), d.at(d.q), d.at(d.k), d.at(d.v), d.at(d.o), d.at(d.lse),
+                       d.at(d.dq), d.at(d.dk), d.at(d.dv), stream);
+    // The stream must drain by itself: poll it, never block on it.
+    const auto give_up = t0 + std::chrono::milliseconds(timeout_ms + 20000);
+    cudaError_t q = cudaErrorNotReady;
+    while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && Clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (q == cudaErrorNotReady) return Status::internal("the stream hung past the timeout");
+    if (s.ok()) s = comm.health();
+    if (s.ok()) return Status::internal("the calls succeeded without the peer");
+    if (ms > timeout_ms + 20000.0) return Status::internal("the failure took too long");
+    return Status(StatusCode::kDeviceError, s.message());  // what the test expects to see
+  });
+  EXPECT_EQ(st[0].code(), StatusCode::kDeviceError) << st[0].to_string();
+  EXPECT_TRUE(has(st[0], "3000 ms")) << st[0].message();
+  EXPECT_TRUE(st[1].ok()) << st[1].to_string();
+}
+
+TEST(ContextParallelGpu, BadInputsAreNamed) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  CpCase c;
+  c.world = 2;
+  c.dtype = DType::kFloat32;
+  const std::vector<Status> fp32 = run_nccl(2, kTimeoutMs, [&](Communicator& comm) -> Status {
+    std::unique_ptr<ContextParallelAttention> cp;
+    return ContextParallelAttention::create(&comm, config_of(c), &cp);
+  });
+  for (const Status& s : fp32) {
+    EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
+    EXPECT_TRUE(has(s, "float32")) << s.message();
+  }
+  // Every rank hands in tensors of the other rank's device: refused before any transfer.
+  c.dtype = DType::kBFloat16;
+  const Problem pr = problem_of(c);
+  std::vector<Local> locals = make_locals(c, pr);
+  const std::vector<Status> st = run_nccl(2, kTimeoutMs, [&](Communicator& comm) -> Status {
+    std::unique_ptr<ContextParallelAttention> cp;
+    FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
+    DeviceLocal d(locals[comm.rank()], comm.device_index());
+    d.device = 1 - comm.device_index();
+    return cp->forward(d.at(d.q), d.at(d.k), d.at(d.v), d.at(d.o), d.at(d.lse), nullptr);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(st[r].code(), StatusCode::kInvalidArgument) << st[r].to_string();
+    EXPECT_TRUE(has(st[r], "q: on cuda:" + std::to_string(1 - r))) << st[r].message();
+  }
+}
+
+}  // namespace
+}  // namespace flare::test
