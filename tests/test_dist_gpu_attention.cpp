@@ -342,11 +342,13 @@ TEST(ContextParallelGpu, TimingCountsTheRingsTraffic) {
 
 // ---- failures --------------------------------------------------------------------------------------
 
-// Rank 1 makes its plan but never calls forward: rank 0's forward or backward, or its communicator
-// right after its stream drains, reports a device error within the timeout; its stream drains
-// (NCCL's abort releases the transfers waiting for rank 1): an error, never a hang.
-TEST(ContextParallelGpu, DeadPeerIsAnErrorNotAHang) {
-  FLARE_SKIP_WITHOUT_TWO_GPUS();
+// Rank 1 makes its plan, takes part in `peer_calls` forwards and then in no more; rank 0 calls
+// once more. Rank 0's calls, or its communicator right after its stream drains, report a device
+// error naming the timeout, and its stream drains by itself (NCCL's abort releases the transfers
+// waiting for rank 1): an error, never a hang. With peer_calls 0 the first transfer to rank 1 is
+// never accepted; with 1 the transfers are accepted and wait on the GPU until the watchdog aborts.
+void expect_dead_peer_detected(int peer_calls) {
+  SCOPED_TRACE("rank 1 takes part in " + std::to_string(peer_calls) + " forward(s)");
   const int timeout_ms = 3000;
   CpCase c;
   c.world = 2;
@@ -357,15 +359,22 @@ TEST(ContextParallelGpu, DeadPeerIsAnErrorNotAHang) {
   const std::vector<Status> st = run_nccl(2, timeout_ms, [&](Communicator& comm) -> Status {
     std::unique_ptr<ContextParallelAttention> cp;
     FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
+    const DeviceLocal d(locals[comm.rank()], comm.device_index());
+    cudaStream_t stream = nullptr;
+    FLARE_RETURN_IF_ERROR(cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate"));
+    auto forward = [&] {
+      return cp->forward(d.at(d.q), d.at(d.k), d.at(d.v), d.at(d.o), d.at(d.lse), stream);
+    };
+    for (int i = 0; i < peer_calls; ++i) {
+      FLARE_RETURN_IF_ERROR(forward());
+      FLARE_RETURN_IF_ERROR(cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize"));
+    }
     if (comm.rank() == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(3 * timeout_ms));
       return {};
     }
-    const DeviceLocal d(locals[0], comm.device_index());
-    cudaStream_t stream = nullptr;
-    FLARE_RETURN_IF_ERROR(cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate"));
     const auto t0 = Clock::now();
-    Status s = cp->forward(d.at(d.q), d.at(d.k), d.at(d.v), d.at(d.o), d.at(d.lse), stream);
+    Status s = forward();
     if (s.ok())
       s = cp->backward(d.at(d.dout), d.at(d.q), d.at(d.k), d.at(d.v), d.at(d.o), d.at(d.lse),
                        d.at(d.dq), d.at(d.dk), d.at(d.dv), stream);
@@ -384,6 +393,12 @@ TEST(ContextParallelGpu, DeadPeerIsAnErrorNotAHang) {
   EXPECT_EQ(st[0].code(), StatusCode::kDeviceError) << st[0].to_string();
   EXPECT_TRUE(has(st[0], "3000 ms")) << st[0].message();
   EXPECT_TRUE(st[1].ok()) << st[1].to_string();
+}
+
+TEST(ContextParallelGpu, DeadPeerIsAnErrorNotAHang) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  expect_dead_peer_detected(0);
+  expect_dead_peer_detected(1);
 }
 
 TEST(ContextParallelGpu, BadInputsAreNamed) {

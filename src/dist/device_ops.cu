@@ -136,12 +136,14 @@ class DeviceOps final : public CpOps {
   }
 
   ~DeviceOps() override {
+    const int previous = current_device();
     cudaSetDevice(device_);
     for (cudaEvent_t e : timed_) cudaEventDestroy(e);
     if (compute_mark_ != nullptr) cudaEventDestroy(compute_mark_);
     if (comm_mark_ != nullptr) cudaEventDestroy(comm_mark_);
     if (comm_ != nullptr) cudaStreamDestroy(comm_);
     if (workspace_ != nullptr) cudaFree(workspace_);
+    cudaSetDevice(previous);
   }
 
   Status begin(Stream compute) override {
