@@ -235,7 +235,14 @@ class ContextParallelAttention {
  public:
   // Collective: every rank of `comm` calls it with its own copy of the config; each rank checks
   // every other rank's against its own, so all of them fail alike on a mismatch. `comm` must
-  // outlive the object. One object per rank, used by one thread at a time.
+  // outlive the object. One object per rank, used by one thread at a time. Allocates the plan's
+  // workspace once, in the memory `comm` moves (host, or its CUDA device: float16 or bfloat16).
+  //
+  // On CUDA devices the calls are stream-ordered: they enqueue on `stream` (the transfers on a
+  // stream of the plan's own, ordered by events) and return without waiting. Calls on one object
+  // share its workspace, so they must be ordered on the device (one stream, or the caller's
+  // synchronisation). A peer that dies mid-call is found by the communicator's timeout: the call,
+  // the next one or comm->health() reports it, and the stream drains (docs/context-parallel.md).
   static Status create(Communicator* comm, const ContextParallelConfig& config,
                        std::unique_ptr<ContextParallelAttention>* out);
   ~ContextParallelAttention();
