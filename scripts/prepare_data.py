@@ -336,8 +336,11 @@ def find_gpt2_ranks(explicit, cache):
 
     os.makedirs(cache, exist_ok=True)
     print(f"prepare_data: fetching GPT-2's ranks from the {WHISPER_SDIST} sdist (pip download)")
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                    "--no-binary", ":all:", WHISPER_SDIST, "-d", cache], check=True)
+    fetch = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                            "--no-binary", ":all:", WHISPER_SDIST, "-d", cache])
+    if fetch.returncode != 0:
+        sys.exit(f"prepare_data: `pip download {WHISPER_SDIST}` failed (exit {fetch.returncode}); "
+                 "it needs pip and PyPI, or give --gpt2-ranks")
     sdist = Path(cache) / (WHISPER_RANKS_MEMBER.split("/")[0] + ".tar.gz")
     with tarfile.open(sdist) as tar:
         data = tar.extractfile(WHISPER_RANKS_MEMBER).read()
