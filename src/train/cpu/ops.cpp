@@ -21,6 +21,15 @@ namespace {
 // Rows per block in the matmuls: each weight row loaded from cache serves this many input rows.
 constexpr int64_t kRowBlock = 4;
 
+// Whether a loop of `work` multiply-adds (or element updates) is worth a parallel region. Starting
+// and joining the threads costs microseconds on idle cores, and milliseconds when the cores are
+// shared and a thread waits for its turn: on a loaded 2-core machine the tiny test models ran
+// 6x slower with 2 threads than with 1 (gpt-tiny, B 4, T 32: 470 vs 70 ms a step) until loops
+// below 2^18 (about 100 µs of one core's work) ran serially. The threshold changes only who
+// computes a row, never the order of any sum.
+constexpr int64_t kParallelWork = int64_t{1} << 18;
+bool worth_parallel(int64_t work) { return work >= kParallelWork; }
+
 template <typename T>
 T dot(const T* a, const T* b, int64_t n) {
   T acc = 0;
@@ -44,7 +53,7 @@ template <typename T>
 void matmul_forward(const T* x, const T* weight, Nullable<const T> bias, T* y, int64_t N,
                     int64_t in, int64_t out) {
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * in * out))
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n0 = blk * kRowBlock;
     const int64_t rows = std::min(kRowBlock, N - n0);
@@ -61,7 +70,7 @@ void matmul_backward(const T* dy, const T* x, const T* weight, Nullable<T> dx, T
                      Nullable<T> dbias, int64_t N, int64_t in, int64_t out) {
   // dx (N, in) = dy (N, out) · W (out, in): each input row is a sum of weight rows.
   if (dx) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * in * out))
     for (int64_t n = 0; n < N; ++n) {
       T* dxr = dx + n * in;
       std::fill(dxr, dxr + in, T(0));
@@ -69,7 +78,7 @@ void matmul_backward(const T* dy, const T* x, const T* weight, Nullable<T> dx, T
     }
   }
   // dW (out, in) += dyᵀ · x and db (out) += Σ_n dy: one weight row per iteration, rows n in order.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * in * out))
   for (int64_t o = 0; o < out; ++o) {
     T* dw = dweight + o * in;
     T db = 0;
@@ -87,7 +96,7 @@ void matmul_backward(const T* dy, const T* x, const T* weight, Nullable<T> dx, T
 template <typename T>
 void layernorm_forward(const T* x, const T* weight, const T* bias, T* y, T* mean, T* rstd,
                        int64_t N, int64_t C, double eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * C;
     double sum = 0.0;
@@ -107,7 +116,7 @@ template <typename T>
 void layernorm_backward(const T* dy, const T* x, const T* weight, const T* mean, const T* rstd,
                         T* dx, T* dweight, T* dbias, int64_t N, int64_t C) {
   // dx = rstd · (g − mean(g) − x̂ · mean(g · x̂)), g = dy · weight, x̂ the normalised input.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * C;
     const T* dyr = dy + n * C;
@@ -130,7 +139,7 @@ void layernorm_backward(const T* dy, const T* x, const T* weight, const T* mean,
     }
   }
   // dweight += Σ_n dy · x̂, dbias += Σ_n dy: parallel over columns, rows in order.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t c = 0; c < C; ++c) {
     double dw = 0.0;
     double db = 0.0;
@@ -149,7 +158,7 @@ void layernorm_backward(const T* dy, const T* x, const T* weight, const T* mean,
 template <typename T>
 void rmsnorm_forward(const T* x, const T* weight, T* y, T* rstd, int64_t N, int64_t C,
                      double eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * C;
     double sq = 0.0;
@@ -165,7 +174,7 @@ template <typename T>
 void rmsnorm_backward(const T* dy, const T* x, const T* weight, const T* rstd, T* dx, T* dweight,
                       int64_t N, int64_t C) {
   // dx = rstd · (g − x̂ · mean(g · x̂)), g = dy · weight, x̂ = x · rstd.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * C;
     const T* dyr = dy + n * C;
@@ -179,7 +188,7 @@ void rmsnorm_backward(const T* dy, const T* x, const T* weight, const T* rstd, T
       dxr[c] += static_cast<T>(s * (g - xr[c] * s * gx_mean));
     }
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t c = 0; c < C; ++c) {
     double dw = 0.0;
     for (int64_t n = 0; n < N; ++n)
@@ -197,7 +206,7 @@ constexpr double kGeluC = 0.044715;
 
 template <typename T>
 void gelu_forward(const T* x, T* y, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if(worth_parallel(n))
   for (int64_t i = 0; i < n; ++i) {
     const T v = x[i];
     const T u = static_cast<T>(kGeluK) * (v + static_cast<T>(kGeluC) * v * v * v);
@@ -207,7 +216,7 @@ void gelu_forward(const T* x, T* y, int64_t n) {
 
 template <typename T>
 void gelu_backward(const T* dy, const T* x, T* dx, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if(worth_parallel(n))
   for (int64_t i = 0; i < n; ++i) {
     const T v = x[i];
     const T u = static_cast<T>(kGeluK) * (v + static_cast<T>(kGeluC) * v * v * v);
@@ -221,7 +230,7 @@ void gelu_backward(const T* dy, const T* x, T* dx, int64_t n) {
 
 template <typename T>
 void swiglu_forward(const T* gate_up, T* out, int64_t N, int64_t ffn) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * ffn))
   for (int64_t n = 0; n < N; ++n) {
     const T* gate = gate_up + n * 2 * ffn;
     const T* up = gate + ffn;
@@ -236,7 +245,7 @@ void swiglu_forward(const T* gate_up, T* out, int64_t N, int64_t ffn) {
 template <typename T>
 void swiglu_backward(const T* dout, const T* gate_up, T* dgate_up, int64_t N, int64_t ffn) {
   // d silu(g) / dg = sigmoid(g) · (1 + g · (1 − sigmoid(g))).
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * ffn))
   for (int64_t n = 0; n < N; ++n) {
     const T* gate = gate_up + n * 2 * ffn;
     const T* up = gate + ffn;
@@ -296,7 +305,7 @@ void rope_rotate(T* qkv, const T* cos_table, const T* sin_table, int64_t N, int6
   const int64_t half = head_dim / 2;
   const int64_t row = (n_head + 2 * n_kv_head) * head_dim;
   const int64_t rotated_heads = n_head + n_kv_head;  // q heads, then k heads; v follows
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * row))
   for (int64_t n = 0; n < N; ++n) {
     const int64_t pos = n % seq_len;
     const T* c = cos_table + pos * half;
@@ -334,13 +343,13 @@ void rope_backward(T* dqkv, const T* cos_table, const T* sin_table, int64_t N, i
 
 template <typename T>
 void residual_forward(const T* a, const T* b, T* y, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if(worth_parallel(n))
   for (int64_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
 }
 
 template <typename T>
 void residual_backward(const T* dy, Nullable<T> da, Nullable<T> db, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if(worth_parallel(n))
   for (int64_t i = 0; i < n; ++i) {
     if (da) da[i] += dy[i];
     if (db) db[i] += dy[i];
@@ -359,7 +368,7 @@ Status embedding_forward(const int32_t* tokens, const T* token_table,
                      ")");
     }
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) {
     const T* tok = token_table + static_cast<int64_t>(tokens[n]) * C;
     T* o = out + n * C;
@@ -377,7 +386,7 @@ template <typename T>
 void embedding_backward(const T* dout, const int32_t* tokens, T* dtoken_table,
                         Nullable<T> dposition_table, int64_t N, int64_t seq_len, int64_t C) {
   // Two tokens may share a table row, so the split is over columns, rows in order.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t c = 0; c < C; ++c) {
     for (int64_t n = 0; n < N; ++n) {
       const T g = dout[n * C + c];
@@ -408,7 +417,7 @@ Status classifier_forward_backward(const T* logits, const int32_t* targets, Null
   }
   const double grad_scale = n_valid > 0 ? 1.0 / static_cast<double>(n_valid) : 0.0;
   std::vector<double> row_loss(static_cast<size_t>(N), 0.0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if(worth_parallel(N * padded_vocab))
   for (int64_t n = 0; n < N; ++n) {
     const T* z = logits + n * padded_vocab;
     const int32_t target = targets[n];
