@@ -408,9 +408,11 @@ class FlareModel(nn.Module):
 
     rope_len: rows of the RoPE table (LLaMA), at least the longest sequence run; defaults to
     max_seq capped at 16384 (llama3.2's max_seq 131072 would be a 33 MB table for nothing).
+    init: draw the weights as the layout says (off for a model built on the meta device or about
+    to be loaded).
     """
 
-    def __init__(self, c, rope_len=None):
+    def __init__(self, c, rope_len=None, init=True):
         super().__init__()
         validate_config(c)
         self.c = c
@@ -427,7 +429,8 @@ class FlareModel(nn.Module):
             cos, sin = rope_table(n, c.head_dim, c.rope_theta, c.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        init_like_flare(self, torch.Generator().manual_seed(0))
+        if init:
+            init_like_flare(self, torch.Generator().manual_seed(0))
 
     def head_weight(self):
         return self.embed.weight if self.c.tied_embeddings else self.head.weight
