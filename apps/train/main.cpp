@@ -1,0 +1,471 @@
+// main.cpp — flare-train, the command line of the training loop (src/train/loop/trainer.h).
+//
+//   flare-train --model NAME [flags]      train (the `train` command word is optional)
+//   flare-train sample --checkpoint PATH  generate a few tokens from a checkpoint
+//   flare-train synth-data --out DIR      random-token shards (benchmarks without a corpus)
+//   flare-train models                    the model presets
+//
+// Every flag and config rule is checked before anything is written: a bad command line exits
+// with status 2 and a message naming the flag; a failed run exits with 1.
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flags.h"
+#include "flare/attention.h"
+#include "train/core/checkpoint.h"
+#include "train/core/model_config.h"
+#include "train/core/train_config.h"
+#include "train/data/shard.h"
+#include "train/data/tokenizer.h"
+#include "train/loop/sample.h"
+#include "train/loop/trainer.h"
+
+namespace fs = std::filesystem;
+using flare::Status;
+using flare::StatusCode;
+using flare::train_cli::Flags;
+using flare::train_cli::UsageError;
+namespace ft = flare::train;
+
+namespace {
+
+constexpr const char* kDefaultData = "data/pydoc";
+
+// A failed run (not the command line's fault): exit status 1.
+struct RunError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Library messages start with the config field they are about ("grad_accum: 0 must be …"); on
+// the command line that field is a flag, so it is named as the flag.
+std::string flag_for_field(const std::string& message) {
+  static const std::pair<const char*, const char*> kFields[] = {
+      {"batch", "--batch"},           {"seq", "--seq"},
+      {"grad_accum", "--grad-accum"}, {"steps", "--steps"},
+      {"lr", "--lr"},                 {"min_lr", "--min-lr"},
+      {"warmup", "--warmup"},         {"weight_decay", "--weight-decay"},
+      {"beta1", "--beta1"},           {"beta2", "--beta2"},
+      {"eps", "--eps"},               {"grad_clip", "--grad-clip"},
+      {"eval_every", "--eval-every"}, {"ckpt_every", "--ckpt-every"},
+      {"val_data", "--val-data"},     {"train_data", "--train-data (or --data)"},
+      {"checkpoint_dir", "--ckpt-dir"}, {"n_layer", "--n-layer"},
+      {"d_model", "--d-model"},       {"n_head", "--n-head"},
+      {"n_kv_head", "--n-kv-head"},   {"head_dim", "--head-dim"},
+      {"ffn_hidden", "--ffn-hidden"}, {"max_seq", "--max-seq"},
+      {"vocab_size", "--vocab"},      {"padded_vocab", "--vocab"},
+      {"norm_eps", "--norm-eps"},     {"rope_theta", "--rope-theta"},
+      {"resume_from", "--resume"},    {"log_path", "--log"},
+      {"peak_flops", "--peak-tflops"}, {"eval_batches", "--eval-batches"},
+  };
+  const size_t colon = message.find(':');
+  if (colon == std::string::npos) return message;
+  const std::string field = message.substr(0, colon);
+  for (const auto& [name, flag] : kFields) {
+    if (field == name) return std::string(flag) + message.substr(colon);
+  }
+  return message;
+}
+
+void check_config(const Status& s) {
+  if (s.ok()) return;
+  if (s.code() == StatusCode::kInvalidArgument) throw UsageError(flag_for_field(s.message()));
+  throw RunError(s.to_string());
+}
+
+void check_run(const Status& s) {
+  if (!s.ok()) throw RunError(s.to_string());
+}
+
+std::string preset_list() {
+  std::string names;
+  for (const std::string& n : ft::model_preset_names()) names += (names.empty() ? "" : ", ") + n;
+  return names;
+}
+
+// ---- train ----------------------------------------------------------------------------------------
+
+struct TrainFlags {
+  std::optional<std::string> model, data, train_data, val_data, device, ckpt_dir, resume, log, prompt;
+  std::optional<int64_t> batch, seq, grad_accum, steps, warmup, eval_every, eval_batches, ckpt_every,
+      seed, sample, top_k, device_index;
+  std::optional<int64_t> n_layer, d_model, n_head, n_kv_head, head_dim, ffn_hidden, max_seq, vocab;
+  std::optional<double> lr, min_lr, weight_decay, beta1, beta2, eps, grad_clip, peak_tflops,
+      norm_eps, rope_theta;
+  bool recompute = false, nondeterministic = false;
+
+  void declare(Flags* f) {
+    constexpr int64_t kBig = int64_t{1} << 40;
+    f->add_string("model", &model, "model preset (required; `flare-train models` lists them)");
+    f->add_string("data", &data, "directory made by scripts/prepare_data.py (default data/pydoc)");
+    f->add_string("train-data", &train_data, "training shards pattern (default DATA/*_train_*.bin)");
+    f->add_string("val-data", &val_data, "validation shards pattern (default DATA/*_val_*.bin)");
+    f->add_string("device", &device, "cpu or cuda (default: cuda when built with CUDA)");
+    f->add_int("device-index", &device_index, 0, 1023, "CUDA device ordinal (default 0)");
+    f->add_int("batch", &batch, -kBig, kBig, "sequences per micro-batch (default 8)");
+    f->add_int("seq", &seq, -kBig, kBig, "tokens per sequence (default min(1024, max_seq))");
+    f->add_int("grad-accum", &grad_accum, -kBig, kBig, "micro-batches per optimizer step (default 1)");
+    f->add_int("steps", &steps, -kBig, kBig, "optimizer steps (default 1000)");
+    f->add_double("lr", &lr, -1e30, 1e30, "peak learning rate (default 6e-4)");
+    f->add_double("min-lr", &min_lr, -1e30, 1e30, "final learning rate of the cosine (default lr/10)");
+    f->add_int("warmup", &warmup, -kBig, kBig, "linear warm-up steps (default min(100, steps/10))");
+    f->add_double("weight-decay", &weight_decay, -1e30, 1e30, "AdamW weight decay (default 0.1)");
+    f->add_double("beta1", &beta1, -1e30, 1e30, "AdamW beta1 (default 0.9)");
+    f->add_double("beta2", &beta2, -1e30, 1e30, "AdamW beta2 (default 0.95)");
+    f->add_double("eps", &eps, -1e30, 1e30, "AdamW epsilon (default 1e-8)");
+    f->add_double("grad-clip", &grad_clip, -1e30, 1e30, "global gradient-norm clip, 0 = off (default 1)");
+    f->add_int("seed", &seed, 0, kBig, "initialisation and data-order seed (default 1337)");
+    f->add_switch("recompute", &recompute, "recompute each layer in the backward (less memory)");
+    f->add_switch("nondeterministic", &nondeterministic,
+                  "CUDA: allow a faster, not bitwise-reproducible attention backward");
+    f->add_int("eval-every", &eval_every, -kBig, kBig,
+               "steps between validation passes, 0 = never (default 100 with validation data)");
+    f->add_int("eval-batches", &eval_batches, -kBig, kBig, "batches per validation pass (default 8)");
+    f->add_int("ckpt-every", &ckpt_every, -kBig, kBig, "steps between checkpoints (default 0: only at the end)");
+    f->add_string("ckpt-dir", &ckpt_dir, "checkpoint directory (default checkpoints/MODEL)");
+    f->add_string("resume", &resume, "continue from this checkpoint");
+    f->add_string("log", &log, "append one JSON object per step to this file");
+    f->add_double("peak-tflops", &peak_tflops, -1e30, 1e30,
+                  "device peak bf16 TFLOP/s for MFU (default from the device name)");
+    f->add_int("sample", &sample, -kBig, kBig,
+               "tokens to generate at the end (default 32 below 200M parameters, else 0)");
+    f->add_string("prompt", &prompt, "text that starts the sample (default: end-of-text)");
+    f->add_int("top-k", &top_k, -kBig, kBig, "sample among the k most likely tokens (default 0: greedy)");
+    f->add_int("n-layer", &n_layer, -kBig, kBig, "model override: layers");
+    f->add_int("d-model", &d_model, -kBig, kBig, "model override: width");
+    f->add_int("n-head", &n_head, -kBig, kBig, "model override: query heads");
+    f->add_int("n-kv-head", &n_kv_head, -kBig, kBig, "model override: key/value heads (LLaMA)");
+    f->add_int("head-dim", &head_dim, -kBig, kBig, "model override: head dimension");
+    f->add_int("ffn-hidden", &ffn_hidden, -kBig, kBig, "model override: MLP width");
+    f->add_int("max-seq", &max_seq, -kBig, kBig, "model override: longest sequence");
+    f->add_int("vocab", &vocab, -kBig, kBig, "vocabulary size (default: the data's tokenizer, else the preset's)");
+    f->add_double("norm-eps", &norm_eps, -1e30, 1e30, "model override: norm epsilon");
+    f->add_double("rope-theta", &rope_theta, -1e30, 1e30, "model override: RoPE theta (LLaMA)");
+  }
+};
+
+// The preset named by --model with the dimension flags applied, and the vocabulary: --vocab, else
+// the data's tokenizer (a model trained on GPT-2 tokens needs GPT-2's 50257 rows whatever the
+// preset's tokenizer was), else the preset's.
+ft::ModelConfig model_from_flags(const TrainFlags& f, int64_t tokenizer_vocab) {
+  if (!f.model) throw UsageError("--model: required, one of " + preset_list());
+  ft::ModelConfig m;
+  if (!ft::model_preset(*f.model, &m).ok()) {
+    throw UsageError("--model: unknown preset '" + *f.model + "', expected one of " + preset_list());
+  }
+  auto set = [&](const std::optional<int64_t>& flag, int64_t* field) {
+    if (flag) *field = *flag;
+  };
+  set(f.n_layer, &m.n_layer);
+  set(f.d_model, &m.d_model);
+  set(f.n_head, &m.n_head);
+  set(f.n_kv_head, &m.n_kv_head);
+  set(f.ffn_hidden, &m.ffn_hidden);
+  set(f.max_seq, &m.max_seq);
+  if (f.head_dim) {
+    m.head_dim = *f.head_dim;
+  } else if ((f.d_model || f.n_head) && m.n_head > 0) {
+    m.head_dim = m.d_model / m.n_head;  // validate_model_config rejects a remainder
+  }
+  if (m.family == ft::Family::kGpt) {
+    if (f.n_head && !f.n_kv_head) m.n_kv_head = m.n_head;
+    if (f.d_model && !f.ffn_hidden) m.ffn_hidden = 4 * m.d_model;
+  }
+  if (f.norm_eps) m.norm_eps = *f.norm_eps;
+  if (f.rope_theta) m.rope_theta = *f.rope_theta;
+  const int64_t vocab = f.vocab ? *f.vocab : tokenizer_vocab > 0 ? tokenizer_vocab : m.vocab_size;
+  if (vocab != m.vocab_size) {
+    if (vocab < 1) throw UsageError("--vocab: " + std::to_string(vocab) + " must be >= 1");
+    m.vocab_size = vocab;
+    m.padded_vocab = ft::padded_vocab_size(vocab);
+  }
+  const bool overridden = f.n_layer || f.d_model || f.n_head || f.n_kv_head || f.head_dim ||
+                          f.ffn_hidden || f.max_seq || f.norm_eps || f.rope_theta;
+  if (overridden) m.name += "+custom";
+  check_config(ft::validate_model_config(m));
+  return m;
+}
+
+std::string gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / (1 << 30));
+  return buf;
+}
+
+void print_sample(const ft::ModelConfig& model, const std::vector<float>& master,
+                  const ft::Tokenizer* tokenizer, const std::string& prompt_text,
+                  const ft::SampleOptions& o) {
+  std::vector<int32_t> prompt;
+  if (tokenizer && !prompt_text.empty()) prompt = tokenizer->encode(prompt_text);
+  if (prompt.empty()) prompt.push_back(tokenizer ? tokenizer->eot_token() : 0);
+  if (static_cast<int64_t>(prompt.size()) + o.tokens > model.max_seq) {
+    throw UsageError("--prompt/--tokens: prompt " + std::to_string(prompt.size()) + " + " +
+                     std::to_string(o.tokens) + " tokens exceed max_seq " + std::to_string(model.max_seq));
+  }
+  std::vector<int32_t> out;
+  check_run(ft::sample_tokens(model, master.data(), prompt, o, &out));
+  if (tokenizer) {
+    std::string text;
+    check_run(tokenizer->decode(out, &text));
+    std::printf("sample (%s, %lld tokens): %s%s\n", o.top_k > 1 ? "top-k" : "greedy",
+                static_cast<long long>(o.tokens), prompt_text.c_str(), text.c_str());
+  } else {
+    std::printf("sample token ids (no tokenizer):");
+    for (int32_t t : out) std::printf(" %d", t);
+    std::printf("\n");
+  }
+}
+
+int train_command(int argc, char** argv, int first) {
+  Flags flags;
+  TrainFlags f;
+  f.declare(&flags);
+  if (!flags.parse(argc, argv, first)) {
+    std::printf(
+        "usage: flare-train [train] --model NAME [flags]\n\n"
+        "Trains a GPT or LLaMA model on token shards (scripts/prepare_data.py) and prints one line\n"
+        "per step. With only --model it trains on the Python documentation corpus in data/pydoc.\n"
+        "Other commands: flare-train sample --help | synth-data --help | models\n\nflags:\n%s",
+        flags.help().c_str());
+    return 0;
+  }
+
+  // Data: shards and the tokenizer beside them.
+  const std::string data_dir = f.data.value_or(kDefaultData);
+  const std::string train_pattern = f.train_data.value_or((fs::path(data_dir) / "*_train_*.bin").string());
+  std::vector<std::string> shards;
+  if (!ft::expand_shard_pattern(train_pattern, &shards).ok()) {
+    if (!f.train_data && !f.data) {
+      throw UsageError(std::string("--data: no training shards in ") + kDefaultData +
+                       " (the default corpus); prepare them with\n  python3 scripts/prepare_data.py --out " +
+                       kDefaultData + "\n(needs the python3-doc package; --tiny makes a small test set), "
+                       "or pass --data DIR");
+    }
+    throw UsageError((f.train_data ? "--train-data: " : "--data: ") + std::string("no shard matches '") +
+                     train_pattern + "'");
+  }
+  const std::string val_pattern = f.val_data.value_or((fs::path(data_dir) / "*_val_*.bin").string());
+  std::vector<std::string> val_shards;
+  const bool have_val = ft::expand_shard_pattern(val_pattern, &val_shards).ok();
+  if (f.val_data && !have_val) throw UsageError("--val-data: no shard matches '" + val_pattern + "'");
+  std::unique_ptr<ft::Tokenizer> tokenizer;
+  const fs::path tokenizer_path = fs::path(data_dir) / "tokenizer.tiktoken";
+  if (fs::exists(tokenizer_path)) {
+    tokenizer = std::make_unique<ft::Tokenizer>();
+    const Status s = ft::Tokenizer::load(tokenizer_path.string(), tokenizer.get());
+    if (!s.ok()) throw UsageError("--data: " + s.message());
+  }
+
+  ft::TrainerOptions o;
+  o.model = model_from_flags(f, tokenizer ? tokenizer->vocab_size() : 0);
+  ft::TrainConfig& t = o.train;
+  t.batch = f.batch.value_or(8);
+  t.seq = f.seq.value_or(std::min<int64_t>(1024, o.model.max_seq));
+  t.grad_accum = f.grad_accum.value_or(1);
+  t.steps = f.steps.value_or(1000);
+  t.lr = f.lr.value_or(6e-4);
+  t.min_lr = f.min_lr.value_or(t.lr / 10);
+  t.warmup = f.warmup.value_or(std::min<int64_t>(100, t.steps / 10));
+  t.weight_decay = f.weight_decay.value_or(0.1);
+  t.beta1 = f.beta1.value_or(0.9);
+  t.beta2 = f.beta2.value_or(0.95);
+  t.eps = f.eps.value_or(1e-8);
+  t.grad_clip = f.grad_clip.value_or(1.0);
+  t.seed = static_cast<uint64_t>(f.seed.value_or(1337));
+  t.recompute = f.recompute;
+  t.eval_every = f.eval_every.value_or(have_val ? 100 : 0);
+  t.ckpt_every = f.ckpt_every.value_or(0);
+  t.train_data = train_pattern;
+  t.val_data = have_val ? val_pattern : "";
+  t.checkpoint_dir = f.ckpt_dir.value_or((fs::path("checkpoints") / o.model.name).string());
+  check_config(ft::validate_train_config(t, o.model));
+
+  const std::string device = f.device.value_or(flare::cuda_built() ? "cuda" : "cpu");
+  if (device == "cpu") {
+    o.device = ft::DeviceKind::kCpu;
+  } else if (device == "cuda") {
+    o.device = ft::DeviceKind::kCuda;
+  } else {
+    throw UsageError("--device: '" + device + "' must be cpu or cuda");
+  }
+  o.backend.deterministic_attention = !f.nondeterministic;
+  o.backend.device_index = static_cast<int>(f.device_index.value_or(0));
+  o.resume_from = f.resume.value_or("");
+  o.log_path = f.log.value_or("");
+  o.eval_batches = f.eval_batches.value_or(8);
+  o.peak_flops = f.peak_tflops.value_or(0.0) * 1e12;
+  const int64_t params = ft::parameter_count(o.model);
+  const int64_t sample = f.sample.value_or(params < 200'000'000 ? 32 : 0);
+  if (sample < 0) throw UsageError("--sample: " + std::to_string(sample) + " must be >= 0");
+  const int64_t top_k = f.top_k.value_or(0);
+  if (top_k < 0) throw UsageError("--top-k: " + std::to_string(top_k) + " must be >= 0");
+  if (sample > 0 && sample + 1 > o.model.max_seq) {
+    throw UsageError("--sample: " + std::to_string(sample) + " tokens exceed max_seq " +
+                     std::to_string(o.model.max_seq));
+  }
+  if (!o.resume_from.empty() && !fs::exists(o.resume_from)) {
+    throw UsageError("--resume: no file '" + o.resume_from + "'");
+  }
+
+  std::unique_ptr<ft::Trainer> trainer;
+  check_config(ft::Trainer::create(o, &trainer));
+
+  const ft::MemoryEstimate mem = ft::estimate_training_memory(t, o.model);
+  std::printf("model %s (%s): %lld layers, d_model %lld, %lld heads (%lld kv) x %lld, ffn %lld, "
+              "vocab %lld, %.1fM parameters\n",
+              o.model.name.c_str(), ft::family_name(o.model.family),
+              static_cast<long long>(o.model.n_layer), static_cast<long long>(o.model.d_model),
+              static_cast<long long>(o.model.n_head), static_cast<long long>(o.model.n_kv_head),
+              static_cast<long long>(o.model.head_dim), static_cast<long long>(o.model.ffn_hidden),
+              static_cast<long long>(o.model.vocab_size), static_cast<double>(params) / 1e6);
+  std::printf("run: device %s (%s), batch %lld x seq %lld x accum %lld = %lld tokens/step, %lld "
+              "steps from step %lld, lr %.2e, recompute %s, estimated memory %s\n",
+              device.c_str(), trainer->backend().device_name().c_str(),
+              static_cast<long long>(t.batch), static_cast<long long>(t.seq),
+              static_cast<long long>(t.grad_accum),
+              static_cast<long long>(t.batch * t.seq * t.grad_accum), static_cast<long long>(t.steps),
+              static_cast<long long>(trainer->step()), t.lr, t.recompute ? "on" : "off",
+              gib(static_cast<double>(mem.total)).c_str());
+  std::printf("data: %s (%zu shards)%s%s\n", train_pattern.c_str(), shards.size(),
+              have_val ? ", validation " : "", have_val ? val_pattern.c_str() : "");
+  if (trainer->peak_flops() <= 0 && o.device == ft::DeviceKind::kCuda) {
+    std::printf("MFU: peak of '%s' unknown; pass --peak-tflops\n", trainer->backend().device_name().c_str());
+  }
+  std::fflush(stdout);
+
+  check_run(trainer->run(t.steps, [](const ft::StepReport& r) {
+    std::printf("%s\n", ft::format_step(r).c_str());
+    std::fflush(stdout);
+  }));
+
+  if (sample > 0) {
+    std::vector<float> master(static_cast<size_t>(ft::parameter_layout(o.model).total));
+    check_run(trainer->backend().get_state(master.data(), nullptr, nullptr));
+    ft::SampleOptions so;
+    so.tokens = sample;
+    so.top_k = top_k;
+    so.seed = t.seed;
+    print_sample(o.model, master, tokenizer.get(), f.prompt.value_or(""), so);
+  }
+  return 0;
+}
+
+// ---- sample ---------------------------------------------------------------------------------------
+
+int sample_command(int argc, char** argv, int first) {
+  Flags flags;
+  std::optional<std::string> checkpoint, tokenizer_file, data, prompt;
+  std::optional<int64_t> tokens, top_k, seed;
+  std::optional<double> temperature;
+  flags.add_string("checkpoint", &checkpoint, "checkpoint file (required)");
+  flags.add_string("data", &data, "data directory whose tokenizer.tiktoken decodes (default data/pydoc)");
+  flags.add_string("tokenizer", &tokenizer_file, "tiktoken rank file (overrides --data)");
+  flags.add_string("prompt", &prompt, "text to continue (default: end-of-text)");
+  flags.add_int("tokens", &tokens, 1, 1 << 20, "tokens to generate (default 32)");
+  flags.add_int("top-k", &top_k, 0, 1 << 30, "sample among the k most likely (default 0: greedy)");
+  flags.add_double("temperature", &temperature, 1e-6, 1e6, "softmax temperature (default 1)");
+  flags.add_int("seed", &seed, 0, int64_t{1} << 40, "sampling seed (default 0)");
+  if (!flags.parse(argc, argv, first)) {
+    std::printf("usage: flare-train sample --checkpoint PATH [flags]\n\nflags:\n%s", flags.help().c_str());
+    return 0;
+  }
+  if (!checkpoint) throw UsageError("--checkpoint: required");
+  if (!fs::exists(*checkpoint)) throw UsageError("--checkpoint: no file '" + *checkpoint + "'");
+  ft::CheckpointMeta meta;
+  const Status read = ft::read_checkpoint_meta(*checkpoint, &meta);
+  if (!read.ok()) throw UsageError("--checkpoint: " + read.message());
+  const int64_t n = ft::parameter_layout(meta.model).total;
+  std::vector<float> master(static_cast<size_t>(n)), m(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+  check_run(ft::load_checkpoint(*checkpoint, meta.model, &meta, master.data(), m.data(), v.data(), n));
+
+  const std::string path = tokenizer_file.value_or((fs::path(data.value_or(kDefaultData)) / "tokenizer.tiktoken").string());
+  std::unique_ptr<ft::Tokenizer> tokenizer;
+  if (fs::exists(path)) {
+    tokenizer = std::make_unique<ft::Tokenizer>();
+    const Status s = ft::Tokenizer::load(path, tokenizer.get());
+    if (!s.ok()) throw UsageError((tokenizer_file ? "--tokenizer: " : "--data: ") + s.message());
+    if (tokenizer->vocab_size() > meta.model.vocab_size) {
+      throw UsageError("--tokenizer: its " + std::to_string(tokenizer->vocab_size()) +
+                       " tokens exceed the model's vocab_size " + std::to_string(meta.model.vocab_size));
+    }
+  } else if (tokenizer_file) {
+    throw UsageError("--tokenizer: no file '" + path + "'");
+  }
+  std::printf("checkpoint %s: model %s, step %lld\n", checkpoint->c_str(), meta.model.name.c_str(),
+              static_cast<long long>(meta.step));
+  ft::SampleOptions o;
+  o.tokens = tokens.value_or(32);
+  o.top_k = top_k.value_or(0);
+  o.temperature = temperature.value_or(1.0);
+  o.seed = static_cast<uint64_t>(seed.value_or(0));
+  print_sample(meta.model, master, tokenizer.get(), prompt.value_or(""), o);
+  return 0;
+}
+
+// ---- synth-data -----------------------------------------------------------------------------------
+
+int synth_data_command(int argc, char** argv, int first) {
+  Flags flags;
+  std::optional<std::string> out;
+  std::optional<int64_t> tokens, vocab, seed;
+  flags.add_string("out", &out, "directory for synth_train_000000.bin and synth_val_000000.bin (required)");
+  flags.add_int("tokens", &tokens, 2, int64_t{1} << 32, "training tokens (default 4,194,304)");
+  flags.add_int("vocab", &vocab, 1, int64_t{1} << 31, "token ids drawn uniformly below this (default 50257)");
+  flags.add_int("seed", &seed, 0, int64_t{1} << 40, "seed (default 0)");
+  if (!flags.parse(argc, argv, first)) {
+    std::printf("usage: flare-train synth-data --out DIR [flags]\n\n"
+                "Uniformly random tokens: for throughput runs where no corpus is prepared (the loss\n"
+                "cannot fall below log(vocab)).\n\nflags:\n%s", flags.help().c_str());
+    return 0;
+  }
+  if (!out) throw UsageError("--out: required");
+  const int64_t n = tokens.value_or(int64_t{1} << 22), v = vocab.value_or(50257);
+  std::error_code ec;
+  fs::create_directories(*out, ec);
+  if (ec) throw RunError("--out: cannot create '" + *out + "': " + ec.message());
+  std::mt19937_64 rng(static_cast<uint64_t>(seed.value_or(0)));
+  std::uniform_int_distribution<int32_t> draw(0, static_cast<int32_t>(v - 1));
+  for (const auto& [split, count] : {std::pair<const char*, int64_t>{"train", n}, {"val", std::max<int64_t>(n / 16, 2)}}) {
+    std::vector<int32_t> ids(static_cast<size_t>(count));
+    for (int32_t& id : ids) id = draw(rng);
+    const std::string path = (fs::path(*out) / (std::string("synth_") + split + "_000000.bin")).string();
+    check_run(ft::write_shard(path, ids, v));
+    std::printf("wrote %s (%lld tokens)\n", path.c_str(), static_cast<long long>(count));
+  }
+  return 0;
+}
+
+int models_command() {
+  for (const std::string& name : ft::model_preset_names()) {
+    ft::ModelConfig m;
+    ft::model_preset(name, &m);
+    std::printf("%-12s %-5s %3lld layers  d_model %5lld  heads %3lld/%-3lld x %3lld  vocab %6lld  %8.1fM\n",
+                name.c_str(), ft::family_name(m.family), static_cast<long long>(m.n_layer),
+                static_cast<long long>(m.d_model), static_cast<long long>(m.n_head),
+                static_cast<long long>(m.n_kv_head), static_cast<long long>(m.head_dim),
+                static_cast<long long>(m.vocab_size), static_cast<double>(ft::parameter_count(m)) / 1e6);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::string command = argc > 1 ? argv[1] : "";
+    if (command == "sample") return sample_command(argc, argv, 2);
+    if (command == "synth-data") return synth_data_command(argc, argv, 2);
+    if (command == "models") return models_command();
+    if (command == "train") return train_command(argc, argv, 2);
+    return train_command(argc, argv, 1);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "flare-train: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "flare-train: %s\n", e.what());
+    return 1;
+  }
+}

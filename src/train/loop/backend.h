@@ -1,0 +1,89 @@
+// backend.h — where a training step runs: the CPU (fp32, the reference and CI's backend) or a
+// CUDA device (bf16 weights and activations, fp32 master weights, gradients and AdamW state).
+//
+// The trainer (trainer.h) drives either through this one interface, so the loop — data, schedule,
+// accumulation, clipping, evaluation, checkpoints — is the same code on both and is tested on the
+// CPU. A backend owns the whole optimizer state (master weights, m, v) and the gradients; the
+// trainer only sees them as fp32 host arrays when it checkpoints or samples.
+//
+// A step is split in two so that the host can prepare the next batch while the device computes:
+// step_begin() enqueues the whole optimizer step (every micro-batch's forward and backward, the
+// gradient norm, the clip and AdamW) and returns; step_end() waits for that step's loss and
+// gradient norm, the only values the host reads per step. On the CPU, step_begin() does the work
+// and step_end() only reports it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "flare/status.h"
+#include "train/core/adamw.h"
+#include "train/core/model_config.h"
+#include "train/core/train_config.h"
+
+namespace flare::train {
+
+enum class DeviceKind { kCpu, kCuda };
+
+// "cpu" or "cuda", for flags and messages.
+const char* device_kind_name(DeviceKind kind);
+
+struct StepResult {
+  double loss = 0.0;        // mean cross-entropy over the step's valid targets (every micro-batch)
+  double grad_norm = 0.0;   // global L2 norm of the step's gradient, before clipping
+  bool updated = false;     // false when the norm was not finite and the CPU skipped the update
+};
+
+struct BackendOptions {
+  bool deterministic_attention = true;  // CUDA: bitwise-reproducible attention backward
+  int device_index = 0;                 // CUDA ordinal
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual DeviceKind kind() const = 0;
+  // "cpu", or the CUDA device's name ("NVIDIA H100 80GB HBM3") for the peak-FLOP/s table.
+  virtual std::string device_name() const = 0;
+
+  // The optimizer state from host arrays of layout.total floats each; m and v may be null for a
+  // fresh run (zeros). The weights the model reads are derived from master.
+  virtual Status set_state(const float* master, const float* m, const float* v) = 0;
+  // The state into host arrays (any may be null). Waits for the device.
+  virtual Status get_state(float* master, float* m, float* v) = 0;
+
+  // Enqueues one optimizer step over `micro_batches` micro-batches of (batch, seq) tokens each:
+  // inputs and targets hold micro_batches · batch · seq int32, micro-batch after micro-batch.
+  // The gradient is that of the mean loss over all valid targets (not −1) of the step; it is
+  // clipped to grad_clip (0: no clipping) and AdamW `step` applied (its grad_scale is multiplied
+  // by the clip factor). The previous step must have been ended.
+  virtual Status step_begin(std::span<const int32_t> inputs, std::span<const int32_t> targets,
+                            int64_t micro_batches, const AdamWStep& step, double grad_clip) = 0;
+  // Waits for the step enqueued last and reports it.
+  virtual Status step_end(StepResult* result) = 0;
+
+  // The summed loss and the count of valid targets of one (batch, seq) micro-batch, without
+  // gradients (validation). Waits for the device.
+  virtual Status evaluate(std::span<const int32_t> inputs, std::span<const int32_t> targets,
+                          double* loss_sum, int64_t* valid) = 0;
+
+  // Device memory in use (CUDA: total − free as the driver reports it) or the bytes of the
+  // backend's own buffers (CPU).
+  virtual int64_t memory_bytes() const = 0;
+};
+
+// The fp32 CPU backend over cpu::CpuModel for (batch, seq) micro-batches.
+Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
+                        std::unique_ptr<Backend>* out);
+
+// The CUDA backend over the GPU model (model/gpu_model.h). It first compares
+// estimate_training_memory() with the device's free memory and returns out_of_memory, with the
+// breakdown, before allocating anything when the run cannot fit. Returns unsupported in a build
+// without CUDA.
+Status make_cuda_backend(const ModelConfig& model, const TrainConfig& train,
+                         const BackendOptions& options, std::unique_ptr<Backend>* out);
+
+}  // namespace flare::train

@@ -1,0 +1,592 @@
+// gpu_model.cpp — the GPU model of gpu_model.h: buffers, one function per block, then the step
+// (forward, backward) read top to bottom. N = batch · seq tokens; d = d_model; H, K = query and
+// key/value heads; hd = head_dim; qkv_w = (H + 2·K)·hd; q_w = H·hd; mlp_in_w = ffn (GPT, the
+// pre-GELU) or 2·ffn (LLaMA, gate_up).
+#include "train/model/gpu_model.h"
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/message.h"
+#include "flare/attention.h"
+#include "train/cpu/ops.h"
+#include "train/cuda/classifier.h"
+#include "train/cuda/embedding.h"
+#include "train/cuda/matmul.h"
+#include "train/cuda/norm.h"
+#include "train/cuda/rope.h"
+#include "train/cuda/swiglu.h"
+
+namespace flare::train::cuda {
+namespace {
+
+constexpr int64_t kBufferAlignment = 256;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Buffers are requested by size, then carved out of one allocation in request order.
+class Arena {
+ public:
+  template <typename T>
+  void request(T** target, int64_t count) {
+    const int64_t bytes = round_up(count * static_cast<int64_t>(sizeof(T)), kBufferAlignment);
+    requests_.push_back({bytes, [target](char* p) { *target = reinterpret_cast<T*>(p); }});
+    total_ += bytes;
+  }
+  void request_bytes(void** target, int64_t bytes) {
+    bytes = round_up(bytes, kBufferAlignment);
+    requests_.push_back({bytes, [target](char* p) { *target = p; }});
+    total_ += bytes;
+  }
+  int64_t total() const { return total_; }
+  Status allocate(void** base) {
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(base, static_cast<size_t>(total_)), "GpuModel buffers"));
+    char* p = static_cast<char*>(*base);
+    for (const auto& [bytes, assign] : requests_) {
+      assign(p);
+      p += bytes;
+    }
+    return Status::ok_status();
+  }
+
+ private:
+  std::vector<std::pair<int64_t, std::function<void(char*)>>> requests_;
+  int64_t total_ = 0;
+};
+
+int64_t offset_of(const ParameterLayout& layout, const std::string& name) {
+  const ParamSpec* p = layout.find(name);
+  return p ? p->offset : -1;
+}
+
+}  // namespace
+
+// A norm's parameters: offsets into the flat buffers (bias −1 for RMSNorm).
+struct NormOffsets {
+  int64_t weight = -1, bias = -1;
+};
+
+struct LayerOffsets {
+  NormOffsets attn_norm, mlp_norm;
+  int64_t qkv_weight = -1, qkv_bias = -1;
+  int64_t out_weight = -1, out_bias = -1;
+  int64_t up_weight = -1, up_bias = -1;      // GPT fc (ffn, d); LLaMA gate_up (2·ffn, d)
+  int64_t down_weight = -1, down_bias = -1;  // GPT proj (d, ffn); LLaMA down (d, ffn)
+};
+
+// The activations of one layer that its backward reads.
+struct LayerActivations {
+  bf16* input = nullptr;       // (N, d) the residual stream entering the layer; kept per layer
+  bf16* attn_norm = nullptr;   // (N, d)
+  float* attn_mean = nullptr;  // (N) GPT only
+  float* attn_rstd = nullptr;  // (N)
+  bf16* qkv = nullptr;         // (N, qkv_w) q and k after RoPE
+  bf16* attn_out = nullptr;    // (N, q_w) = (B, T, H, hd)
+  float* lse = nullptr;        // (B, H, T)
+  bf16* mid = nullptr;         // (N, d) input + attention branch
+  bf16* mlp_norm = nullptr;    // (N, d)
+  float* mlp_mean = nullptr;   // (N) GPT only
+  float* mlp_rstd = nullptr;   // (N)
+  bf16* mlp_in = nullptr;      // (N, mlp_in_w) GPT pre-GELU; LLaMA gate_up
+  bf16* mlp_act = nullptr;     // (N, ffn) GELU or SwiGLU output
+};
+
+struct GpuModel::Impl {
+  ParameterLayout layout;
+  GpuModelOptions options;
+  MatmulContext matmul;
+  void* buffers = nullptr;
+
+  // Offsets into the flat buffers.
+  int64_t embed = -1, pos_embed = -1, head = -1;
+  NormOffsets final_norm;
+  std::vector<LayerOffsets> layer_offsets;
+
+  // Forward activations; with recompute every layer's entries but `input` alias shared_.
+  std::vector<LayerActivations> layers;
+  float* rope_cos = nullptr;   // (seq, hd/2) LLaMA only
+  float* rope_sin = nullptr;
+  bf16* branch = nullptr;      // (N, d) a block's branch output before its residual add
+  bf16* final_in = nullptr;    // (N, d) the last layer's output
+  bf16* final_norm_out = nullptr;  // (N, d)
+  float* final_mean = nullptr; // (N) GPT only
+  float* final_rstd = nullptr; // (N)
+  float* losses = nullptr;     // (N) per-token losses
+
+  // Backward scratch, shared by every layer.
+  bf16* d_resid = nullptr;     // (N, d) gradient of the residual stream
+  bf16* d_norm = nullptr;      // (N, d) gradient of a norm's output
+  bf16* d_attn_out = nullptr;  // (N, q_w)
+  bf16* d_qkv = nullptr;       // (N, qkv_w)
+  bf16* d_q = nullptr;         // (N, q_w) GQA only: see attention_block_backward
+  bf16* d_mlp_in = nullptr;    // (N, mlp_in_w)
+  bf16* d_mlp_act = nullptr;   // (N, ffn) LLaMA only (GPT's DGELU epilogue skips it)
+  void* norm_scratch = nullptr;
+  void* embed_scratch = nullptr;
+  bool have_dlogits = false;
+};
+
+namespace {
+
+// Requests every buffer of the model for (B, T) into `arena`, filling `impl`'s pointers once the
+// arena is allocated. Shared by create() and buffer_bytes() so the two cannot disagree.
+void plan_buffers(const ModelConfig& c, int64_t B, int64_t T, bool recompute, int64_t total_params,
+                  GpuModel::Impl* m, bf16** weights, float** grads, bf16** logits, Arena* arena) {
+  const bool gpt = c.family == Family::kGpt;
+  const int64_t N = B * T, d = c.d_model, H = c.n_head, hd = c.head_dim, ffn = c.ffn_hidden;
+  const int64_t qkv_w = (H + 2 * c.n_kv_head) * hd, q_w = H * hd;
+  const int64_t mlp_in_w = gpt ? ffn : 2 * ffn;
+
+  arena->request(weights, total_params);
+  arena->request(grads, total_params);
+  m->layers.assign(static_cast<size_t>(c.n_layer), LayerActivations{});
+  auto request_set = [&](LayerActivations& a) {
+    arena->request(&a.attn_norm, N * d);
+    if (gpt) arena->request(&a.attn_mean, N);
+    arena->request(&a.attn_rstd, N);
+    arena->request(&a.qkv, N * qkv_w);
+    arena->request(&a.attn_out, N * q_w);
+    arena->request(&a.lse, B * H * T);
+    arena->request(&a.mid, N * d);
+    arena->request(&a.mlp_norm, N * d);
+    if (gpt) arena->request(&a.mlp_mean, N);
+    arena->request(&a.mlp_rstd, N);
+    arena->request(&a.mlp_in, N * mlp_in_w);
+    arena->request(&a.mlp_act, N * ffn);
+  };
+  for (LayerActivations& a : m->layers) arena->request(&a.input, N * d);
+  if (recompute) {
+    // One set for all layers: requested through layer 0, copied to the others after allocation
+    // (see create()).
+    request_set(m->layers[0]);
+  } else {
+    for (LayerActivations& a : m->layers) request_set(a);
+  }
+  if (!gpt) {
+    arena->request(&m->rope_cos, T * hd / 2);
+    arena->request(&m->rope_sin, T * hd / 2);
+  }
+  arena->request(&m->branch, N * d);
+  arena->request(&m->final_in, N * d);
+  arena->request(&m->final_norm_out, N * d);
+  if (gpt) arena->request(&m->final_mean, N);
+  arena->request(&m->final_rstd, N);
+  arena->request(logits, N * c.padded_vocab);
+  arena->request(&m->losses, N);
+
+  arena->request(&m->d_resid, N * d);
+  arena->request(&m->d_norm, N * d);
+  arena->request(&m->d_attn_out, N * q_w);
+  arena->request(&m->d_qkv, N * qkv_w);
+  if (c.n_kv_head != H) arena->request(&m->d_q, N * q_w);
+  arena->request(&m->d_mlp_in, N * mlp_in_w);
+  if (!gpt) arena->request(&m->d_mlp_act, N * ffn);
+  arena->request_bytes(&m->norm_scratch, norm_backward_scratch_bytes(N, d));
+  arena->request_bytes(&m->embed_scratch, embedding_backward_scratch_bytes(c.vocab_size));
+}
+
+// q, k and v as (B, T, heads, hd) views into fused qkv rows (N, qkv_w) on the device.
+struct QkvViews {
+  TensorView q, k, v;
+};
+
+QkvViews qkv_views(const bf16* qkv, const ModelConfig& c, int64_t B, int64_t T, int device) {
+  bf16* base = const_cast<bf16*>(qkv);  // a TensorView describes read-only inputs too
+  const int64_t hd = c.head_dim, row = (c.n_head + 2 * c.n_kv_head) * hd;
+  auto view = [&](int64_t first_head, int64_t heads) {
+    return TensorView::strided(base + first_head * hd, DType::kBFloat16, {B, T, heads, hd},
+                               {T * row, row, hd, 1}, DeviceType::kCUDA, device);
+  };
+  return {view(0, c.n_head), view(c.n_head, c.n_kv_head), view(c.n_head + c.n_kv_head, c.n_kv_head)};
+}
+
+}  // namespace
+
+// ---- Construction -------------------------------------------------------------------------------
+
+GpuModel::GpuModel() : impl_(std::make_unique<Impl>()) {}
+
+GpuModel::~GpuModel() {
+  if (impl_ && impl_->buffers) cudaFree(impl_->buffers);
+}
+
+const ParameterLayout& GpuModel::layout() const { return impl_->layout; }
+
+int64_t GpuModel::buffer_bytes(const ModelConfig& config, int64_t batch, int64_t seq, bool recompute) {
+  Impl impl;
+  bf16 *weights = nullptr, *logits = nullptr;
+  float* grads = nullptr;
+  Arena arena;
+  plan_buffers(config, batch, seq, recompute, parameter_layout(config).total, &impl, &weights,
+               &grads, &logits, &arena);
+  return arena.total();
+}
+
+Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
+                        const GpuModelOptions& options, cudaStream_t stream,
+                        std::unique_ptr<GpuModel>* out) {
+  FLARE_RETURN_IF_ERROR(validate_model_config(config));
+  if (batch < 1) return invalid("batch: ", batch, " must be at least 1");
+  if (seq < 1 || seq > config.max_seq) {
+    return invalid("seq: ", seq, " must be in [1, max_seq = ", config.max_seq, "]");
+  }
+  std::unique_ptr<GpuModel> g(new GpuModel());
+  g->config_ = config;
+  g->batch_ = batch;
+  g->seq_ = seq;
+  g->stream_ = stream;
+  Impl& m = *g->impl_;
+  m.options = options;
+  m.layout = parameter_layout(config);
+
+  const ParameterLayout& L = m.layout;
+  m.embed = offset_of(L, "embed.weight");
+  m.pos_embed = offset_of(L, "pos_embed.weight");
+  m.final_norm = {offset_of(L, "final_norm.weight"), offset_of(L, "final_norm.bias")};
+  m.head = config.tied_embeddings ? m.embed : offset_of(L, "head.weight");
+  const bool gpt = config.family == Family::kGpt;
+  for (int64_t i = 0; i < config.n_layer; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    LayerOffsets w;
+    w.attn_norm = {offset_of(L, p + "attn_norm.weight"), offset_of(L, p + "attn_norm.bias")};
+    w.mlp_norm = {offset_of(L, p + "mlp_norm.weight"), offset_of(L, p + "mlp_norm.bias")};
+    w.qkv_weight = offset_of(L, p + "attn.qkv.weight");
+    w.qkv_bias = offset_of(L, p + "attn.qkv.bias");
+    w.out_weight = offset_of(L, p + "attn.out.weight");
+    w.out_bias = offset_of(L, p + "attn.out.bias");
+    w.up_weight = offset_of(L, p + (gpt ? "mlp.fc.weight" : "mlp.gate_up.weight"));
+    w.up_bias = offset_of(L, p + "mlp.fc.bias");
+    w.down_weight = offset_of(L, p + (gpt ? "mlp.proj.weight" : "mlp.down.weight"));
+    w.down_bias = offset_of(L, p + "mlp.proj.bias");
+    m.layer_offsets.push_back(w);
+  }
+
+  FLARE_RETURN_IF_ERROR(m.matmul.init());
+  Arena arena;
+  plan_buffers(config, batch, seq, options.recompute, L.total, &m, &g->weights_, &g->grads_,
+               &g->logits_, &arena);
+  FLARE_RETURN_IF_ERROR(arena.allocate(&m.buffers));
+  if (options.recompute) {
+    for (size_t i = 1; i < m.layers.size(); ++i) {
+      bf16* input = m.layers[i].input;
+      m.layers[i] = m.layers[0];
+      m.layers[i].input = input;
+    }
+  }
+  // Weights and gradients start at zero so the alignment gaps, which no kernel writes, are zero.
+  FLARE_RETURN_IF_ERROR(cuda_status(
+      cudaMemsetAsync(g->weights_, 0, static_cast<size_t>(L.total) * sizeof(bf16), stream), "GpuModel weights"));
+  FLARE_RETURN_IF_ERROR(cuda_status(
+      cudaMemsetAsync(g->grads_, 0, static_cast<size_t>(L.total) * sizeof(float), stream), "GpuModel grads"));
+  if (!gpt) {
+    // The RoPE tables, in double rounded once to fp32, by the CPU reference's function.
+    const size_t n = static_cast<size_t>(seq * config.head_dim / 2);
+    std::vector<float> cos_table(n), sin_table(n);
+    cpu::rope_table(cos_table.data(), sin_table.data(), seq, config.head_dim, config.rope_theta,
+                    config.rope_scaling);
+    FLARE_RETURN_IF_ERROR(cuda_status(
+        cudaMemcpy(m.rope_cos, cos_table.data(), n * sizeof(float), cudaMemcpyHostToDevice), "rope table"));
+    FLARE_RETURN_IF_ERROR(cuda_status(
+        cudaMemcpy(m.rope_sin, sin_table.data(), n * sizeof(float), cudaMemcpyHostToDevice), "rope table"));
+  }
+  *out = std::move(g);
+  return Status::ok_status();
+}
+
+Status GpuModel::zero_grads() {
+  return cuda_status(cudaMemsetAsync(grads_, 0, static_cast<size_t>(impl_->layout.total) * sizeof(float), stream_),
+                     "zero_grads");
+}
+
+// ---- Blocks ---------------------------------------------------------------------------------------
+// Each is a free function over the model's state so the step below reads top to bottom.
+
+namespace {
+
+struct Step {
+  const ModelConfig& c;
+  GpuModel::Impl& m;
+  const bf16* w;   // weights
+  float* g;        // gradients
+  int64_t B, T, N;
+  cudaStream_t s;
+
+  const bf16* W(int64_t offset) const { return offset < 0 ? nullptr : w + offset; }
+  float* G(int64_t offset) const { return offset < 0 ? nullptr : g + offset; }
+  bool gpt() const { return c.family == Family::kGpt; }
+  float eps() const { return static_cast<float>(c.norm_eps); }
+  AttentionOptions attention_options() const {
+    AttentionOptions o;
+    o.causal = true;  // softmax_scale 0: 1/sqrt(head_dim)
+    o.deterministic = m.options.deterministic_attention;
+    return o;
+  }
+};
+
+// x (N, d) → out (N, d), saving mean (GPT) and rstd.
+Status norm_forward(const Step& st, const NormOffsets& n, const bf16* x, bf16* out, float* mean,
+                    float* rstd) {
+  const int64_t d = st.c.d_model;
+  if (st.gpt()) {
+    return layernorm_forward(x, st.W(n.weight), st.W(n.bias), out, mean, rstd, st.N, d, st.eps(), st.s);
+  }
+  return rmsnorm_forward(x, st.W(n.weight), out, rstd, st.N, d, st.eps(), st.s);
+}
+
+// residual_out = residual + branch; out = norm(residual_out).
+Status residual_norm_forward(const Step& st, const NormOffsets& n, const bf16* residual,
+                             const bf16* branch, bf16* residual_out, bf16* out, float* mean,
+                             float* rstd) {
+  const int64_t d = st.c.d_model;
+  if (st.gpt()) {
+    return residual_layernorm_forward(residual, branch, st.W(n.weight), st.W(n.bias), residual_out,
+                                      out, mean, rstd, st.N, d, st.eps(), st.s);
+  }
+  return residual_rmsnorm_forward(residual, branch, st.W(n.weight), residual_out, out, rstd, st.N,
+                                  d, st.eps(), st.s);
+}
+
+// dx = dresidual + ∂L/∂x (dresidual may be null); the norm's parameter gradients accumulate.
+Status norm_backward(const Step& st, const NormOffsets& n, const bf16* dout, const bf16* x,
+                     const float* mean, const float* rstd, const bf16* dresidual, bf16* dx) {
+  const int64_t d = st.c.d_model;
+  if (st.gpt()) {
+    return layernorm_backward(dout, x, st.W(n.weight), mean, rstd, dresidual, dx, st.G(n.weight),
+                              st.G(n.bias), st.N, d, true, st.m.norm_scratch, st.s);
+  }
+  return rmsnorm_backward(dout, x, st.W(n.weight), rstd, dresidual, dx, st.G(n.weight), st.N, d,
+                          true, st.m.norm_scratch, st.s);
+}
+
+// a.attn_norm (N, d) → a.mid = input + out(attention(rope(qkv(attn_norm)))) and a.mlp_norm.
+Status attention_block_forward(const Step& st, const LayerOffsets& w, const LayerActivations& a) {
+  const ModelConfig& c = st.c;
+  const int64_t d = c.d_model, hd = c.head_dim;
+  const int64_t qkv_w = (c.n_head + 2 * c.n_kv_head) * hd, q_w = c.n_head * hd;
+  MatmulContext& mm = st.m.matmul;
+  // (N, d) → (N, qkv_w)
+  FLARE_RETURN_IF_ERROR(matmul_forward(mm, a.attn_norm, st.W(w.qkv_weight), st.W(w.qkv_bias), a.qkv,
+                                       nullptr, st.N, d, qkv_w, st.s));
+  if (!st.gpt()) {
+    FLARE_RETURN_IF_ERROR(rope_forward(st.m.rope_cos, st.m.rope_sin, a.qkv, st.N, st.T, c.n_head,
+                                       c.n_kv_head, hd, st.s));
+  }
+  // (B, T, H, hd) from strided views of the qkv rows; lse (B, H, T).
+  const int dev = st.m.options.device_index;
+  const QkvViews qkv = qkv_views(a.qkv, c, st.B, st.T, dev);
+  const TensorView o = TensorView::contiguous(a.attn_out, DType::kBFloat16, {st.B, st.T, c.n_head, hd},
+                                              DeviceType::kCUDA, dev);
+  const TensorView lse = TensorView::contiguous(a.lse, DType::kFloat32, {st.B, c.n_head, st.T},
+                                                DeviceType::kCUDA, dev);
+  FLARE_RETURN_IF_ERROR(attention_forward(qkv.q, qkv.k, qkv.v, o, lse, st.attention_options(), {}, st.s));
+  // (N, q_w) → (N, d), then mid = input + branch fused with the MLP's norm.
+  FLARE_RETURN_IF_ERROR(matmul_forward(mm, a.attn_out, st.W(w.out_weight), st.W(w.out_bias),
+                                       st.m.branch, nullptr, st.N, q_w, d, st.s));
+  return residual_norm_forward(st, w.mlp_norm, a.input, st.m.branch, a.mid, a.mlp_norm, a.mlp_mean,
+                               a.mlp_rstd);
+}
+
+// a.mlp_norm (N, d) → a.mlp_act (N, ffn); with `next` the MLP output too, added to a.mid into
+// next_input and normed by next_norm (the next layer's attention norm, or the final norm).
+struct NextNorm {
+  const NormOffsets* norm;
+  bf16* input;   // the residual stream after this layer
+  bf16* out;     // its norm
+  float* mean;
+  float* rstd;
+};
+
+Status mlp_block_forward(const Step& st, const LayerOffsets& w, const LayerActivations& a,
+                         const NextNorm* next) {
+  const int64_t d = st.c.d_model, ffn = st.c.ffn_hidden;
+  MatmulContext& mm = st.m.matmul;
+  if (st.gpt()) {
+    // (N, d) → (N, ffn): mlp_in = fc(x) + b kept for the backward, mlp_act = gelu(mlp_in).
+    FLARE_RETURN_IF_ERROR(matmul_forward(mm, a.mlp_norm, st.W(w.up_weight), st.W(w.up_bias),
+                                         a.mlp_act, a.mlp_in, st.N, d, ffn, st.s));
+  } else {
+    // (N, d) → (N, 2·ffn) → SwiGLU → (N, ffn)
+    FLARE_RETURN_IF_ERROR(matmul_forward(mm, a.mlp_norm, st.W(w.up_weight), nullptr, a.mlp_in,
+                                         nullptr, st.N, d, 2 * ffn, st.s));
+    FLARE_RETURN_IF_ERROR(swiglu_forward(a.mlp_in, a.mlp_act, st.N, ffn, st.s));
+  }
+  if (!next) return Status::ok_status();  // recomputation: the backward needs no more
+  // (N, ffn) → (N, d), then the residual add fused with the next norm.
+  FLARE_RETURN_IF_ERROR(matmul_forward(mm, a.mlp_act, st.W(w.down_weight), st.W(w.down_bias),
+                                       st.m.branch, nullptr, st.N, ffn, d, st.s));
+  return residual_norm_forward(st, *next->norm, a.mid, st.m.branch, next->input, next->out,
+                               next->mean, next->rstd);
+}
+
+// d_resid (N, d): on entry the gradient of the layer's output; on return that of a.mid.
+Status mlp_block_backward(const Step& st, const LayerOffsets& w, const LayerActivations& a) {
+  const int64_t d = st.c.d_model, ffn = st.c.ffn_hidden;
+  GpuModel::Impl& m = st.m;
+  MatmulContext& mm = m.matmul;
+  if (st.gpt()) {
+    // proj: (N, d) → (N, ffn), gelu'(mlp_in) folded in by the DGELU epilogue.
+    FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_resid, st.W(w.down_weight), a.mlp_in,
+                                                m.d_mlp_in, st.N, ffn, d, st.s));
+    FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_resid, a.mlp_act, st.G(w.down_weight),
+                                                 st.G(w.down_bias), st.N, ffn, d, true, st.s));
+    // fc: (N, ffn) → (N, d)
+    FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_mlp_in, st.W(w.up_weight), nullptr,
+                                                m.d_norm, st.N, d, ffn, st.s));
+    FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_mlp_in, a.mlp_norm, st.G(w.up_weight),
+                                                 st.G(w.up_bias), st.N, d, ffn, true, st.s));
+  } else {
+    // down: (N, d) → (N, ffn); SwiGLU: (N, ffn) → (N, 2·ffn); gate_up: (N, 2·ffn) → (N, d)
+    FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_resid, st.W(w.down_weight), nullptr,
+                                                m.d_mlp_act, st.N, ffn, d, st.s));
+    FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_resid, a.mlp_act, st.G(w.down_weight),
+                                                 nullptr, st.N, ffn, d, true, st.s));
+    FLARE_RETURN_IF_ERROR(swiglu_backward(m.d_mlp_act, a.mlp_in, m.d_mlp_in, st.N, ffn, st.s));
+    FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_mlp_in, st.W(w.up_weight), nullptr,
+                                                m.d_norm, st.N, d, 2 * ffn, st.s));
+    FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_mlp_in, a.mlp_norm, st.G(w.up_weight),
+                                                 nullptr, st.N, d, 2 * ffn, true, st.s));
+  }
+  // The skip path passes d_resid through; the norm adds the branch's share in place.
+  return norm_backward(st, w.mlp_norm, m.d_norm, a.mid, a.mlp_mean, a.mlp_rstd, m.d_resid, m.d_resid);
+}
+
+// d_resid (N, d): on entry the gradient of a.mid; on return that of a.input.
+Status attention_block_backward(const Step& st, const LayerOffsets& w, const LayerActivations& a) {
+  const ModelConfig& c = st.c;
+  const int64_t d = c.d_model, hd = c.head_dim;
+  const int64_t qkv_w = (c.n_head + 2 * c.n_kv_head) * hd, q_w = c.n_head * hd;
+  GpuModel::Impl& m = st.m;
+  MatmulContext& mm = m.matmul;
+  // out: (N, d) → (N, q_w)
+  FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_resid, st.W(w.out_weight), nullptr,
+                                              m.d_attn_out, st.N, q_w, d, st.s));
+  FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_resid, a.attn_out, st.G(w.out_weight),
+                                               st.G(w.out_bias), st.N, q_w, d, true, st.s));
+  // Attention: dq, dk, dv written into the dqkv rows through strided views. flare's overlap check
+  // is exact only between views of one shape, so under GQA it would reject a dq interleaved with
+  // the narrower dk and dv although they share no element: dq goes to its own buffer and is
+  // copied into the rows afterwards (one strided device copy).
+  const int dev = m.options.device_index;
+  const QkvViews qkv = qkv_views(a.qkv, c, st.B, st.T, dev);
+  QkvViews dqkv = qkv_views(m.d_qkv, c, st.B, st.T, dev);
+  const bool separate_dq = c.n_kv_head != c.n_head;
+  if (separate_dq) {
+    dqkv.q = TensorView::contiguous(m.d_q, DType::kBFloat16, {st.B, st.T, c.n_head, hd},
+                                    DeviceType::kCUDA, dev);
+  }
+  const TensorView o = TensorView::contiguous(a.attn_out, DType::kBFloat16, {st.B, st.T, c.n_head, hd},
+                                              DeviceType::kCUDA, dev);
+  const TensorView lse = TensorView::contiguous(a.lse, DType::kFloat32, {st.B, c.n_head, st.T},
+                                                DeviceType::kCUDA, dev);
+  const TensorView d_o = TensorView::contiguous(m.d_attn_out, DType::kBFloat16,
+                                                {st.B, st.T, c.n_head, hd}, DeviceType::kCUDA, dev);
+  FLARE_RETURN_IF_ERROR(attention_backward(d_o, qkv.q, qkv.k, qkv.v, o, lse, dqkv.q, dqkv.k, dqkv.v,
+                                           st.attention_options(), {}, st.s));
+  if (separate_dq) {
+    const size_t row_bytes = static_cast<size_t>(q_w) * sizeof(bf16);
+    FLARE_RETURN_IF_ERROR(cuda_status(
+        cudaMemcpy2DAsync(m.d_qkv, static_cast<size_t>(qkv_w) * sizeof(bf16), m.d_q, row_bytes,
+                          row_bytes, static_cast<size_t>(st.N), cudaMemcpyDeviceToDevice, st.s),
+        "dq into the dqkv rows"));
+  }
+  if (!st.gpt()) {
+    FLARE_RETURN_IF_ERROR(rope_backward(m.rope_cos, m.rope_sin, m.d_qkv, st.N, st.T, c.n_head,
+                                        c.n_kv_head, hd, st.s));
+  }
+  // qkv: (N, qkv_w) → (N, d)
+  FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_qkv, st.W(w.qkv_weight), nullptr, m.d_norm,
+                                              st.N, d, qkv_w, st.s));
+  FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_qkv, a.attn_norm, st.G(w.qkv_weight),
+                                               st.G(w.qkv_bias), st.N, d, qkv_w, true, st.s));
+  return norm_backward(st, w.attn_norm, m.d_norm, a.input, a.attn_mean, a.attn_rstd, m.d_resid,
+                       m.d_resid);
+}
+
+// The forward of layer i from a.input, as far as its backward needs (recomputation).
+Status recompute_layer(const Step& st, size_t i) {
+  const LayerActivations& a = st.m.layers[i];
+  const LayerOffsets& w = st.m.layer_offsets[i];
+  FLARE_RETURN_IF_ERROR(norm_forward(st, w.attn_norm, a.input, a.attn_norm, a.attn_mean, a.attn_rstd));
+  FLARE_RETURN_IF_ERROR(attention_block_forward(st, w, a));
+  return mlp_block_forward(st, w, a, nullptr);
+}
+
+}  // namespace
+
+// ---- The step -------------------------------------------------------------------------------------
+
+Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dloss_scale,
+                         bool write_dlogits, double* loss_sum_out) {
+  if (tokens == nullptr) return invalid("forward: tokens must not be null");
+  if (targets && loss_sum_out == nullptr) return invalid("forward: loss_sum must not be null with targets");
+  if (write_dlogits && targets == nullptr) return invalid("forward: write_dlogits needs targets");
+  Impl& m = *impl_;
+  const ModelConfig& c = config_;
+  const Step st{c, m, weights_, grads_, batch_, seq_, batch_ * seq_, stream_};
+  m.have_dlogits = false;
+
+  // tokens (N) → layer 0's input (N, d) → its attention norm.
+  LayerActivations& first = m.layers[0];
+  FLARE_RETURN_IF_ERROR(embedding_forward(tokens, st.W(m.embed), st.W(m.pos_embed), first.input, st.N,
+                                          seq_, c.vocab_size, c.d_model, stream_));
+  FLARE_RETURN_IF_ERROR(norm_forward(st, m.layer_offsets[0].attn_norm, first.input, first.attn_norm,
+                                     first.attn_mean, first.attn_rstd));
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const LayerActivations& a = m.layers[i];
+    FLARE_RETURN_IF_ERROR(attention_block_forward(st, m.layer_offsets[i], a));
+    NextNorm next;
+    if (i + 1 < m.layers.size()) {
+      const LayerActivations& b = m.layers[i + 1];
+      next = {&m.layer_offsets[i + 1].attn_norm, b.input, b.attn_norm, b.attn_mean, b.attn_rstd};
+    } else {
+      next = {&m.final_norm, m.final_in, m.final_norm_out, m.final_mean, m.final_rstd};
+    }
+    FLARE_RETURN_IF_ERROR(mlp_block_forward(st, m.layer_offsets[i], a, &next));
+  }
+  // (N, d) → (N, padded_vocab) through the head (no bias).
+  FLARE_RETURN_IF_ERROR(matmul_forward(m.matmul, m.final_norm_out, st.W(m.head), nullptr, logits_,
+                                       nullptr, st.N, c.d_model, c.padded_vocab, stream_));
+  if (!targets) return Status::ok_status();
+
+  // Loss per token, summed on the device; dlogits over the logits in place.
+  FLARE_RETURN_IF_ERROR(classifier_forward_backward(logits_, targets, m.losses, st.N, c.vocab_size,
+                                                    c.padded_vocab, dloss_scale, write_dlogits, stream_));
+  FLARE_RETURN_IF_ERROR(loss_sum(m.losses, st.N, loss_sum_out, stream_));
+  m.have_dlogits = write_dlogits;
+  return Status::ok_status();
+}
+
+Status GpuModel::backward(const int32_t* tokens) {
+  Impl& m = *impl_;
+  if (!m.have_dlogits) {
+    return invalid("backward: needs a forward with targets and write_dlogits first");
+  }
+  if (tokens == nullptr) return invalid("backward: tokens must not be null");
+  const ModelConfig& c = config_;
+  const Step st{c, m, weights_, grads_, batch_, seq_, batch_ * seq_, stream_};
+
+  // dlogits (N, padded_vocab) → d final_norm (N, d) → d_resid (N, d), the last layer's output.
+  FLARE_RETURN_IF_ERROR(matmul_backward_input(m.matmul, logits_, st.W(m.head), nullptr, m.d_norm, st.N,
+                                              c.d_model, c.padded_vocab, stream_));
+  FLARE_RETURN_IF_ERROR(matmul_backward_weight(m.matmul, logits_, m.final_norm_out, st.G(m.head), nullptr,
+                                               st.N, c.d_model, c.padded_vocab, true, stream_));
+  FLARE_RETURN_IF_ERROR(norm_backward(st, m.final_norm, m.d_norm, m.final_in, m.final_mean,
+                                      m.final_rstd, nullptr, m.d_resid));
+
+  for (size_t i = m.layers.size(); i-- > 0;) {
+    // With recompute the shared set still holds the last layer from the forward.
+    if (m.options.recompute && i + 1 < m.layers.size()) FLARE_RETURN_IF_ERROR(recompute_layer(st, i));
+    FLARE_RETURN_IF_ERROR(mlp_block_backward(st, m.layer_offsets[i], m.layers[i]));
+    FLARE_RETURN_IF_ERROR(attention_block_backward(st, m.layer_offsets[i], m.layers[i]));
+  }
+
+  // d_resid is now the gradient of the embedding output.
+  FLARE_RETURN_IF_ERROR(embedding_backward(m.d_resid, tokens, st.G(m.embed), st.G(m.pos_embed), st.N,
+                                           seq_, c.vocab_size, c.d_model, m.embed_scratch, stream_));
+  m.have_dlogits = false;
+  return Status::ok_status();
+}
+
+}  // namespace flare::train::cuda

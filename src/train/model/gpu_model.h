@@ -1,0 +1,106 @@
+// gpu_model.h — the whole GPT or LLaMA model on one CUDA device: bf16 weights and activations,
+// fp32 gradients, forward to the loss and backward to every parameter's gradient, built from the
+// trainer's CUDA operators (src/train/cuda) and flare's attention.
+//
+// The same model as cpu/model.h, block for block (pre-norm, model_config.h's layout and
+// conventions), with two fusions the CPU model does not need:
+//   - each residual add is fused with the norm that follows it (norm.h residual_*norm_forward):
+//     the attention branch's add with the MLP's norm, the MLP branch's add with the next layer's
+//     attention norm (or the final norm);
+//   - GPT's GELU is the fc matmul's cuBLASLt epilogue (the pre-activation kept for the backward,
+//     whose DGELU epilogue folds gelu' into the proj layer's input gradient).
+// The classifier overwrites the logits with their gradient in place (classifier.h), so no
+// (tokens × vocab) fp32 tensor exists.
+//
+// Buffers are allocated once, in one cudaMalloc, for (batch, seq). With recompute, each layer
+// keeps only its input (the residual stream entering it) and all layers share one set of the
+// other activations: the backward recomputes layer i's forward from its input just before its
+// backward (the last layer's set is still there from the forward). The recomputation calls the
+// same kernels in the same order on the same bits — the fused residual norm reads back its stored
+// bf16 sum, so the plain norm of the stored input gives the same output — hence recompute changes
+// no bit of the gradients (tested).
+//
+// No call synchronises the host: everything is enqueued on the model's stream. Attention runs
+// with AttentionOptions::deterministic unless turned off, so the gradients are bitwise
+// reproducible run to run.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "flare/status.h"
+#include "train/core/model_config.h"
+#include "train/cuda/common.h"
+
+namespace flare::train::cuda {
+
+struct GpuModelOptions {
+  bool recompute = false;               // keep only each layer's input; recompute in backward
+  bool deterministic_attention = true;  // bitwise-reproducible attention backward
+  int device_index = 0;                 // the device the stream belongs to (current at create)
+};
+
+class GpuModel {
+ public:
+  // Validates the config and the sizes (batch ≥ 1, 1 ≤ seq ≤ max_seq), creates the matmul
+  // context and allocates every buffer on the current device (a setup call: it may synchronise).
+  // The weights start as zeros: the optimizer writes them (or the caller copies them in).
+  static Status create(const ModelConfig& config, int64_t batch, int64_t seq,
+                       const GpuModelOptions& options, cudaStream_t stream,
+                       std::unique_ptr<GpuModel>* out);
+  ~GpuModel();
+  GpuModel(const GpuModel&) = delete;
+  GpuModel& operator=(const GpuModel&) = delete;
+
+  // Bytes create() allocates for these sizes (weights, gradients, activations, scratch), without
+  // the matmul context's workspace and attention's stream-ordered scratch.
+  static int64_t buffer_bytes(const ModelConfig& config, int64_t batch, int64_t seq,
+                              bool recompute);
+
+  // Forward over tokens (batch · seq int32, device) to the logits. With targets (batch · seq
+  // int32, device; −1 ignored) also the loss: the per-token losses are summed (fp64, fixed order)
+  // and added to *loss_sum (device), and with write_dlogits the logits are overwritten by the
+  // gradient of the loss times dloss_scale (1 / valid targets of the whole optimizer step) for
+  // backward(). Tokens must lie in [0, vocab_size) (the data loader checks them; an invalid one
+  // gives NaN rows, see embedding.h).
+  Status forward(const int32_t* tokens, const int32_t* targets, float dloss_scale,
+                 bool write_dlogits, double* loss_sum);
+
+  // Backward of the last forward with write_dlogits, for the same tokens: accumulates (+=) every
+  // parameter's gradient into grads().
+  Status backward(const int32_t* tokens);
+
+  // grads() = 0 (enqueued).
+  Status zero_grads();
+
+  const ModelConfig& config() const { return config_; }
+  const ParameterLayout& layout() const;
+  int64_t batch() const { return batch_; }
+  int64_t seq() const { return seq_; }
+  cudaStream_t stream() const { return stream_; }
+  bf16* weights() const { return weights_; }        // (layout().total) bf16, the forward reads
+  float* grads() const { return grads_; }           // (layout().total) fp32, backward adds into
+  const bf16* logits() const { return logits_; }    // (batch · seq, padded_vocab): logits, or
+                                                    // dlogits after a forward with write_dlogits
+
+  struct Impl;  // offsets, activations, scratch: private to gpu_model.cpp
+
+ private:
+  GpuModel();
+
+  ModelConfig config_;
+  int64_t batch_ = 0, seq_ = 0;
+  cudaStream_t stream_ = nullptr;
+  bf16* weights_ = nullptr;
+  float* grads_ = nullptr;
+  bf16* logits_ = nullptr;
+  std::unique_ptr<Impl> impl_;
+};
+
+// *sum += Σ losses[i] over n fp32 values, in double, in one fixed order (one block): the loss of
+// a micro-batch, accumulated over the micro-batches of a step without a host read.
+Status loss_sum(const float* losses, int64_t n, double* sum, cudaStream_t stream);
+
+}  // namespace flare::train::cuda
