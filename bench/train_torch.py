@@ -283,8 +283,8 @@ def run_bench(torch, tm, args):
                 row = {"impl": "torch-compile", "model": config.name, "gpus": 1, "seq": seq,
                        "batch_per_gpu": batch, "error": f"out of memory: {str(e).splitlines()[0]}"}
                 break
-            except RuntimeError as e:
-                refusal = str(e).splitlines()[0][:300]
+            except Exception as e:  # compile and SDPA refusals come as several exception types
+                refusal = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 print(f"{config.name} b{batch} s{seq}: backend {backend} failed: {refusal}",
                       file=sys.stderr)
         if row is None:
