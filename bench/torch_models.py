@@ -17,6 +17,10 @@ parameter_count() and parameter_layout() of src/train/core/model_config.cpp prin
   export_tensors()     export_tensors() of core/safetensors.cpp: nanoGPT names for GPT, Hugging
                        Face LlamaForCausalLM names for LLaMA, fused rows split, padding rows cut
   rope_inv_freq()      rope_table() of cpu/ops.cpp: theta^(-2i/D), LLaMA-3 scaling, in double
+  flare_init_flat()    init_parameters() of loop/init.cpp: flare-train's initial weights for a
+                       seed (Philox 4x32-10 + Box-Muller per element), so a PyTorch run can start
+                       from the very weights flare's run starts from without a file
+  ShardLoader          DataLoader of data/loader.cpp: the same windows in the same order
 
 The model (FlareModel) holds its parameters under flare's own names: model.state_dict() has
 exactly the keys and shapes of parameter_layout(), with the fused qkv (q heads | k heads | v heads)
@@ -480,6 +484,57 @@ def init_like_flare(model, generator):
             p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * spec.init_std)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _philox4x32_10(x, y, z, w, k0, k1):
+    """Philox 4x32-10 (src/core/philox.h) over numpy uint64 arrays holding 32-bit words."""
+    m0, m1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    w0, w1 = 0x9E3779B9, 0xBB67AE85
+    mask, shift = np.uint64(_MASK32), np.uint64(32)
+    for _ in range(10):
+        p0 = m0 * x  # both factors < 2^32: the uint64 product is exact
+        p1 = m1 * z
+        x, y, z, w = ((p1 >> shift) ^ y ^ np.uint64(k0), p1 & mask,
+                      (p0 >> shift) ^ w ^ np.uint64(k1), p0 & mask)
+        k0, k1 = (k0 + w0) & _MASK32, (k1 + w1) & _MASK32
+    return x, y, z, w
+
+
+def flare_standard_normal(seed, index):
+    """init.cpp's standard_normal(seed, index) for a numpy int64 array of flat-buffer offsets:
+    elements 2k and 2k+1 share one Philox call (counter (k lo, k hi, 0x1417, 0), key = the
+    seed's halves) and take the cosine and sine halves of one Box-Muller pair of 53-bit uniforms."""
+    index = np.asarray(index, dtype=np.uint64)
+    pair = index >> np.uint64(1)
+    x, y, z, w = _philox4x32_10(pair & np.uint64(_MASK32), pair >> np.uint64(32),
+                                np.full_like(pair, 0x1417), np.zeros_like(pair),
+                                seed & _MASK32, (seed >> 32) & _MASK32)
+    two53 = 9007199254740992.0
+    u1 = (((x << np.uint64(21)) ^ y).astype(np.float64) + 1.0) / two53
+    u2 = ((z << np.uint64(21)) ^ w).astype(np.float64) / two53
+    radius = np.sqrt(-2.0 * np.log(np.minimum(u1, 1.0)))
+    angle = 2.0 * math.pi * u2
+    return np.where(index & np.uint64(1), radius * np.sin(angle), radius * np.cos(angle))
+
+
+def flare_init_flat(c, seed, chunk=1 << 22):
+    """flare-train's initial weights for `seed` (loop/init.cpp init_parameters): the flat fp32
+    buffer, each element a pure function of (seed, offset). libm and numpy may round log/sin/cos
+    differently in the last bit of a double, which can move an fp32 weight by one ulp, rarely."""
+    layout = parameter_layout(c)
+    flat = np.zeros(layout.total, dtype=np.float32)
+    for p in layout.params:
+        if p.init_std > 0:
+            for begin in range(0, p.numel, chunk):
+                idx = np.arange(p.offset + begin, p.offset + min(p.numel, begin + chunk),
+                                dtype=np.int64)
+                flat[idx] = (p.init_std * flare_standard_normal(seed, idx)).astype(np.float32)
+        else:
+            flat[p.offset:p.offset + p.numel] = 1.0 if p.init_ones else 0.0
+    return torch.from_numpy(flat)
+
+
 def check_state_matches_layout(model):
     """ValueError unless the parameters are exactly the layout's names and shapes."""
     layout = parameter_layout(model.c)
@@ -691,8 +746,11 @@ def load_safetensors(path):
 
 def load_weights(model, path):
     """Loads flare's initial or trained weights into model: a .safetensors export
-    (export_safetensors) or the raw flat fp32 buffer (.bin)."""
-    if path.endswith(".safetensors"):
+    (export_safetensors), the raw flat fp32 buffer (.bin), or "flare:SEED", flare-train's own
+    initialisation for that seed, computed here."""
+    if path.startswith("flare:"):
+        load_flat(model, flare_init_flat(model.c, int(path[len("flare:"):])))
+    elif path.endswith(".safetensors"):
         tensors, _ = load_safetensors(path)
         state = from_export(model.c, tensors)
         with torch.no_grad():

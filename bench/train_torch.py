@@ -33,7 +33,11 @@ Examples (from the repository root, on one H100):
   python3 bench/train_torch.py --case gpt2:16:1024 --data 'data/pydoc/pydoc_train_*.bin'
   python3 bench/train_torch.py --log /tmp/torch-gpt2.json --case gpt2:16:1024 \\
       --data 'data/pydoc/pydoc_train_*.bin' --val-data 'data/pydoc/pydoc_val_*.bin' \\
-      --train-steps 500 --eval-every 50 --init /tmp/flare-init.safetensors
+      --train-steps 500 --eval-every 100
+  (the loss-curve mode starts from flare-train's own initial weights for --seed, computed here
+  (flare:SEED), reads the shards in flare's loader order for that seed, and follows flare-train's
+  schedule defaults, so `flare-train --model gpt2 --batch 16 --seq 1024 --steps 500 --log F`
+  and this run differ only in their arithmetic)
 """
 
 import argparse
@@ -75,17 +79,22 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="untimed steps first, compilation included")
     p.add_argument("--data", help="training shards (glob); default: random tokens")
     p.add_argument("--val-data", help="validation shards (glob), for --eval-every")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the tokenizer.tiktoken "
+                   "next to the --data shards, ranks + 1, as flare-train takes it; else the preset's)")
     p.add_argument("--out", help="directory for the result JSON (bench mode)")
     p.add_argument("--name", help="suffix of the result file name")
     p.add_argument("--no-compile", action="store_true", help="eager mode (impl torch-eager)")
     p.add_argument("--backend", choices=BACKENDS, default="cudnn", help="SDPA backend")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="bf16: autocast over fp32 weights (default); fp32: no autocast, no TF32")
-    p.add_argument("--init", help="initial weights from flare (.safetensors export or flat .bin)")
+    p.add_argument("--init", help="initial weights: flare's .safetensors export, its flat .bin, "
+                   "or flare:SEED (flare-train's initialisation for SEED, computed here); "
+                   "default flare:<--seed> with --log, else a draw of the same distributions")
     p.add_argument("--seed", type=int, default=1337, help="init (without --init) and data order")
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--min-lr", type=float, default=6e-5)
-    p.add_argument("--warmup-steps", type=int, default=100, help="schedule warm-up")
+    p.add_argument("--min-lr", type=float, help="end of the cosine (default lr/10, as flare-train)")
+    p.add_argument("--warmup-steps", type=int, help="schedule warm-up (default min(100, "
+                   "train-steps/10), as flare-train's --warmup)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.95)
@@ -96,10 +105,17 @@ def parse_args(argv=None):
     p.add_argument("--train-steps", type=int, default=1000, help="steps of the run (schedule "
                    "length; bench mode uses it for the learning rate only)")
     p.add_argument("--eval-every", type=int, default=0, help="steps between validation passes")
-    p.add_argument("--val-batches", type=int, default=20, help="batches per validation pass")
+    p.add_argument("--val-batches", type=int, default=8, help="batches per validation pass "
+                   "(at most one epoch of the validation shards, as flare-train's --eval-batches)")
     p.add_argument("--device", type=int, default=0)
     args = p.parse_args(argv)
     args.case = args.case or [parse_case(c) for c in DEFAULT_CASES]
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    if args.warmup_steps is None:
+        args.warmup_steps = min(100, args.train_steps // 10)
+    if args.init is None and args.log:
+        args.init = f"flare:{args.seed}"
     if args.log and len(args.case) != 1:
         p.error("--log trains one model: give exactly one --case")
     if args.log and not args.data:
@@ -248,11 +264,27 @@ def bench_case(torch, tm, args, config, batch, seq, backend):
     }
 
 
+def data_vocab(args):
+    """flare-train's vocabulary rule: --vocab, else the data's tokenizer (ranks + end-of-text)."""
+    if args.vocab:
+        return args.vocab
+    if args.data:
+        ranks = os.path.join(os.path.dirname(args.data), "tokenizer.tiktoken")
+        if os.path.exists(ranks):
+            with open(ranks) as f:
+                return sum(1 for line in f if line.strip()) + 1
+    return None
+
+
 def config_for(tm, args, name):
     if args.config_json:
         with open(args.config_json) as f:
             return tm.config_from_json(json.load(f))
-    return tm.model_preset(name)
+    config = tm.model_preset(name)
+    vocab = data_vocab(args)
+    if vocab and vocab != config.vocab_size:
+        config.vocab_size, config.padded_vocab = vocab, tm.padded_vocab_size(vocab)
+    return config
 
 
 def software(torch):
@@ -315,27 +347,33 @@ def run_log(torch, tm, args):
     set_sdpa_backend(torch, args.backend)
     run = Run(torch, tm, args, config, batch, seq)
     loader = tm.ShardLoader(args.data, batch, seq, config.vocab_size, seed=args.seed)
-    val_loader = None
+    val_loader, val_batches = None, 0
     if args.eval_every:
         val_loader = tm.ShardLoader(args.val_data, batch, seq, config.vocab_size, shuffle=False)
+        val_batches = min(args.val_batches, val_loader.batches_per_epoch)
     log = {"impl": "torch-eager" if args.no_compile else "torch-compile", "model": config.name,
            "batch_per_gpu": batch, "seq": seq, "card": torch.cuda.get_device_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(), "software": software(torch), "init": args.init or "torch",
-           "precision": args.precision, "data": args.data, "seed": args.seed, "steps": []}
+           "precision": args.precision, "data": args.data, "seed": args.seed,
+           "vocab_size": config.vocab_size,
+           "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup_steps,
+                        "steps": args.train_steps},
+           "steps": []}
     start = time.perf_counter()
     for step in range(args.train_steps):
         x, y = to_device(torch, loader.next_batch())
         t0 = time.perf_counter()
         loss, norm = run.step(x, y, step)
-        entry = {"step": step, "loss": loss.item(), "grad_norm": norm.item(),
+        # "step" counts completed steps from 1, as flare-train's JSON log does.
+        entry = {"step": step + 1, "loss": loss.item(), "grad_norm": norm.item(),
                  "lr": tm.learning_rate(step, args.lr, args.min_lr, args.warmup_steps,
                                         args.train_steps),
                  "step_ms": 1e3 * (time.perf_counter() - t0)}
         if val_loader and ((step + 1) % args.eval_every == 0 or step + 1 == args.train_steps):
-            entry["val_loss"] = run.evaluate(val_loader, args.val_batches)
+            entry["val_loss"] = run.evaluate(val_loader, val_batches)
         log["steps"].append(entry)
-        print(f"step {step:5d} loss {entry['loss']:.4f} norm {entry['grad_norm']:.3f} "
+        print(f"step {step + 1:5d} loss {entry['loss']:.4f} norm {entry['grad_norm']:.3f} "
               f"lr {entry['lr']:.2e}" + (f" val {entry['val_loss']:.4f}" if "val_loss" in entry else ""))
     log["seconds"] = time.perf_counter() - start
     with open(args.log, "w") as f:
