@@ -78,7 +78,8 @@ std::set<int32_t> all_windows(const std::vector<int64_t>& windows) {
 
 TEST(DataLoader, TargetsAreTheNextToken) {
   ScratchDir dir;
-  DataLoader loader = open_or_fail(config_for(write_numbered_shards(dir, sizes_for({5, 4}), kVocab), 3));
+  DataLoader loader =
+      open_or_fail(config_for(write_numbered_shards(dir, sizes_for({5, 4}), kVocab), 3));
   for (int step = 0; step < 6; ++step) {
     const Batch batch = next(loader);
     for (int64_t b = 0; b < 3; ++b) {
@@ -117,7 +118,8 @@ TEST(DataLoader, AnEpochCoversEveryWindowOnce) {
 TEST(DataLoader, WindowsBeyondTheLastFullBatchAreSkipped) {
   ScratchDir dir;
   const std::vector<int64_t> windows = {6, 7};  // 13 windows, batches of 4: 3 batches, 1 left
-  DataLoader loader = open_or_fail(config_for(write_numbered_shards(dir, sizes_for(windows), kVocab), 4));
+  DataLoader loader =
+      open_or_fail(config_for(write_numbered_shards(dir, sizes_for(windows), kVocab), 4));
   ASSERT_EQ(loader.batches_per_epoch(), 3);
   std::set<int32_t> union_of_epochs;
   for (int epoch = 0; epoch < 4; ++epoch) {
@@ -144,7 +146,8 @@ TEST(DataLoader, OrderIsAFunctionOfTheSeed) {
     EXPECT_EQ(batch_a, next(b)) << "step " << step;
     auto ids = window_ids(batch_a, 2);
     order_a.insert(order_a.end(), ids.begin(), ids.end());
-    (step < 15 ? epoch0 : epoch1).insert((step < 15 ? epoch0 : epoch1).end(), ids.begin(), ids.end());
+    (step < 15 ? epoch0 : epoch1)
+        .insert((step < 15 ? epoch0 : epoch1).end(), ids.begin(), ids.end());
     auto ids_c = window_ids(next(c), 2);
     order_c.insert(order_c.end(), ids_c.begin(), ids_c.end());
   }
@@ -173,7 +176,8 @@ TEST(DataLoader, ValidationIsInFileOrder) {
   }
   next(loader);
   loader.reset();
-  EXPECT_EQ(window_ids(next(loader), 3), std::vector<int32_t>(expected.begin(), expected.begin() + 3));
+  EXPECT_EQ(window_ids(next(loader), 3),
+            std::vector<int32_t>(expected.begin(), expected.begin() + 3));
 }
 
 TEST(DataLoader, RanksGetDisjointWindowsThatCoverTheEpoch) {
@@ -220,7 +224,8 @@ TEST(DataLoader, RestoredPositionContinuesExactly) {
     EXPECT_EQ(resumed.epoch(), straight.epoch());
     EXPECT_EQ(resumed.batch_in_epoch(), straight.batch_in_epoch());
     for (int step = 0; step < 12; ++step) {
-      ASSERT_EQ(next(resumed), next(straight)) << "saved after " << saved_after << ", step " << step;
+      ASSERT_EQ(next(resumed), next(straight))
+          << "saved after " << saved_after << ", step " << step;
     }
   }
 }
@@ -292,7 +297,8 @@ TEST(DataLoader, RestoreRejectsAnotherConfiguration) {
 TEST(DataLoader, OpenRejectsBadConfigurations) {
   ScratchDir dir;
   const auto shards = write_numbered_shards(dir, sizes_for({3, 2}), kVocab);
-  auto expect_open_error = [](const DataLoaderConfig& config, std::initializer_list<const char*> parts) {
+  auto expect_open_error = [](const DataLoaderConfig& config,
+                              std::initializer_list<const char*> parts) {
     DataLoader loader;
     expect_error(DataLoader::open(config, &loader), parts);
   };
@@ -314,7 +320,8 @@ TEST(DataLoader, OpenRejectsBadConfigurations) {
   config = config_for(shards, 3);
   config.world_size = 2;
   expect_open_error(config, {"5 windows", "seq_len + 1 = 9", "batch_size · world_size = 6"});
-  expect_open_error(config_for({shards[0], dir.file("missing.bin")}, 2), {"missing.bin", "cannot open"});
+  expect_open_error(config_for({shards[0], dir.file("missing.bin")}, 2),
+                    {"missing.bin", "cannot open"});
   test::write_bytes(dir.file("junk.bin"), std::vector<uint8_t>(2048, 1));
   expect_open_error(config_for({dir.file("junk.bin")}, 2), {"junk.bin", "magic"});
 }
@@ -337,7 +344,8 @@ TEST(DataLoader, TokenPastTheVocabularyFailsTheBatchWithoutWriting) {
 
 TEST(DataLoader, NextBatchChecksTheBufferSizes) {
   ScratchDir dir;
-  DataLoader loader = open_or_fail(config_for(write_numbered_shards(dir, sizes_for({4}), kVocab), 2));
+  DataLoader loader =
+      open_or_fail(config_for(write_numbered_shards(dir, sizes_for({4}), kVocab), 2));
   std::vector<int32_t> small(5), right(size_t(2 * kT));
   expect_error(loader.next_batch(small, right), {"16 elements", "got 5 and 16"});
   expect_error(loader.next_batch(right, small), {"got 16 and 5"});
@@ -357,13 +365,14 @@ TEST(DataLoader, Uint32Shards) {
 
 TEST(ExpandShardPattern, SortedMatchesOrAnError) {
   ScratchDir dir;
-  for (const char* name : {"d_train_000002.bin", "d_train_000000.bin", "d_val_000000.bin",
-                           "d_train_000001.bin"}) {
+  for (const char* name :
+       {"d_train_000002.bin", "d_train_000000.bin", "d_val_000000.bin", "d_train_000001.bin"}) {
     test::write_bytes(dir.file(name), {});
   }
   std::vector<std::string> paths;
   ASSERT_TRUE(expand_shard_pattern(dir.file("d_train_*.bin"), &paths).ok());
-  EXPECT_EQ(paths, (std::vector<std::string>{dir.file("d_train_000000.bin"), dir.file("d_train_000001.bin"),
+  EXPECT_EQ(paths, (std::vector<std::string>{dir.file("d_train_000000.bin"),
+                                             dir.file("d_train_000001.bin"),
                                              dir.file("d_train_000002.bin")}));
   expect_error(expand_shard_pattern(dir.file("e_*.bin"), &paths), {"e_*.bin", "no file matches"});
 }

@@ -24,7 +24,8 @@ namespace fs = std::filesystem;
 
 fs::path script_path() {
   // This file is tests/train/<name>.cpp in the source tree.
-  return fs::path(__FILE__).parent_path().parent_path().parent_path() / "scripts" / "prepare_data.py";
+  return fs::path(__FILE__).parent_path().parent_path().parent_path() / "scripts" /
+         "prepare_data.py";
 }
 
 std::string read_text(const fs::path& path) {
@@ -44,7 +45,8 @@ std::string describe_difference(const Tokenizer& tokenizer, const std::vector<in
     const size_t to = std::min(tokens.size(), i + 4);
     std::string text;
     (void)tokenizer.decode(std::vector<int32_t>(tokens.begin() + std::ptrdiff_t(from),
-                                                tokens.begin() + std::ptrdiff_t(to)), &text);
+                                                tokens.begin() + std::ptrdiff_t(to)),
+                           &text);
     std::ostringstream out;
     for (size_t k = from; k < to; ++k) out << tokens[k] << ' ';
     return out.str() + "'" + text + "'";

@@ -49,9 +49,9 @@ TEST(SplitGpt2Pieces, MatchesGpt2Pattern) {
 // Where the approximation of Unicode categories (tokenizer.h) parts from GPT-2: symbols and
 // digits outside the listed blocks count as letters. GPT-2 splits each of these in three or two.
 TEST(SplitGpt2Pieces, DocumentedApproximations) {
-  EXPECT_EQ(pieces_of("a\u2116b"), Pieces({"a\u2116b"}));     // № (So): GPT-2 "a", "№", "b"
-  EXPECT_EQ(pieces_of("x\u0e3fy"), Pieces({"x\u0e3fy"}));     // ฿ (Sc): GPT-2 "x", "฿", "y"
-  EXPECT_EQ(pieces_of("7\u09e9"), Pieces({"7", "\u09e9"}));   // ৩ (Nd): GPT-2 "7৩"
+  EXPECT_EQ(pieces_of("a\u2116b"), Pieces({"a\u2116b"}));    // № (So): GPT-2 "a", "№", "b"
+  EXPECT_EQ(pieces_of("x\u0e3fy"), Pieces({"x\u0e3fy"}));    // ฿ (Sc): GPT-2 "x", "฿", "y"
+  EXPECT_EQ(pieces_of("7\u09e9"), Pieces({"7", "\u09e9"}));  // ৩ (Nd): GPT-2 "7৩"
 }
 
 TEST(SplitGpt2Pieces, InvalidUtf8BytesArePiecesOfTheirOwnClass) {
@@ -96,8 +96,10 @@ std::string base64(const std::string& bytes) {
 // A rank file: the 256 bytes at ranks 0–255 (in byte order), then `merged` at 256, 257, …
 std::string rank_file(const std::vector<std::string>& merged) {
   std::string file;
-  for (int byte = 0; byte < 256; ++byte) file += base64(std::string(1, char(byte))) + " " + std::to_string(byte) + "\n";
-  for (size_t i = 0; i < merged.size(); ++i) file += base64(merged[i]) + " " + std::to_string(256 + i) + "\n";
+  for (int byte = 0; byte < 256; ++byte)
+    file += base64(std::string(1, char(byte))) + " " + std::to_string(byte) + "\n";
+  for (size_t i = 0; i < merged.size(); ++i)
+    file += base64(merged[i]) + " " + std::to_string(256 + i) + "\n";
   return file;
 }
 
@@ -140,7 +142,8 @@ TEST(Tokenizer, DecodesEndOfTextAndRejectsUnknownIds) {
   EXPECT_EQ(text, "h<|endoftext|>he");
   Status status = tokenizer.decode(std::vector<int32_t>{'a', 258}, &text);
   ASSERT_FALSE(status.ok());
-  EXPECT_NE(status.message().find("token 1 is 258, not in [0, vocab_size = 258)"), std::string::npos)
+  EXPECT_NE(status.message().find("token 1 is 258, not in [0, vocab_size = 258)"),
+            std::string::npos)
       << status.message();
   EXPECT_EQ(text, "h<|endoftext|>he") << "nothing written on error";
   EXPECT_FALSE(tokenizer.decode(std::vector<int32_t>{-1}, &text).ok());
@@ -168,7 +171,8 @@ TEST(Tokenizer, RankFileErrors) {
   expect_parse_error(good + "aGVs 258\n", {"rank 257 is missing"});
   expect_parse_error(good + "aGVs 99999999\n", {"line 258", "exceeds"});
   const std::string all_bytes = rank_file({});
-  const std::string without_byte_0 = base64("he") + " 0\n" + all_bytes.substr(all_bytes.find('\n') + 1);
+  const std::string without_byte_0 =
+      base64("he") + " 0\n" + all_bytes.substr(all_bytes.find('\n') + 1);
   expect_parse_error(without_byte_0, {"byte 0 has no token"});
   Tokenizer tokenizer;
   Status status = Tokenizer::load("/no/such/file.tiktoken", &tokenizer);

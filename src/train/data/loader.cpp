@@ -26,8 +26,8 @@ struct SplitMix64 {
   }
   // Uniform in [0, bound) by rejection, so no value is favoured.
   uint64_t below(uint64_t bound) {
-    const uint64_t limit = std::numeric_limits<uint64_t>::max() -
-                           std::numeric_limits<uint64_t>::max() % bound;
+    const uint64_t limit =
+        std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % bound;
     uint64_t x = next();
     while (x >= limit) x = next();
     return x % bound;
@@ -60,12 +60,21 @@ int64_t windows_in(int64_t num_tokens, int64_t seq_len) {
 // The saved position: a fixed list of little-endian uint64 fields.
 constexpr uint64_t kPositionMagic = 0x464c444c4f414431ull;  // "FLDLOAD1"
 enum PositionField {
-  kMagic, kSeed, kShuffle, kWorldSize, kBatchSize, kSeqLen, kNumShards, kShardsFingerprint,
-  kEpoch, kBatch, kPositionFields
+  kMagic,
+  kSeed,
+  kShuffle,
+  kWorldSize,
+  kBatchSize,
+  kSeqLen,
+  kNumShards,
+  kShardsFingerprint,
+  kEpoch,
+  kBatch,
+  kPositionFields
 };
 const char* const kPositionFieldNames[kPositionFields] = {
-    "format", "seed", "shuffle", "world_size", "batch_size", "seq_len", "number of shards",
-    "shard sizes", "epoch", "batch"};
+    "format",           "seed",        "shuffle", "world_size", "batch_size", "seq_len",
+    "number of shards", "shard sizes", "epoch",   "batch"};
 
 }  // namespace
 
@@ -88,13 +97,17 @@ Status expand_shard_pattern(const std::string& pattern, std::vector<std::string>
 
 Status DataLoader::open(const DataLoaderConfig& config, DataLoader* loader) {
   if (config.shards.empty()) return invalid("DataLoader: shards is empty (no files given)");
-  if (config.batch_size <= 0) return invalid("DataLoader: batch_size = ", config.batch_size, " must be positive");
-  if (config.seq_len <= 0) return invalid("DataLoader: seq_len = ", config.seq_len, " must be positive");
-  if (config.vocab_size <= 0) return invalid("DataLoader: vocab_size = ", config.vocab_size, " must be positive");
-  if (config.world_size <= 0) return invalid("DataLoader: world_size = ", config.world_size, " must be positive");
+  if (config.batch_size <= 0)
+    return invalid("DataLoader: batch_size = ", config.batch_size, " must be positive");
+  if (config.seq_len <= 0)
+    return invalid("DataLoader: seq_len = ", config.seq_len, " must be positive");
+  if (config.vocab_size <= 0)
+    return invalid("DataLoader: vocab_size = ", config.vocab_size, " must be positive");
+  if (config.world_size <= 0)
+    return invalid("DataLoader: world_size = ", config.world_size, " must be positive");
   if (config.rank < 0 || config.rank >= config.world_size) {
-    return invalid("DataLoader: rank = ", config.rank, " must lie in [0, world_size = ",
-                   config.world_size, ")");
+    return invalid("DataLoader: rank = ", config.rank,
+                   " must lie in [0, world_size = ", config.world_size, ")");
   }
 
   DataLoader opened;
@@ -126,7 +139,8 @@ void DataLoader::start_epoch(int64_t epoch) {
   if (config_.shuffle) shuffle_with(stream_for(config_.seed, epoch, 0), &shard_order_);
   order_start_.assign(size_t(num_shards) + 1, 0);
   for (int k = 0; k < num_shards; ++k) {
-    order_start_[size_t(k) + 1] = order_start_[size_t(k)] + shard_windows_[size_t(shard_order_[size_t(k)])];
+    order_start_[size_t(k) + 1] =
+        order_start_[size_t(k)] + shard_windows_[size_t(shard_order_[size_t(k)])];
   }
 }
 
@@ -228,16 +242,18 @@ Status DataLoader::restore_position(std::span<const uint8_t> bytes) {
     return invalid("DataLoader::restore_position: the bytes are not a saved loader position");
   }
   for (int field = kSeed; field < kEpoch; ++field) {
-    if (config_.shuffle == false && field == kSeed) continue;  // the seed plays no part then
+    if (!config_.shuffle && field == kSeed) continue;  // the seed plays no part then
     if (saved[field] != mine[field]) {
       return invalid("DataLoader::restore_position: saved with ", kPositionFieldNames[field], " ",
                      saved[field], " but this loader has ", mine[field]);
     }
   }
-  if (saved[kBatch] >= uint64_t(batches_per_epoch_) ||
-      saved[kEpoch] > uint64_t(std::numeric_limits<int64_t>::max())) {
-    return invalid("DataLoader::restore_position: batch ", saved[kBatch],
-                   " is past the epoch's ", batches_per_epoch_, " batches");
+  if (saved[kEpoch] > uint64_t(std::numeric_limits<int64_t>::max())) {
+    return invalid("DataLoader::restore_position: epoch ", saved[kEpoch], " is out of range");
+  }
+  if (saved[kBatch] >= uint64_t(batches_per_epoch_)) {
+    return invalid("DataLoader::restore_position: batch ", saved[kBatch], " is past the epoch's ",
+                   batches_per_epoch_, " batches");
   }
   start_epoch(int64_t(saved[kEpoch]));
   batch_ = int64_t(saved[kBatch]);

@@ -140,8 +140,9 @@ Status open_shard(const std::string& path, std::ifstream* in, ShardHeader* heade
   const int64_t expected = kShardHeaderBytes + header->num_tokens * header->token_bytes;
   if (int64_t(file_bytes) != expected) {
     return invalid("shard ", path, ": header[2] says ", header->num_tokens, " tokens of ",
-                   header->token_bytes, " bytes, so the file must be ", expected, " bytes, but it is ",
-                   file_bytes, int64_t(file_bytes) < expected ? " (truncated)" : " (extra bytes)");
+                   header->token_bytes, " bytes, so the file must be ", expected,
+                   " bytes, but it is ", file_bytes,
+                   int64_t(file_bytes) < expected ? " (truncated)" : " (extra bytes)");
   }
   return Status::ok_status();
 }

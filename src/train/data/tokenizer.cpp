@@ -48,9 +48,9 @@ constexpr CodePointRange kNonLetterRanges[] = {
     {0x200B, 0x2027, CharClass::kOther},   // zero-width space, dashes, quotes, bullets, ellipsis
     {0x2028, 0x2029, CharClass::kSpace},   // line and paragraph separators
     {0x202A, 0x202E, CharClass::kOther},
-    {0x202F, 0x202F, CharClass::kSpace},   // narrow no-break space
-    {0x2030, 0x205E, CharClass::kOther},   // ‰ ′ ″ ‹ › ※ …
-    {0x205F, 0x205F, CharClass::kSpace},   // medium mathematical space
+    {0x202F, 0x202F, CharClass::kSpace},  // narrow no-break space
+    {0x2030, 0x205E, CharClass::kOther},  // ‰ ′ ″ ‹ › ※ …
+    {0x205F, 0x205F, CharClass::kSpace},  // medium mathematical space
     {0x2060, 0x206F, CharClass::kOther},
     {0x2070, 0x2070, CharClass::kNumber},  // ⁰
     {0x2074, 0x2079, CharClass::kNumber},  // ⁴ … ⁹
@@ -77,7 +77,7 @@ constexpr CodePointRange kNonLetterRanges[] = {
     {0xFF1A, 0xFF20, CharClass::kOther},
     {0xFF3B, 0xFF40, CharClass::kOther},
     {0xFF5B, 0xFF65, CharClass::kOther},
-    {0x1F000, 0x1FAFF, CharClass::kOther}, // mahjong, cards, emoji, pictographs
+    {0x1F000, 0x1FAFF, CharClass::kOther},  // mahjong, cards, emoji, pictographs
 };
 
 // One decoded code point: its value, its length in bytes, and whether the bytes were valid.
@@ -92,10 +92,17 @@ Decoded decode_utf8(std::string_view text, size_t pos) {
   if (lead < 0x80) return {lead, 1, true};
   size_t length = 0;
   uint32_t value = 0;
-  if ((lead & 0xE0) == 0xC0) { length = 2; value = lead & 0x1F; }
-  else if ((lead & 0xF0) == 0xE0) { length = 3; value = lead & 0x0F; }
-  else if ((lead & 0xF8) == 0xF0) { length = 4; value = lead & 0x07; }
-  else return {lead, 1, false};
+  if ((lead & 0xE0) == 0xC0) {
+    length = 2;
+    value = lead & 0x1F;
+  } else if ((lead & 0xF0) == 0xE0) {
+    length = 3;
+    value = lead & 0x0F;
+  } else if ((lead & 0xF8) == 0xF0) {
+    length = 4;
+    value = lead & 0x07;
+  } else
+    return {lead, 1, false};
   if (pos + length > text.size()) return {lead, 1, false};
   for (size_t k = 1; k < length; ++k) {
     const auto next = uint8_t(text[pos + k]);
@@ -174,7 +181,8 @@ Status decode_base64(std::string_view text, std::string* bytes) {
     if (c == '/') return 63;
     return -1;
   };
-  if (text.empty() || text.size() % 4 != 0) return invalid("base64 length ", text.size(), " is not a positive multiple of 4");
+  if (text.empty() || text.size() % 4 != 0)
+    return invalid("base64 length ", text.size(), " is not a positive multiple of 4");
   bytes->clear();
   uint32_t bits = 0;
   int nbits = 0;
@@ -211,7 +219,10 @@ CharClass classify_code_point(uint32_t cp) {
   size_t lo = 0, hi = std::size(kNonLetterRanges);
   while (lo < hi) {
     const size_t mid = (lo + hi) / 2;
-    if (kNonLetterRanges[mid].first <= cp) lo = mid + 1; else hi = mid;
+    if (kNonLetterRanges[mid].first <= cp)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   if (lo > 0 && cp <= kNonLetterRanges[lo - 1].last) return kNonLetterRanges[lo - 1].cls;
   return CharClass::kLetter;
@@ -235,7 +246,8 @@ Status Tokenizer::load(const std::string& path, Tokenizer* tokenizer) {
   return parse(contents.str(), path, tokenizer);
 }
 
-Status Tokenizer::parse(std::string_view contents, const std::string& source, Tokenizer* tokenizer) {
+Status Tokenizer::parse(std::string_view contents, const std::string& source,
+                        Tokenizer* tokenizer) {
   Tokenizer parsed;
   std::vector<std::string> by_rank;
   int64_t line_number = 0;
@@ -262,7 +274,10 @@ Status Tokenizer::parse(std::string_view contents, const std::string& source, To
     int64_t rank = 0;
     if (rank_text.empty() || rank_text.size() > 10) rank = -1;
     for (char c : rank_text) {
-      if (c < '0' || c > '9') { rank = -1; break; }
+      if (c < '0' || c > '9') {
+        rank = -1;
+        break;
+      }
       rank = rank * 10 + (c - '0');
     }
     if (rank < 0 || rank >= int64_t(std::numeric_limits<int32_t>::max())) {
@@ -343,8 +358,8 @@ Status Tokenizer::decode(std::span<const int32_t> tokens, std::string* text) con
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int32_t id = tokens[i];
     if (id < 0 || int64_t(id) >= vocab_size()) {
-      return invalid("Tokenizer::decode: token ", i, " is ", id, ", not in [0, vocab_size = ",
-                     vocab_size(), ")");
+      return invalid("Tokenizer::decode: token ", i, " is ", id,
+                     ", not in [0, vocab_size = ", vocab_size(), ")");
     }
     out += id == eot_token() ? std::string("<|endoftext|>") : token_bytes_[size_t(id)];
   }
