@@ -38,18 +38,22 @@ std::mt19937_64& rng() {
   return r;
 }
 
-// Parameters for the tests: matrices and embeddings normal(0, 10·init_std) so the tiny model's
-// gradients are well above fp32 noise, norm weights 1 + normal(0, 0.1) and biases normal(0, 0.1)
-// so their gradients are not the special case of an identity norm.
-std::vector<float> init_parameters(const ParameterLayout& layout) {
+// Parameters: matrices and embeddings normal(0, std_scale·init_std); norm weights 1 and biases 0,
+// each plus normal(0, spread). The gradient checks use std_scale 10 so the tiny model's gradients
+// stand well above fp32 noise, and spread 0.1 so the norms are not the special case of identity.
+std::vector<float> init_parameters(const ParameterLayout& layout, double std_scale,
+                                   float spread = 0.0f) {
   std::vector<float> p(static_cast<size_t>(layout.total), 0.0f);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (const ParamSpec& s : layout.params) {
     for (int64_t i = 0; i < s.numel; ++i) {
       const float z = normal(rng());
       float& x = p[static_cast<size_t>(s.offset + i)];
-      if (s.init_std > 0) x = static_cast<float>(10.0 * s.init_std) * z;
-      else x = (s.init_ones ? 1.0f : 0.0f) + 0.1f * z;
+      if (s.init_std > 0) {
+        x = static_cast<float>(std_scale * s.init_std) * z;
+      } else {
+        x = (s.init_ones ? 1.0f : 0.0f) + spread * z;
+      }
     }
   }
   return p;
@@ -108,7 +112,7 @@ void check_gradient(const ModelConfig& config, int64_t B, int64_t T, int per_ten
   SCOPED_TRACE(config.name + " seed=" + std::to_string(test::test_seed()));
   std::unique_ptr<CpuModel> model;
   ASSERT_TRUE(CpuModel::create(config, B, T, &model).ok());
-  std::vector<float> params = init_parameters(model->layout());
+  std::vector<float> params = init_parameters(model->layout(), 10.0, 0.1f);
   const Batch batch = random_batch(config, B, T, 3);
 
   ClassifierResult r;
@@ -156,8 +160,8 @@ void check_gradient(const ModelConfig& config, int64_t B, int64_t T, int per_ten
     for (const ParamSpec& s : model->layout().params)
       if (idx >= s.offset && idx < s.offset + s.numel) owner = &s;
     ASSERT_LE(std::abs(fd1 - g), bound)
-        << owner->name << "[" << idx - owner->offset << "]: gradient " << g << ", finite difference "
-        << fd1 << " (2h: " << fd2 << "), eps_loss " << eps_loss;
+        << owner->name << "[" << idx - owner->offset << "]: gradient " << g
+        << ", finite difference " << fd1 << " (2h: " << fd2 << "), eps_loss " << eps_loss;
   }
   std::printf("%s: %d parameters checked, %d with |g| > 10x bound, worst |fd-g|/bound %.3f, "
               "eps_loss %.3g\n",
@@ -201,7 +205,7 @@ TEST(CpuModel, ForwardAndBackwardAreBitwiseReproducibleAcrossThreadCounts) {
     const ModelConfig c = preset(name);
     std::unique_ptr<CpuModel> m;
     ASSERT_TRUE(CpuModel::create(c, 2, 16, &m).ok());
-    const std::vector<float> params = init_parameters(m->layout());
+    const std::vector<float> params = init_parameters(m->layout(), 10.0, 0.1f);
     const Batch b = random_batch(c, 2, 16, 1);
     auto run = [&](int threads, double* loss) {
       const int saved = omp_get_max_threads();
@@ -229,14 +233,10 @@ TEST(CpuModel, LossGoesDownUnderAdamW) {
     std::unique_ptr<CpuModel> m;
     ASSERT_TRUE(CpuModel::create(c, 4, 32, &m).ok());
     const ParameterLayout& layout = m->layout();
-    std::vector<float> params(static_cast<size_t>(layout.total), 0.0f);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (const ParamSpec& s : layout.params)
-      for (int64_t i = 0; i < s.numel; ++i)
-        params[static_cast<size_t>(s.offset + i)] =
-            s.init_std > 0 ? static_cast<float>(s.init_std) * normal(rng()) : (s.init_ones ? 1.0f : 0.0f);
+    std::vector<float> params = init_parameters(layout, 1.0);  // the layout's own init
     const Batch b = random_batch(c, 4, 32, 5);
-    std::vector<float> grads(params.size()), adam_m(params.size(), 0.0f), adam_v(params.size(), 0.0f);
+    std::vector<float> grads(params.size()), adam_m(params.size(), 0.0f);
+    std::vector<float> adam_v(params.size(), 0.0f);
 
     const auto start = std::chrono::steady_clock::now();
     double first = 0.0, last = 0.0;

@@ -33,7 +33,8 @@ QkvViews qkv_views(const float* qkv, const ModelConfig& c, int64_t B, int64_t T)
     return TensorView::strided(base + first_head * hd, DType::kFloat32, {B, T, heads, hd},
                                {T * row, row, hd, 1});
   };
-  return {view(0, c.n_head), view(c.n_head, c.n_kv_head), view(c.n_head + c.n_kv_head, c.n_kv_head)};
+  return {view(0, c.n_head), view(c.n_head, c.n_kv_head),
+          view(c.n_head + c.n_kv_head, c.n_kv_head)};
 }
 
 AttentionOptions causal_attention() {

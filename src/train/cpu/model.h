@@ -7,7 +7,8 @@
 //
 //   x = embed(tokens) (+ pos_embed)                                   (N, d)
 //   for each layer:  x = x + attn.out(attention(rope(attn.qkv(norm(x)))))
-//                    x = x + mlp(norm(x))       GPT: proj(gelu(fc(·)))  LLaMA: down(swiglu(gate_up(·)))
+//                    x = x + mlp(norm(x))
+//                        mlp: GPT proj(gelu(fc(·))), LLaMA down(swiglu(gate_up(·)))
 //   logits = final_norm(x) · headᵀ            (N, padded_vocab), head = embed when tied
 //   loss = mean cross-entropy over the targets that are not −1
 //

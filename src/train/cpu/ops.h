@@ -64,7 +64,7 @@ template <typename T>
 void layernorm_backward(const T* dy, const T* x, const T* weight, const T* mean, const T* rstd,
                         T* dx, T* dweight, T* dbias, int64_t N, int64_t C);
 
-// ---- RMSNorm (LLaMA): y = x · rstd · weight, rstd = 1 / sqrt(mean(x²) + eps) ---------------------
+// ---- RMSNorm (LLaMA): y = x · rstd · weight, rstd = 1 / sqrt(mean(x²) + eps) --------------------
 
 // x (N, C), weight (C); y (N, C), rstd (N) written.
 template <typename T>
@@ -87,7 +87,7 @@ void gelu_forward(const T* x, T* y, int64_t n);
 template <typename T>
 void gelu_backward(const T* dy, const T* x, T* dx, int64_t n);
 
-// ---- SwiGLU (LLaMA MLP): out = silu(gate) · up, silu(g) = g · sigmoid(g) -------------------------
+// ---- SwiGLU (LLaMA MLP): out = silu(gate) · up, silu(g) = g · sigmoid(g) ------------------------
 // gate_up is the output of the gate_up linear layer: each row holds ffn gate values, then ffn up
 // values (the weight's gate rows come first).
 
