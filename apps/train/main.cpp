@@ -167,8 +167,12 @@ ft::ModelConfig model_from_flags(const TrainFlags& f, int64_t tokenizer_vocab) {
   set(f.max_seq, &m.max_seq);
   if (f.head_dim) {
     m.head_dim = *f.head_dim;
-  } else if ((f.d_model || f.n_head) && m.n_head > 0) {
-    m.head_dim = m.d_model / m.n_head;  // validate_model_config rejects a remainder
+  } else if (f.d_model || f.n_head) {
+    if (m.n_head < 1 || m.d_model % m.n_head != 0) {
+      throw UsageError("--n-head: " + std::to_string(m.n_head) + " heads do not divide d_model " +
+                       std::to_string(m.d_model) + " (or give --head-dim)");
+    }
+    m.head_dim = m.d_model / m.n_head;
   }
   if (m.family == ft::Family::kGpt) {
     if (f.n_head && !f.n_kv_head) m.n_kv_head = m.n_head;
@@ -231,6 +235,13 @@ int train_command(int argc, char** argv, int first) {
         "Other commands: flare-train sample --help | synth-data --help | models\n\nflags:\n%s",
         flags.help().c_str());
     return 0;
+  }
+
+  // The model's name first: its absence is the most likely mistake.
+  if (!f.model) throw UsageError("--model: required, one of " + preset_list());
+  ft::ModelConfig preset;
+  if (!ft::model_preset(*f.model, &preset).ok()) {
+    throw UsageError("--model: unknown preset '" + *f.model + "', expected one of " + preset_list());
   }
 
   // Data: shards and the tokenizer beside them.
