@@ -366,3 +366,28 @@ def test_schedule_matches_schedule_cpp():
     assert f(10) == pytest.approx(6e-4) and f(100) == pytest.approx(6e-5) and f(500) == pytest.approx(6e-5)
     assert f(55) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
     assert tm.learning_rate(4, 1.0, 0.1, 5, 5) == 1.0  # no decay steps: the peak to the end
+
+
+# Elements of flare-train's initial weights for gpt-tiny, seed 1337, as init_parameters()
+# (src/train/loop/init.cpp) writes them: offsets 0..3 and 12345 in embed.weight (std 0.02), 24583
+# in pos_embed.weight (std 0.01, from offset 24576).
+CPP_INIT_GPT_TINY_1337 = {0: -0.0029651618096977472, 1: 0.00833622645586729,
+                          2: -0.023231495171785355, 3: -0.010514670051634312,
+                          12345: -0.04148602485656738, 24583: -0.00013238287647254765}
+
+
+def test_flare_init_matches_init_cpp():
+    c = tm.model_preset("gpt-tiny")
+    flat = tm.flare_init_flat(c, 1337).numpy()
+    for offset, value in CPP_INIT_GPT_TINY_1337.items():
+        assert flat[offset] == np.float32(value), offset
+    layout = tm.parameter_layout(c)
+    for p in layout.params:
+        w = flat[p.offset:p.offset + p.numel]
+        if p.init_ones:
+            assert np.all(w == 1.0), p.name
+        elif p.init_std == 0.0:
+            assert np.all(w == 0.0), p.name
+        else:  # the sample's spread is the layout's std (5 sigma of the estimate's error)
+            assert abs(float(w.std()) / p.init_std - 1) < 5 / math.sqrt(2 * p.numel), p.name
+    assert not np.array_equal(flat, tm.flare_init_flat(c, 1338).numpy())
