@@ -1,0 +1,387 @@
+// test_gpu_model.cpp — the GPU model (src/train/model/gpu_model.h) against the fp32 CPU model
+// (src/train/cpu/model.h) on the same weights and batch, recompute against no recompute, and the
+// CUDA backend training through the trainer.
+//
+// Tolerance rule (stated once, used by every comparison below). The CPU model computes in fp32 on
+// the GPU's bf16 weights (rounded to bf16 on the host, so both start from the same numbers); its
+// own rounding (2^-24) is negligible next to bf16's. The GPU stores every activation and every
+// activation gradient in bf16, each store a relative error of at most u = 2^-9 (round to nearest).
+// To first order these errors add along the chain of stores that leads to a result, so a result
+// reached through R bf16 stores carries a relative error of at most R·u; measured as a relative L2
+// norm over a whole tensor: ‖gpu − cpu‖₂ ≤ R·u·‖cpu‖₂. R is counted from the model, not tuned:
+//   forward stores per layer: attention norm, qkv, (RoPE), attention's P before P·V and its
+//     output, the out-projection, the residual sum, the MLP norm, the MLP input and activation,
+//     the down-projection, the next residual sum — 12 (13 with RoPE);
+//   then the final norm and the logits (2);
+//   backward stores: dlogits (1), then per layer d(MLP activation) and d(MLP input) (2), the
+//     norm's dx and the residual gradient (2), d(attention output), attention's dS and dqkv (3),
+//     (RoPE's rotation, 1), the qkv input gradient and the residual gradient (2) — 9 (10 with RoPE).
+// R_forward = L·(12 + rope) + 2 bounds the logits; R = R_forward + 1 + L·(9 + rope) bounds every
+// parameter gradient. For the two-layer test models R·u is 0.05–0.09: a wrong or missing term of
+// a gradient (a lost residual, a bias, a transposed product) is O(1) and fails it. The loss
+// follows from the logits: |Δloss| ≤ 2·max|Δlogit| (a softmax-CE row moves by at most twice the
+// largest change of its logits) plus the fp32 sums, which the bound covers with room.
+//
+// Recompute is checked bit for bit (the same kernels on the same bits, gpu_model.h), and so is
+// a rerun of the same step (deterministic attention, no float atomics anywhere in the step).
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/numeric.h"
+#include "test_cpu_trainer_util.h"
+#include "train/core/checkpoint.h"
+#include "train/cpu/model.h"
+#include "train/loop/backend.h"
+#include "train/loop/init.h"
+#include "train/loop/trainer.h"
+#include "train/model/gpu_model.h"
+
+namespace flare::train {
+namespace {
+
+using cuda::bf16;
+using cuda::GpuModel;
+using cuda::GpuModelOptions;
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  do {                     \
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+#define ASSERT_OK(expr)                                              \
+  do {                                                               \
+    const ::flare::Status st_ = (expr);                              \
+    ASSERT_TRUE(st_.ok()) << #expr << ": " << st_.to_string();       \
+  } while (0)
+
+constexpr double kBf16Unit = 1.0 / 512.0;  // u = 2^-9, bf16's unit roundoff
+
+// A device buffer freed at scope exit.
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  explicit DeviceBuffer(size_t n) {
+    if (cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+// ---- Configurations -----------------------------------------------------------------------------
+
+ModelConfig preset(const std::string& name) {
+  ModelConfig c;
+  EXPECT_TRUE(model_preset(name, &c).ok()) << name;
+  return c;
+}
+
+// head_dim 80 (GPT-3 2.7B's) in a two-layer model; the LLaMA one with GQA 2:1.
+ModelConfig head_dim_80(Family family) {
+  ModelConfig c = preset(family == Family::kGpt ? "gpt-tiny" : "llama-tiny");
+  c.name = family == Family::kGpt ? "gpt-hd80" : "llama-hd80";
+  c.d_model = 160;
+  c.n_head = 2;
+  c.n_kv_head = family == Family::kGpt ? 2 : 1;
+  c.head_dim = 80;
+  c.ffn_hidden = family == Family::kGpt ? 640 : 256;
+  return c;
+}
+
+std::vector<ModelConfig> configs() {
+  return {preset("gpt-tiny"), preset("llama-tiny"), head_dim_80(Family::kGpt), head_dim_80(Family::kLlama)};
+}
+
+// The test name of configs()[i]: its name with '-' and '.' as '_'.
+std::string config_name(const ::testing::TestParamInfo<int>& param) {
+  std::string name = configs()[static_cast<size_t>(param.param)].name;
+  for (char& ch : name) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+  return name;
+}
+
+// The counts of bf16 stores of the rule above.
+int64_t forward_stores(const ModelConfig& c) {
+  const int64_t rope = c.family == Family::kLlama ? 1 : 0;
+  return c.n_layer * (12 + rope) + 2;
+}
+int64_t gradient_stores(const ModelConfig& c) {
+  const int64_t rope = c.family == Family::kLlama ? 1 : 0;
+  return forward_stores(c) + 1 + c.n_layer * (9 + rope);
+}
+
+// ---- Inputs -------------------------------------------------------------------------------------
+
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+};
+
+Batch random_batch(const ModelConfig& c, int64_t B, int64_t T, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(c.vocab_size - 1));
+  Batch b;
+  b.tokens.resize(static_cast<size_t>(B * T));
+  b.targets.resize(b.tokens.size());
+  for (auto& t : b.tokens) t = id(rng);
+  for (auto& t : b.targets) t = id(rng);
+  return b;
+}
+
+// Initial weights as the trainer makes them, rounded to bf16: returns the bf16 bits and their
+// float values (what the CPU model reads).
+void bf16_weights(const ModelConfig& c, uint64_t seed, std::vector<uint16_t>* bits, std::vector<float>* values) {
+  const ParameterLayout layout = parameter_layout(c);
+  std::vector<float> master(static_cast<size_t>(layout.total));
+  init_parameters(layout, seed, master.data());
+  // Norm weights of 1 and biases of 0 would hide a mix-up between them: perturb them the same
+  // way on both sides.
+  std::mt19937_64 rng(seed + 1);
+  std::normal_distribution<float> noise(0.0f, 0.1f);
+  for (const ParamSpec& p : layout.params) {
+    if (p.init_std > 0) continue;
+    for (int64_t j = 0; j < p.numel; ++j) master[static_cast<size_t>(p.offset + j)] += noise(rng);
+  }
+  bits->resize(master.size());
+  values->resize(master.size());
+  for (size_t i = 0; i < master.size(); ++i) {
+    (*bits)[i] = float_to_bf16(master[i]);
+    (*values)[i] = bf16_to_float((*bits)[i]);
+  }
+}
+
+// One forward + backward of the GPU model: loss, logits (float) and gradients (host).
+struct GpuResult {
+  double loss = 0.0;
+  std::vector<float> logits;  // (N, padded_vocab) from a forward without targets
+  std::vector<float> grads;
+};
+
+void run_gpu(const ModelConfig& c, const std::vector<uint16_t>& weights, const Batch& batch, int64_t B,
+             int64_t T, bool recompute, GpuResult* out) {
+  cudaStream_t stream = nullptr;
+  ASSERT_CUDA(cudaStreamCreate(&stream));
+  GpuModelOptions o;
+  o.recompute = recompute;
+  std::unique_ptr<GpuModel> model;
+  ASSERT_OK(GpuModel::create(c, B, T, o, stream, &model));
+  const int64_t n = model->layout().total, N = B * T;
+  ASSERT_CUDA(cudaMemcpy(model->weights(), weights.data(), static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice));
+  DeviceBuffer<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  DeviceBuffer<double> loss(1);
+  ASSERT_CUDA(cudaMemcpy(tokens.ptr, batch.tokens.data(), static_cast<size_t>(N) * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(targets.ptr, batch.targets.data(), static_cast<size_t>(N) * 4, cudaMemcpyHostToDevice));
+
+  // Logits alone first.
+  ASSERT_OK(model->forward(tokens.ptr, nullptr, 0.0f, false, nullptr));
+  std::vector<uint16_t> logits(static_cast<size_t>(N * c.padded_vocab));
+  ASSERT_CUDA(cudaMemcpyAsync(logits.data(), model->logits(), logits.size() * 2, cudaMemcpyDeviceToHost, stream));
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  out->logits.resize(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) out->logits[i] = bf16_to_float(logits[i]);
+
+  // The step: gradients poisoned with NaN first would be wrong here (they accumulate), so they
+  // are zeroed as the backend does, and every gradient must come out finite.
+  ASSERT_OK(model->zero_grads());
+  ASSERT_CUDA(cudaMemsetAsync(loss.ptr, 0, sizeof(double), stream));
+  ASSERT_OK(model->forward(tokens.ptr, targets.ptr, static_cast<float>(1.0 / static_cast<double>(N)), true, loss.ptr));
+  ASSERT_OK(model->backward(tokens.ptr));
+  double loss_sum = 0.0;
+  out->grads.resize(static_cast<size_t>(n));
+  ASSERT_CUDA(cudaMemcpyAsync(&loss_sum, loss.ptr, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  ASSERT_CUDA(cudaMemcpyAsync(out->grads.data(), model->grads(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream));
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  out->loss = loss_sum / static_cast<double>(N);
+  model.reset();
+  ASSERT_CUDA(cudaStreamDestroy(stream));
+}
+
+double relative_l2(const float* a, const float* ref, int64_t n) {
+  double diff = 0.0, norm = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    norm += double(ref[i]) * ref[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+// ---- GPU model == CPU model within the bf16 rule ------------------------------------------------
+
+class GpuModelVsCpu : public ::testing::TestWithParam<int> {};
+
+TEST_P(GpuModelVsCpu, LossLogitsAndEveryGradient) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = configs()[static_cast<size_t>(GetParam())];
+  constexpr int64_t B = 2, T = 61;  // an odd length: ragged attention tiles
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(seed));
+  std::vector<uint16_t> bits;
+  std::vector<float> weights;
+  bf16_weights(c, seed, &bits, &weights);
+  const Batch batch = random_batch(c, B, T, seed);
+
+  GpuResult gpu;
+  run_gpu(c, bits, batch, B, T, false, &gpu);
+  if (HasFatalFailure()) return;
+
+  std::unique_ptr<cpu::CpuModel> ref;
+  ASSERT_OK(cpu::CpuModel::create(c, B, T, &ref));
+  ASSERT_OK(ref->forward(weights.data(), batch.tokens.data(), nullptr, nullptr));
+  const std::vector<float> ref_logits = ref->logits();
+  cpu::ClassifierResult r;
+  ASSERT_OK(ref->forward(weights.data(), batch.tokens.data(), batch.targets.data(), &r));
+  std::vector<float> ref_grads(weights.size(), 0.0f);
+  ASSERT_OK(ref->backward(weights.data(), ref_grads.data()));
+
+  // Logits: the real columns (padding columns are 0 on both sides).
+  const double fwd_bound = static_cast<double>(forward_stores(c)) * kBf16Unit;
+  const double logits_err = relative_l2(gpu.logits.data(), ref_logits.data(), static_cast<int64_t>(ref_logits.size()));
+  EXPECT_LE(logits_err, fwd_bound) << "logits";
+  double max_dlogit = 0.0;
+  for (size_t i = 0; i < ref_logits.size(); ++i) {
+    max_dlogit = std::max(max_dlogit, std::fabs(double(gpu.logits[i]) - ref_logits[i]));
+  }
+  EXPECT_NEAR(gpu.loss, r.mean_loss, 2 * max_dlogit + 1e-6 * std::fabs(r.mean_loss))
+      << "loss; logits differ by up to " << max_dlogit;
+
+  // Every parameter tensor's gradient.
+  const double grad_bound = static_cast<double>(gradient_stores(c)) * kBf16Unit;
+  const ParameterLayout layout = parameter_layout(c);
+  for (const ParamSpec& p : layout.params) {
+    const float* g = gpu.grads.data() + p.offset;
+    const float* e = ref_grads.data() + p.offset;
+    bool finite = true;
+    for (int64_t j = 0; j < p.numel; ++j) finite = finite && std::isfinite(g[j]);
+    EXPECT_TRUE(finite) << p.name;
+    double ref_norm = 0.0;
+    for (int64_t j = 0; j < p.numel; ++j) ref_norm += double(e[j]) * e[j];
+    EXPECT_GT(ref_norm, 0.0) << p.name << ": the reference gradient is zero, the test would not see a bug";
+    EXPECT_LE(relative_l2(g, e, p.numel), grad_bound) << p.name << " (R = " << gradient_stores(c) << ")";
+  }
+  // The alignment gaps get no gradient.
+  int64_t end = 0;
+  for (const ParamSpec& p : layout.params) {
+    for (int64_t j = end; j < p.offset; ++j) ASSERT_EQ(gpu.grads[static_cast<size_t>(j)], 0.0f) << "gap before " << p.name;
+    end = p.offset + p.numel;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, GpuModelVsCpu, ::testing::Range(0, 4), config_name);
+
+// ---- Recompute changes no bit -------------------------------------------------------------------
+
+class GpuModelRecompute : public ::testing::TestWithParam<int> {};
+
+TEST_P(GpuModelRecompute, SameLossAndGradientsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig c = configs()[static_cast<size_t>(GetParam())];
+  c.n_layer = 3;  // a middle layer that is recomputed between two others
+  constexpr int64_t B = 2, T = 64;
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(seed));
+  std::vector<uint16_t> bits;
+  std::vector<float> weights;
+  bf16_weights(c, seed, &bits, &weights);
+  const Batch batch = random_batch(c, B, T, seed);
+  GpuResult plain, again, recomputed;
+  run_gpu(c, bits, batch, B, T, false, &plain);
+  run_gpu(c, bits, batch, B, T, false, &again);
+  run_gpu(c, bits, batch, B, T, true, &recomputed);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(std::memcmp(plain.grads.data(), again.grads.data(), plain.grads.size() * 4), 0)
+      << "the same step twice must give the same bits";
+  EXPECT_EQ(plain.loss, recomputed.loss);
+  EXPECT_EQ(std::memcmp(plain.logits.data(), recomputed.logits.data(), plain.logits.size() * 4), 0);
+  const ParameterLayout layout = parameter_layout(c);
+  for (const ParamSpec& p : layout.params) {
+    EXPECT_EQ(std::memcmp(plain.grads.data() + p.offset, recomputed.grads.data() + p.offset,
+                          static_cast<size_t>(p.numel) * 4), 0)
+        << p.name << " differs with recompute";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, GpuModelRecompute, ::testing::Range(0, 4), config_name);
+
+// ---- The CUDA backend trains --------------------------------------------------------------------
+
+class GpuTrainer : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GpuTrainer, LossFallsAndResumeIsBitwise) {
+  SKIP_WITHOUT_GPU();
+  test::ScratchDir dir;
+  test::write_cycle_shards(dir, 300);
+  TrainerOptions o = test::tiny_run(dir, GetParam(), 30);
+  o.device = DeviceKind::kCuda;
+  o.train.eval_every = 10;
+  o.train.grad_accum = 2;
+  o.train.recompute = true;
+  o.train.checkpoint_dir = dir.file("ck");
+  std::unique_ptr<Trainer> t;
+  ASSERT_OK(Trainer::create(o, &t));
+  std::vector<StepReport> reports;
+  ASSERT_OK(t->run(30, [&](const StepReport& r) { reports.push_back(r); }));
+  ASSERT_EQ(reports.size(), 30u);
+  EXPECT_NEAR(reports[0].loss, std::log(300.0), 0.5);
+  const double last = (reports[27].loss + reports[28].loss + reports[29].loss) / 3;
+  EXPECT_LT(last, reports[0].loss - 2.0);
+  EXPECT_LT(reports[29].val_loss, reports[9].val_loss);
+  EXPECT_GT(reports[29].memory_bytes, 0);
+
+  // 15 steps, resume, 15 more == the 30 above, bit for bit.
+  TrainerOptions half = o;
+  half.train.checkpoint_dir = dir.file("ck_half");
+  std::unique_ptr<Trainer> a;
+  ASSERT_OK(Trainer::create(half, &a));
+  ASSERT_OK(a->run(15, nullptr));
+  ASSERT_OK(a->save_checkpoint(dir.file("half.ckpt")));
+  a.reset();
+  half.resume_from = dir.file("half.ckpt");
+  std::unique_ptr<Trainer> b;
+  ASSERT_OK(Trainer::create(half, &b));
+  std::vector<double> losses;
+  ASSERT_OK(b->run(30, [&](const StepReport& r) { losses.push_back(r.loss); }));
+  for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i], reports[15 + i].loss) << "step " << 16 + i;
+  const int64_t n = parameter_layout(o.model).total;
+  std::vector<float> x(static_cast<size_t>(n)), y(x.size());
+  ASSERT_OK(t->backend().get_state(x.data(), nullptr, nullptr));
+  ASSERT_OK(b->backend().get_state(y.data(), nullptr, nullptr));
+  EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0) << "master weights after resume";
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, GpuTrainer, ::testing::Values("gpt-tiny", "llama-tiny"));
+
+// A run that cannot fit is refused before anything is allocated, with the breakdown.
+TEST(GpuBackend, SaysItDoesNotFitBeforeAllocating) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig c = preset("gpt3-2.7b");
+  TrainConfig t;
+  t.batch = 64;
+  t.seq = 2048;
+  t.steps = 10;
+  t.warmup = 1;
+  size_t free_before = 0, total = 0, free_after = 0;
+  ASSERT_CUDA(cudaMemGetInfo(&free_before, &total));
+  std::unique_ptr<Backend> backend;
+  const Status s = make_cuda_backend(c, t, BackendOptions{}, &backend);
+  EXPECT_EQ(s.code(), StatusCode::kOutOfMemory) << s.to_string();
+  EXPECT_NE(s.message().find("activations"), std::string::npos) << s.message();
+  EXPECT_FALSE(backend);
+  ASSERT_CUDA(cudaMemGetInfo(&free_after, &total));
+  EXPECT_EQ(free_before, free_after) << "nothing may stay allocated";
+}
+
+}  // namespace
+}  // namespace flare::train
