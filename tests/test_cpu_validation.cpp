@@ -682,6 +682,37 @@ TEST(Validation, InterleavedGradientViewsOfOnePackedBufferAreAccepted) {
   expect_rejected(pr, "dk", {"shares memory with dq"}, Passes::kBackwardOnly);
 }
 
+TEST(Validation, GqaGradientViewsOfOnePackedBufferAreAccepted) {
+  // Under GQA a model's fused (b, s, h_q + 2·h_kv, d) gradient holds dq (h_q heads), dk and dv
+  // (h_kv heads each): views of different shapes on one lattice, interleaved, never meeting.
+  ProblemSpec spec = small_spec();
+  spec.seqlen_k = spec.seqlen_q;
+  ASSERT_GT(spec.heads_q, spec.heads_kv);
+  Problem pr = make_problem(spec);
+  const int64_t b = spec.batch, s = spec.seqlen_q, hq = spec.heads_q, hkv = spec.heads_kv,
+                d = spec.head_dim, heads = hq + 2 * hkv;
+  const size_t es = dtype_size(pr.q.view.dtype);
+  std::vector<unsigned char> packed(static_cast<size_t>(b * s * heads * d) * es);
+  auto place = [&](const char* name, int64_t first_head) {
+    TensorView& g = view(pr, name);
+    g.data = packed.data() + static_cast<size_t>(first_head * d) * es;
+    g.stride[0] = s * heads * d;
+    g.stride[1] = heads * d;
+    g.stride[2] = d;
+    g.stride[3] = 1;
+  };
+  place("dq", 0);
+  place("dk", hq);
+  place("dv", hq + hkv);
+  EXPECT_TRUE(run_backward(pr).ok()) << run_backward(pr).to_string();
+  // dk one head earlier starts inside dq's last head; dv one head earlier ends inside dk.
+  place("dk", hq - 1);
+  expect_rejected(pr, "dk", {"shares memory with dq"}, Passes::kBackwardOnly);
+  place("dk", hq);
+  place("dv", hq + hkv - 1);
+  expect_rejected(pr, "dv", {"shares memory with dk"}, Passes::kBackwardOnly);
+}
+
 TEST(Validation, EmptyTensorsMayHaveAnyStrides) {
   // NumPy 2 gives empty arrays all-zero strides; torch gives empty outputs strides that are not
   // contiguous ones. An empty tensor addresses no element, so its strides are not checked.

@@ -166,30 +166,42 @@ Status check_no_overlap(const TensorView& t, const char* name) {
 
 // Whether two views (each passed check_view) share an element's bytes. Exact where it matters —
 // views of one buffer that interleave without touching, such as dq, dk and dv sliced from a
-// packed (…, 3, h, d) gradient — and conservative elsewhere: byte ranges that intersect count as
-// shared unless both views have the same element size, shape and strides, neither overlaps
-// itself, and no index difference reaches the offset between them.
+// packed (…, 3, h, d) gradient, or, under GQA, a (…, h_q + 2·h_kv, d) one whose slices differ in
+// heads — and conservative elsewhere: byte ranges that intersect count as shared unless both views
+// have the same element size, rank and strides (shapes may differ), the view spanning both
+// shapes does not overlap itself, and no index difference reaches the offset between them.
 int64_t last_byte(const TensorView& t) {
   int64_t reach = 0;
   for (int i = 0; i < t.ndim; ++i) reach += t.stride[i] * (t.shape[i] - 1);
   return (reach + 1) * static_cast<int64_t>(dtype_size(t.dtype));
 }
 
-// Whether delta = Σ c_i · stride_i for some |c_i| < shape_i, over dims[0..n) sorted by stride
-// (ascending). Each stride exceeds the reach of the smaller ones (no self-overlap), so at most two
-// digits fit at each level and the search stays tiny (at most 2^4 paths).
-bool lattice_hits(int64_t delta, const TensorView& t, const int* dims, int n) {
+// Index differences between an element of view a and one of view b along each dim: from
+// −(shape_b − 1) to shape_a − 1.
+struct DigitRange {
+  int64_t lo[kMaxDims];
+  int64_t hi[kMaxDims];
+};
+
+// Whether delta = Σ c_i · stride_i for digits c_i within their ranges, over dims[0..n) sorted by
+// stride (ascending). Each stride exceeds the reach of the smaller ones (no self-overlap of the
+// spanning view), so at most three digits fit at each level and the search stays tiny.
+bool lattice_hits(int64_t delta, const int64_t* stride, const DigitRange& r, const int* dims,
+                  int n) {
   if (n == 0) return delta == 0;
   const int i = dims[n - 1];
-  int64_t below = 0;  // reach of the smaller dims
-  for (int j = 0; j < n - 1; ++j) below += t.stride[dims[j]] * (t.shape[dims[j]] - 1);
-  const int64_t s = t.stride[i], lo_digit = -(t.shape[i] - 1), hi_digit = t.shape[i] - 1;
-  // Digits c with |delta − c·s| <= below.
+  int64_t below_lo = 0, below_hi = 0;  // what the smaller dims can still add
+  for (int j = 0; j < n - 1; ++j) {
+    below_lo += stride[dims[j]] * r.lo[dims[j]];
+    below_hi += stride[dims[j]] * r.hi[dims[j]];
+  }
+  const int64_t s = stride[i];
   auto floor_div = [](int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); };
-  const int64_t first = std::max(lo_digit, -floor_div(-(delta - below), s));
-  const int64_t last = std::min(hi_digit, floor_div(delta + below, s));
+  // Digits c with below_lo <= delta − c·s <= below_hi.
+  const int64_t first = std::max(r.lo[i], -floor_div(-(delta - below_hi), s));
+  const int64_t last = std::min(r.hi[i], floor_div(delta - below_lo, s));
   for (int64_t c = first; c <= last; ++c)
-    if (lattice_hits(delta - c * s, t, dims, n - 1)) return true;
+    if (lattice_hits(delta - c * s, stride, r, dims, n - 1)) return true;
   return false;
 }
 
@@ -200,13 +212,20 @@ bool share_memory(const TensorView& a, const TensorView& b) {
   const auto lo_a = reinterpret_cast<intptr_t>(a.data), lo_b = reinterpret_cast<intptr_t>(b.data);
   if (lo_a + last_byte(a) <= lo_b || lo_b + last_byte(b) <= lo_a) return false;
   bool same_lattice = a.dtype == b.dtype && a.ndim == b.ndim;
-  for (int i = 0; same_lattice && i < a.ndim; ++i)
-    same_lattice = a.shape[i] == b.shape[i] && a.stride[i] == b.stride[i];
+  for (int i = 0; same_lattice && i < a.ndim; ++i) same_lattice = a.stride[i] == b.stride[i];
   const auto size = static_cast<intptr_t>(dtype_size(a.dtype));
-  if (!same_lattice || (lo_b - lo_a) % size != 0 || !check_no_overlap(a, "").ok()) return true;
+  if (!same_lattice || (lo_b - lo_a) % size != 0) return true;
+  TensorView span = a;  // covers every index of either view
+  DigitRange r{};
+  for (int i = 0; i < a.ndim; ++i) {
+    span.shape[i] = std::max(a.shape[i], b.shape[i]);
+    r.lo[i] = -(b.shape[i] - 1);
+    r.hi[i] = a.shape[i] - 1;
+  }
+  if (!check_no_overlap(span, "").ok()) return true;
   int dims[kMaxDims];
-  const int n = dims_by_stride(a, dims);
-  return lattice_hits((lo_b - lo_a) / size, a, dims, n);
+  const int n = dims_by_stride(span, dims);
+  return lattice_hits((lo_b - lo_a) / size, span.stride, r, dims, n);
 }
 
 struct NamedView {
