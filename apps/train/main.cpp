@@ -7,6 +7,7 @@
 //
 // Every flag and config rule is checked before anything is written: a bad command line exits
 // with status 2 and a message naming the flag; a failed run exits with 1.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -223,6 +224,24 @@ void print_sample(const ft::ModelConfig& model, const std::vector<float>& master
   }
 }
 
+// The steady state of the run: the median step over the last 90% of the steps (the first ones
+// pay for cuBLASLt's plan search and the allocator's growth), as one line for benchmarks.
+void print_throughput(const std::vector<ft::StepReport>& reports) {
+  if (reports.size() < 2) return;
+  const size_t skip = std::max<size_t>(1, reports.size() / 10);
+  std::vector<ft::StepReport> steady(reports.begin() + static_cast<std::ptrdiff_t>(skip), reports.end());
+  std::sort(steady.begin(), steady.end(),
+            [](const ft::StepReport& a, const ft::StepReport& b) { return a.step_ms < b.step_ms; });
+  const ft::StepReport& median = steady[steady.size() / 2];
+  int64_t peak_memory = 0;
+  for (const ft::StepReport& r : reports) peak_memory = std::max(peak_memory, r.memory_bytes);
+  std::printf("throughput: median of steps %lld-%lld: %.1f ms/step, %.0f tokens/s",
+              static_cast<long long>(reports[skip].step), static_cast<long long>(reports.back().step),
+              median.step_ms, median.tokens_per_s);
+  if (median.mfu > 0) std::printf(", MFU %.1f%%", 100.0 * median.mfu);
+  std::printf(", peak device memory in use %s\n", gib(static_cast<double>(peak_memory)).c_str());
+}
+
 int train_command(int argc, char** argv, int first) {
   Flags flags;
   TrainFlags f;
@@ -347,10 +366,13 @@ int train_command(int argc, char** argv, int first) {
   }
   std::fflush(stdout);
 
-  check_run(trainer->run(t.steps, [](const ft::StepReport& r) {
+  std::vector<ft::StepReport> reports;
+  check_run(trainer->run(t.steps, [&](const ft::StepReport& r) {
     std::printf("%s\n", ft::format_step(r).c_str());
     std::fflush(stdout);
+    reports.push_back(r);
   }));
+  print_throughput(reports);
 
   if (sample > 0) {
     std::vector<float> master(static_cast<size_t>(ft::parameter_layout(o.model).total));
