@@ -120,7 +120,6 @@ struct GpuModel::Impl {
   bf16* d_norm = nullptr;      // (N, d) gradient of a norm's output
   bf16* d_attn_out = nullptr;  // (N, q_w)
   bf16* d_qkv = nullptr;       // (N, qkv_w)
-  bf16* d_q = nullptr;         // (N, q_w) GQA only: see attention_block_backward
   bf16* d_mlp_in = nullptr;    // (N, mlp_in_w)
   bf16* d_mlp_act = nullptr;   // (N, ffn) LLaMA only (GPT's DGELU epilogue skips it)
   void* norm_scratch = nullptr;
@@ -180,7 +179,6 @@ void plan_buffers(const ModelConfig& c, int64_t B, int64_t T, bool recompute, in
   arena->request(&m->d_norm, N * d);
   arena->request(&m->d_attn_out, N * q_w);
   arena->request(&m->d_qkv, N * qkv_w);
-  if (c.n_kv_head != H) arena->request(&m->d_q, N * q_w);
   arena->request(&m->d_mlp_in, N * mlp_in_w);
   if (!gpt) arena->request(&m->d_mlp_act, N * ffn);
   arena->request_bytes(&m->norm_scratch, norm_backward_scratch_bytes(N, d));
@@ -464,18 +462,11 @@ Status attention_block_backward(const Step& st, const LayerOffsets& w, const Lay
                                               m.d_attn_out, st.N, q_w, d, st.s));
   FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_resid, a.attn_out, st.G(w.out_weight),
                                                st.G(w.out_bias), st.N, q_w, d, true, st.s));
-  // Attention: dq, dk, dv written into the dqkv rows through strided views. flare's overlap check
-  // is exact only between views of one shape, so under GQA it would reject a dq interleaved with
-  // the narrower dk and dv although they share no element: dq goes to its own buffer and is
-  // copied into the rows afterwards (one strided device copy).
+  // Attention: dq, dk, dv written straight into the dqkv rows through strided views (under GQA
+  // the three views have different head counts; they interleave without sharing an element).
   const int dev = m.options.device_index;
   const QkvViews qkv = qkv_views(a.qkv, c, st.B, st.T, dev);
-  QkvViews dqkv = qkv_views(m.d_qkv, c, st.B, st.T, dev);
-  const bool separate_dq = c.n_kv_head != c.n_head;
-  if (separate_dq) {
-    dqkv.q = TensorView::contiguous(m.d_q, DType::kBFloat16, {st.B, st.T, c.n_head, hd},
-                                    DeviceType::kCUDA, dev);
-  }
+  const QkvViews dqkv = qkv_views(m.d_qkv, c, st.B, st.T, dev);
   const TensorView o = TensorView::contiguous(a.attn_out, DType::kBFloat16, {st.B, st.T, c.n_head, hd},
                                               DeviceType::kCUDA, dev);
   const TensorView lse = TensorView::contiguous(a.lse, DType::kFloat32, {st.B, c.n_head, st.T},
@@ -484,13 +475,6 @@ Status attention_block_backward(const Step& st, const LayerOffsets& w, const Lay
                                                 {st.B, st.T, c.n_head, hd}, DeviceType::kCUDA, dev);
   FLARE_RETURN_IF_ERROR(attention_backward(d_o, qkv.q, qkv.k, qkv.v, o, lse, dqkv.q, dqkv.k, dqkv.v,
                                            st.attention_options(), {}, st.s));
-  if (separate_dq) {
-    const size_t row_bytes = static_cast<size_t>(q_w) * sizeof(bf16);
-    FLARE_RETURN_IF_ERROR(cuda_status(
-        cudaMemcpy2DAsync(m.d_qkv, static_cast<size_t>(qkv_w) * sizeof(bf16), m.d_q, row_bytes,
-                          row_bytes, static_cast<size_t>(st.N), cudaMemcpyDeviceToDevice, st.s),
-        "dq into the dqkv rows"));
-  }
   if (!st.gpt()) {
     FLARE_RETURN_IF_ERROR(rope_backward(m.rope_cos, m.rope_sin, m.d_qkv, st.N, st.T, c.n_head,
                                         c.n_kv_head, hd, st.s));
