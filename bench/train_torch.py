@@ -85,8 +85,11 @@ def parse_args(argv=None):
     p.add_argument("--name", help="suffix of the result file name")
     p.add_argument("--no-compile", action="store_true", help="eager mode (impl torch-eager)")
     p.add_argument("--backend", choices=BACKENDS, default="cudnn", help="SDPA backend")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                   help="bf16: autocast over fp32 weights (default); fp32: no autocast, no TF32")
+    p.add_argument("--precision", choices=["bf16", "fp32", "fp64"], default="bf16",
+                   help="bf16: autocast over fp32 weights (default); fp32: no autocast, no TF32; "
+                   "fp64: weights and arithmetic in double (--cpu only)")
+    p.add_argument("--cpu", action="store_true", help="--log on the CPU, eager (checks the "
+                   "curve against flare-train --device cpu; fp32 or fp64)")
     p.add_argument("--init", help="initial weights: flare's .safetensors export, its flat .bin, "
                    "or flare:SEED (flare-train's initialisation for SEED, computed here); "
                    "default flare:<--seed> with --log, else a draw of the same distributions")
@@ -122,7 +125,13 @@ def parse_args(argv=None):
         p.error("--log trains on the shards: --data is required")
     if args.eval_every and not args.val_data:
         p.error("--eval-every needs --val-data")
-    if args.precision == "fp32" and args.backend != "efficient":
+    if args.cpu and (not args.log or args.precision == "bf16"):
+        p.error("--cpu: for --log runs in --precision fp32 or fp64")
+    if args.precision == "fp64" and not args.cpu:
+        p.error("--precision fp64: CPU only (add --cpu)")
+    if args.cpu:
+        args.no_compile = True
+    elif args.precision == "fp32" and args.backend != "efficient":
         p.error("--precision fp32: SDPA's cudnn and flash backends serve bf16/fp16 only; "
                 "add --backend efficient")
     for name, value in [("--steps", args.steps), ("--train-steps", args.train_steps),
@@ -134,6 +143,8 @@ def parse_args(argv=None):
 
 def set_sdpa_backend(torch, backend):
     """Only `backend` enabled, so SDPA cannot quietly pick another one."""
+    if not torch.cuda.is_available():
+        return  # the CPU runs SDPA's math path, the only one it has
     cuda = torch.backends.cuda
     cuda.enable_cudnn_sdp(backend == "cudnn")
     cuda.enable_flash_sdp(backend == "flash")
@@ -147,15 +158,18 @@ class Run:
     def __init__(self, torch, tm, args, config, batch, seq):
         self.torch, self.tm, self.args = torch, tm, args
         self.config, self.batch, self.seq = config, batch, seq
+        self.device = "cpu" if args.cpu else "cuda"
         torch.manual_seed(args.seed)
         model = tm.FlareModel(config, rope_len=seq)
         if args.init:
             tm.load_weights(model, args.init)
-        self.model = model.cuda()
+        if args.precision == "fp64":
+            model = model.double()
+        self.model = model.to(self.device)
         self.forward = self.model if args.no_compile else torch.compile(self.model)
         self.optimizer = torch.optim.AdamW(
             tm.optimizer_groups(self.model, args.weight_decay), lr=args.lr,
-            betas=(args.beta1, args.beta2), eps=args.eps, fused=True)
+            betas=(args.beta1, args.beta2), eps=args.eps, fused=not args.cpu)
         self.params = list(self.model.parameters())
 
     def step(self, tokens, targets, step_index):
@@ -164,7 +178,7 @@ class Run:
         lr = self.tm.learning_rate(step_index, a.lr, a.min_lr, a.warmup_steps, a.train_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=a.precision == "bf16"):
             loss = self.forward(tokens, targets)
         loss.backward()
         # clip_grad_norm_ with an infinite max_norm only measures (scale 1), like flare with clip 0.
@@ -177,19 +191,20 @@ class Run:
         """Mean loss over the first `batches` batches of the validation shards."""
         torch = self.torch
         loader.reset()
-        total = torch.zeros((), device="cuda", dtype=torch.float64)
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16,
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        with torch.no_grad(), torch.autocast(self.device, dtype=torch.bfloat16,
                                              enabled=self.args.precision == "bf16"):
             for _ in range(batches):
-                x, y = to_device(torch, loader.next_batch())
+                x, y = to_device(torch, loader.next_batch(), self.device)
                 total += self.forward(x, y).double()
         return total.item() / batches
 
 
-def to_device(torch, batch):
-    x, y = batch
-    return (torch.from_numpy(x).pin_memory().cuda(non_blocking=True),
-            torch.from_numpy(y).pin_memory().cuda(non_blocking=True))
+def to_device(torch, batch, device="cuda"):
+    x, y = (torch.from_numpy(t) for t in batch)
+    if device == "cpu":
+        return x, y
+    return x.pin_memory().cuda(non_blocking=True), y.pin_memory().cuda(non_blocking=True)
 
 
 def batches_for(torch, tm, args, config, batch, seq, count):
@@ -289,7 +304,8 @@ def config_for(tm, args, name):
 
 def software(torch):
     return {"torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version()}
+            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+            "python": platform.python_version()}
 
 
 def run_bench(torch, tm, args):
@@ -352,7 +368,8 @@ def run_log(torch, tm, args):
         val_loader = tm.ShardLoader(args.val_data, batch, seq, config.vocab_size, shuffle=False)
         val_batches = min(args.val_batches, val_loader.batches_per_epoch)
     log = {"impl": "torch-eager" if args.no_compile else "torch-compile", "model": config.name,
-           "batch_per_gpu": batch, "seq": seq, "card": torch.cuda.get_device_name(),
+           "batch_per_gpu": batch, "seq": seq,
+           "card": "cpu" if args.cpu else torch.cuda.get_device_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(), "software": software(torch), "init": args.init or "torch",
            "precision": args.precision, "data": args.data, "seed": args.seed,
@@ -362,7 +379,7 @@ def run_log(torch, tm, args):
            "steps": []}
     start = time.perf_counter()
     for step in range(args.train_steps):
-        x, y = to_device(torch, loader.next_batch())
+        x, y = to_device(torch, loader.next_batch(), run.device)
         t0 = time.perf_counter()
         loss, norm = run.step(x, y, step)
         # "step" counts completed steps from 1, as flare-train's JSON log does.
@@ -388,9 +405,11 @@ def main(argv=None):
         import torch
     except ImportError:
         sys.exit("train_torch.py: needs torch with CUDA (pip install torch)")
+    import torch_models as tm
+    if args.cpu:
+        return run_log(torch, tm, args)
     if not torch.cuda.is_available():
         sys.exit("train_torch.py: no CUDA device visible to torch")
-    import torch_models as tm
     torch.cuda.set_device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -9,6 +9,7 @@ models; flare's shard order; and the round trips of the safetensors export names
 buffer. Skipped where torch is not installed.
 """
 
+import json
 import math
 import os
 import random
@@ -391,3 +392,43 @@ def test_flare_init_matches_init_cpp():
         else:  # the sample's spread is the layout's std (5 sigma of the estimate's error)
             assert abs(float(w.std()) / p.init_std - 1) < 5 / math.sqrt(2 * p.numel), p.name
     assert not np.array_equal(flat, tm.flare_init_flat(c, 1338).numpy())
+
+
+@pytest.mark.skipif(not os.environ.get("FLARE_TRAIN_BIN"),
+                    reason="set FLARE_TRAIN_BIN to a flare-train binary to compare loss curves")
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_loss_curve_matches_flare_train_cpu(name, tmp_path):
+    # flare-train --device cpu (fp32) against train_torch.py --cpu from flare's own initial weights
+    # (flare:SEED), the same shards in the same order, the same schedule and AdamW. Rule as
+    # DESIGN.md's: max over steps |flare - fp64| <= 2 · max over steps |torch fp32 - fp64| plus
+    # fp32's rounding at the loss's size (training steps, validation passes and grad norms alike).
+    import subprocess
+    import train_torch
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    data = str(tmp_path / "data")
+    subprocess.run([sys.executable, os.path.join(root, "scripts", "prepare_data.py"), "--tiny",
+                    "--out", data], check=True, capture_output=True)
+    flare_log = str(tmp_path / "flare.jsonl")
+    steps = "12"
+    subprocess.run([os.environ["FLARE_TRAIN_BIN"], "--model", name, "--data", data, "--device", "cpu",
+                    "--steps", steps, "--batch", "2", "--seq", "32", "--eval-every", "6",
+                    "--sample", "0", "--ckpt-dir", str(tmp_path / "ckpt"), "--log", flare_log],
+                   check=True, capture_output=True)
+    logs = {}
+    for precision in ("fp32", "fp64"):
+        out = str(tmp_path / f"torch-{precision}.json")
+        assert train_torch.main(["--cpu", "--precision", precision, "--case", f"{name}:2:32",
+                                 "--data", os.path.join(data, "*_train_*.bin"),
+                                 "--val-data", os.path.join(data, "*_val_*.bin"),
+                                 "--train-steps", steps, "--eval-every", "6", "--log", out]) == 0
+        logs[precision] = json.load(open(out))["steps"]
+    flare = [json.loads(line) for line in open(flare_log)]
+    assert [e["step"] for e in flare] == [e["step"] for e in logs["fp64"]]
+    for key in ("loss", "val_loss", "grad_norm"):
+        rows = [(f[key], a[key], b[key]) for f, a, b in zip(flare, logs["fp32"], logs["fp64"])
+                if key in f]
+        assert rows, key
+        flare_err = max(abs(f - ref) for f, _, ref in rows)
+        naive_err = max(abs(t - ref) for _, t, ref in rows)
+        bound = 2 * naive_err + 2.0 ** -24 * max(abs(ref) for *_, ref in rows)
+        assert flare_err <= bound, f"{name} {key}: flare {flare_err:.3e} > bound {bound:.3e}"
