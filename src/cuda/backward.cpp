@@ -1,10 +1,12 @@
 // backward.cpp — flare::cuda::backward: the FlashAttention-2 backward on CUDA tensors.
 //
-// Three stream-ordered launches over one scratch allocation:
+// Three stream-ordered launches over one scratch allocation, and a fourth under masks:
 //   preprocess  D = rowsum(dO∘O) (fp32); zero the fp32 dQ accumulator      (bwd_prepost.cu)
 //   main        per (key block, kv head, batch): dK, dV written; dQ added    (sm80/bwd_kernel.cuh;
 //               on Hopper sm90/bwd_kernel.cuh for the problems it takes)
 //   convert     dq = scale · accumulator, rounded to the dtype              (bwd_prepost.cu)
+//   fixup       non-finite dq, dk, dv rows recomputed exactly; returns at   (bwd_prepost.cu)
+//               once unless a kernel above found one; only under masked pairs
 // The scratch comes from cudaMallocAsync and goes back with cudaFreeAsync on the caller's stream,
 // so nothing here waits for the device.
 //
@@ -95,7 +97,27 @@ bool aligned(const void* ptr, uintptr_t bytes) {
   return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
 }
 
-// Everything after the device is current: workspace, the three launches, the free.
+// Whether a tile of the main kernels can hold a masked pair: a causal or windowed mask, varlen, or
+// a ragged last query or key block. Only then can a product multiply a masked pair's P = 0 or
+// dS = 0 into an infinite operand (or form its dS from an infinite dP) and make a gradient NaN
+// that the reference has finite (cuda/nonfinite_fixup.cuh), and only then is the fixup kernel
+// launched. Every block of both kernel families divides kBlocksDivide.
+constexpr int kBlocksDivide = 128;
+constexpr bool blocks_divide(int n) {
+  for (const sm80::BwdTile& t : sm80::kBwdTiles)
+    if (n % t.block_m != 0 || n % t.block_n != 0) return false;
+  for (const sm90::Bwd90Tile& t : sm90::kBwd90Tiles)
+    if (n % t.block_m != 0 || n % t.block_n != 0) return false;
+  return true;
+}
+static_assert(blocks_divide(kBlocksDivide), "a backward tile does not divide kBlocksDivide");
+
+bool has_masked_pairs(const AttentionParams& p) {
+  return p.has_window() || p.is_varlen() || p.seqlen_q % kBlocksDivide != 0 ||
+         p.seqlen_k % kBlocksDivide != 0;
+}
+
+// Everything after the device is current: workspace, the launches, the free.
 Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   DeviceFacts device;
   if (const Status s = current_device_facts(&device); !s.ok())
@@ -151,11 +173,13 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   const size_t accum_bytes = static_cast<size_t>(rows) * w.bucket * w.num_splits * sizeof(float);
   void* scratch = nullptr;
   if (rows > 0) {
-    const cudaError_t err = cudaMallocAsync(&scratch, dsum_bytes + accum_bytes, stream);
+    const cudaError_t err =
+        cudaMallocAsync(&scratch, dsum_bytes + accum_bytes + 2 * sizeof(int), stream);
     if (err != cudaSuccess) return cuda_failure("cudaMallocAsync of the workspace", err);
     // The accumulator first: its rows are read as float4 and must stay 16-byte aligned.
     w.dq_accum = static_cast<float*>(scratch);
     w.dsum = w.dq_accum + static_cast<size_t>(rows) * w.bucket * w.num_splits;
+    w.nonfinite = reinterpret_cast<int*>(w.dsum + rows);
   }
 
   Status status = sm80::launch_backward_preprocess(p, w, stream);
@@ -165,6 +189,8 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
     if (status.ok() && !sm90) status = launch_main(p, w, key_blocks, stream);
   }
   if (status.ok()) status = sm80::launch_backward_convert(p, w, stream);
+  if (status.ok() && rows > 0 && has_masked_pairs(p))
+    status = sm80::launch_backward_fixup(p, w, 2 * sms, stream);
   if (scratch != nullptr) {
     const cudaError_t err = cudaFreeAsync(scratch, stream);
     if (status.ok() && err != cudaSuccess) status = cuda_failure("cudaFreeAsync", err);

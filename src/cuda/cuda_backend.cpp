@@ -11,6 +11,8 @@
 #include <string>
 
 #include "core/backends.h"
+#include "cuda/device_probe.h"
+#include "cuda/fwd_fixup.h"
 #include "cuda/sm80/fwd_launch.h"
 #include "cuda/sm90/fwd_launch.h"
 #include "cuda/sm90/fwd_tiles.h"
@@ -75,6 +77,35 @@ bool sm90_runs(const AttentionParams& p) {
   }
 }
 
+// The forward kernel of p: sm90 where it takes p on this device, else sm80 (bucket: the smallest
+// compiled one that holds head_dim, 0 if none).
+Status launch_forward_kernel(const AttentionParams& p, int bucket, cudaStream_t s) {
+  // Hopper: the sm90 kernel for the problems it takes (sm90/fwd_tiles.h), sm80 for the rest.
+  if (sm90_runs(p)) {
+    switch (variant_key(p.dtype, sm90::fwd90_bucket(p.head_dim))) {
+#define FLARE_CUDA_FWD90_VARIANT(DT, HD) \
+  case variant_key(DType::DT, HD):       \
+    ++testing::sm90_launches;              \
+    return sm90::launch_forward<DType::DT, HD>(p, s);
+#include "flare/cuda_fwd90_variants.inc"
+#undef FLARE_CUDA_FWD90_VARIANT
+      default:
+        break;
+    }
+  }
+  switch (variant_key(p.dtype, bucket)) {
+#define FLARE_CUDA_FWD_VARIANT(DT, HD) \
+  case variant_key(DType::DT, HD):     \
+    return sm80::launch_forward<DType::DT, HD>(p, s);
+#include "flare/cuda_fwd_variants.inc"
+#undef FLARE_CUDA_FWD_VARIANT
+    default:
+      return Status::unsupported("q: no CUDA forward kernel for dtype " +
+                                 std::string(dtype_name(p.dtype)) + ", head_dim " +
+                                 std::to_string(p.head_dim));
+  }
+}
+
 }  // namespace
 
 bool testing::sm90_available() {
@@ -90,30 +121,16 @@ Status forward(const AttentionParams& p, Stream stream) {
   const int bucket = forward_bucket(p.dtype, p.head_dim);
   const auto s = static_cast<cudaStream_t>(stream);
   return on_device(p.device_index, [&]() -> Status {
-    // Hopper: the sm90 kernel for the problems it takes (sm90/fwd_tiles.h), sm80 for the rest.
-    if (sm90_runs(p)) {
-      switch (variant_key(p.dtype, sm90::fwd90_bucket(p.head_dim))) {
-#define FLARE_CUDA_FWD90_VARIANT(DT, HD) \
-  case variant_key(DType::DT, HD):       \
-    ++testing::sm90_launches;              \
-    return sm90::launch_forward<DType::DT, HD>(p, s);
-#include "flare/cuda_fwd90_variants.inc"
-#undef FLARE_CUDA_FWD90_VARIANT
-        default:
-          break;
-      }
+    Status status = launch_forward_kernel(p, bucket, s);
+    // Under a window a row's O may have met a masked key's ±Inf/NaN V in the P·V product: the
+    // rows the kernel marked are recomputed exactly (fwd_fixup.cu). Without one no tile holds a
+    // masked real key, and the kernels' own results are the reference's.
+    if (status.ok() && p.has_window()) {
+      DeviceFacts device;
+      status = current_device_facts(&device);
+      if (status.ok()) status = launch_forward_fixup(p, 2 * device.sms, s);
     }
-    switch (variant_key(p.dtype, bucket)) {
-#define FLARE_CUDA_FWD_VARIANT(DT, HD) \
-  case variant_key(DType::DT, HD):     \
-    return sm80::launch_forward<DType::DT, HD>(p, s);
-#include "flare/cuda_fwd_variants.inc"
-#undef FLARE_CUDA_FWD_VARIANT
-      default:
-        return Status::unsupported("q: no CUDA forward kernel for dtype " +
-                                   std::string(dtype_name(p.dtype)) + ", head_dim " +
-                                   std::to_string(p.head_dim));
-    }
+    return status;
   });
 }
 

@@ -81,8 +81,9 @@ endfunction()
 flare_cuda90_variants(fwd ${FLARE_CUDA_FWD90_HEAD_DIMS})
 flare_cuda90_variants(bwd ${FLARE_CUDA_BWD90_HEAD_DIMS})
 
-# Forward dispatch (the backward's is src/cuda/backward.cpp, listed below).
-target_sources(flare PRIVATE src/cuda/cuda_backend.cpp)
+# Forward dispatch (the backward's is src/cuda/backward.cpp, listed below) and the forward's
+# non-finite fixup kernel.
+target_sources(flare PRIVATE src/cuda/cuda_backend.cpp src/cuda/fwd_fixup.cu)
 target_include_directories(flare PUBLIC $<BUILD_INTERFACE:${flare_gen_dir}>)
 # Device code is C++17: CMake 3.25 (the minimum) knows no C++20 flag for nvcc and would refuse to
 # generate the build with the top level's CMAKE_CUDA_STANDARD 20.

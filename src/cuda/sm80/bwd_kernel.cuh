@@ -64,6 +64,7 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/device_probe.h"
+#include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
@@ -907,6 +908,13 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
 
     // ---- dK (scaled by the softmax scale) and dV of this key block.
     const int kvg = warp % Cfg::kKVKeyGroups, kvc = warp / Cfg::kKVKeyGroups;
+    // `probe` turns NaN where this thread's part of dK or dV comes out ±Inf/NaN (a masked pair's
+    // P = 0 or dS = 0 meeting an infinite dO or dP in the MMA is NaN): the flag it sets has the
+    // backward's fixup kernel recompute the non-finite rows exactly (nonfinite_fixup.cuh). Taken
+    // in the store loops, where each accumulator is read last: in a loop of its own before them
+    // (every accumulator live, and the probe) the skewed d 128 kernel spilled on sm_90a, as it did
+    // with a call to the fixup itself.
+    float probe = 0.0f;
     if (w.store16) {
       // Staged through K's and V's buffers (the same shapes and swizzle), then written as whole
       // 16-byte chunks of rows: full sectors and a quarter of the store instructions. With one CTA
@@ -932,7 +940,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                                                     acc_dk[mt][nt][2 * half + 1] * p.scale));
             st_shared_u32(addr + kVAfterK, ptx::pack2<Element>(acc_dv[mt][nt][2 * half],
                                                                acc_dv[mt][nt][2 * half + 1]));
+            probe = nonfinite_probe(nonfinite_probe(probe, acc_dk[mt][nt][2 * half]),
+                                    acc_dk[mt][nt][2 * half + 1]);
+            probe = nonfinite_probe(nonfinite_probe(probe, acc_dv[mt][nt][2 * half]),
+                                    acc_dv[mt][nt][2 * half + 1]);
           }
+      if (probe_found(probe)) w.nonfinite[kNonfiniteDkDv] = 1;
       __syncthreads();
       store_tile_swizzled<kBlockN, kHeadDim, kThreads>(
           static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
@@ -963,8 +976,13 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                      acc_dk[mt][nt][2 * half + 1] * p.scale, col + 1 < d, w.pair_store);
           store_pair(dv_row + col, acc_dv[mt][nt][2 * half], acc_dv[mt][nt][2 * half + 1],
                      col + 1 < d, w.pair_store);
+          probe = nonfinite_probe(nonfinite_probe(probe, acc_dk[mt][nt][2 * half]),
+                                  acc_dk[mt][nt][2 * half + 1]);
+          probe = nonfinite_probe(nonfinite_probe(probe, acc_dv[mt][nt][2 * half]),
+                                  acc_dv[mt][nt][2 * half + 1]);
         }
       }
+    if (probe_found(probe)) w.nonfinite[kNonfiniteDkDv] = 1;
     // K/V copies of a block with no visible query were never waited for; the next block reuses the
     // buffers.
     ptx::cp_async_wait<0>();

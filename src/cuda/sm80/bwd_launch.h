@@ -13,6 +13,9 @@
 
 namespace flare::cuda::sm80 {
 
+// Indices of BwdWorkspace::nonfinite.
+inline constexpr int kNonfiniteDq = 0, kNonfiniteDkDv = 1;
+
 // Stream-ordered scratch of one backward call (allocated by src/cuda/backward.cu), plus the
 // launch-shape decisions the three kernels must agree on. Trivially copyable: passed by value.
 struct BwdWorkspace {
@@ -22,6 +25,10 @@ struct BwdWorkspace {
   float* dq_accum = nullptr;
   // D_i = rowsum(dO∘O), (heads_q, total_q), fp32.
   float* dsum = nullptr;
+  // Two flags, zeroed by the preprocess kernel and set to 1 where an output element comes out
+  // ±Inf/NaN: [kNonfiniteDq] by the convert kernels, [kNonfiniteDkDv] by the main kernels. The
+  // fixup kernel does its work only where one is set.
+  int* nonfinite = nullptr;
   // Elements between split slices of dq_accum: 0 when every CTA adds into one slice with
   // atomics (the default), the slice size in deterministic mode, where CTA x owns slice x.
   int64_t dq_split_stride = 0;
@@ -47,5 +54,12 @@ Status launch_backward_preprocess(const AttentionParams& p, const BwdWorkspace& 
 // dq = scale · Σ_s dq_accum[s], rounded to the dtype, written with dq's strides.
 Status launch_backward_convert(const AttentionParams& p, const BwdWorkspace& w,
                                cudaStream_t stream);
+
+// After convert: where w.nonfinite has a flag set, every dq row (kNonfiniteDq) or dk/dv row
+// (kNonfiniteDkDv) holding ±Inf/NaN is recomputed exactly from the inputs
+// (cuda/nonfinite_fixup.cuh), so a masked pair's 0·Inf in the main kernel's products cannot reach
+// it; otherwise its CTAs return at once. `ctas` sizes the grid (its warps stride over the rows).
+Status launch_backward_fixup(const AttentionParams& p, const BwdWorkspace& w, int ctas,
+                             cudaStream_t stream);
 
 }  // namespace flare::cuda::sm80

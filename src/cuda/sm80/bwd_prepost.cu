@@ -4,7 +4,16 @@
 //   dS = P∘(dP − rowsum(P∘dP)) into an elementwise step, and zeroes the fp32 dQ accumulator the
 //   main kernel adds into (every split slice in deterministic mode).
 // convert: dq = scale · Σ_s accumulator[s], summing the slices in index order (so deterministic
-//   mode is bitwise reproducible), rounded to the dtype and written with dq's own strides.
+//   mode is bitwise reproducible), rounded to the dtype and written with dq's own strides. A dQ
+//   element that comes out ±Inf/NaN sets a flag in the workspace (the main kernels set another
+//   for dK/dV).
+// fixup (launched after convert where the problem has masked pairs): where a flag is set, every
+//   non-finite dq, dk or dv row is recomputed exactly from the inputs (nonfinite_fixup.cuh). The
+//   main kernels multiply a masked pair's P = 0 or dS = 0 into dO, Q and K, and form its dS from
+//   dP = dO·V, so an infinite value beside a pair a row cannot see makes a gradient NaN. A kernel
+//   of its own rather than a call from convert or the main kernels: ptxas counts a callee's
+//   registers against its caller (convert went from 38 to 80-100 registers) and a call made the
+//   main kernels at their register limit spill.
 // Each CTA owns 64 query rows of one (head, batch). Where rows are 16-byte aligned and head_dim
 // is a multiple of 8 (`vec`, the common case) every thread moves whole 16-byte chunks with the
 // dtype's hardware conversions: a row's chunks sit on a power-of-two group of lanes, and D is
@@ -22,6 +31,7 @@
 
 #include "core/numeric.h"
 #include "core/params.h"
+#include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/mma.cuh"  // pack2
 #include "cuda/sm80/bwd_launch.h"
 
@@ -54,6 +64,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     backward_preprocess_kernel(const __grid_constant__ AttentionParams p, const BwdWorkspace w,
                                int64_t slice) {
   const int h = blockIdx.y, b = blockIdx.z;
+  if ((blockIdx.x | h | b | threadIdx.x) == 0) w.nonfinite[kNonfiniteDq] = w.nonfinite[kNonfiniteDkDv] = 0;
   for_each_row(p, [&](int64_t q_row, int lane, int64_t row) {
     const int64_t o_off = b * p.o_batch_stride + q_row * p.o_row_stride + h * p.o_head_stride;
     const int64_t do_off = b * p.do_batch_stride + q_row * p.do_row_stride + h * p.do_head_stride;
@@ -77,11 +88,14 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   for_each_row(p, [&](int64_t q_row, int lane, int64_t row) {
     const float* const src = w.dq_accum + row * w.bucket;
     const int64_t dq_off = b * p.dq_batch_stride + q_row * p.dq_row_stride + h * p.dq_head_stride;
+    float probe = 0.0f;
     for (int c = lane; c < p.head_dim; c += 32) {
       float sum = 0.0f;
       for (int s = 0; s < w.num_splits; ++s) sum += src[s * slice + c];
+      probe = nonfinite_probe(probe, sum);
       store_from_float(p.dq, dq_off + c, p.dtype, sum * p.scale);
     }
+    if (probe_found(probe)) w.nonfinite[kNonfiniteDq] = 1;
   });
 }
 
@@ -126,6 +140,8 @@ template <typename Element>
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
     backward_preprocess_vec_kernel(const __grid_constant__ AttentionParams p, const BwdWorkspace w,
                                    int64_t slice, int lane_bits) {
+  if ((blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x) == 0)
+    w.nonfinite[kNonfiniteDq] = w.nonfinite[kNonfiniteDkDv] = 0;
   const CtaRows c = cta_rows(p);
   if (c.rows <= 0) return;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -175,6 +191,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   const int sub = threadIdx.x & ((1 << lane_bits) - 1);
   if (sub * 8 >= p.head_dim) return;
   const int rows_per_pass = (kWarpsPerCta * 32) >> lane_bits;
+  float probe = 0.0f;  // NaN once a written element is ±Inf/NaN
   for (int r = threadIdx.x >> lane_bits; r < c.rows; r += rows_per_pass) {
     const float4* const src =
         reinterpret_cast<const float4*>(w.dq_accum + (c.row0 + r) * w.bucket + sub * 8);
@@ -192,6 +209,45 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
                    ptx::pack2<Element>(lo.z * sc, lo.w * sc),
                    ptx::pack2<Element>(hi.x * sc, hi.y * sc),
                    ptx::pack2<Element>(hi.z * sc, hi.w * sc));
+    probe = nonfinite_probe(nonfinite_probe(probe, lo.x), lo.y);
+    probe = nonfinite_probe(nonfinite_probe(probe, lo.z), lo.w);
+    probe = nonfinite_probe(nonfinite_probe(probe, hi.x), hi.y);
+    probe = nonfinite_probe(nonfinite_probe(probe, hi.z), hi.w);
+  }
+  if (probe_found(probe)) w.nonfinite[kNonfiniteDq] = 1;
+}
+
+// After convert, where a flag of w.nonfinite is set: the dk/dv rows of every (batch, kv head) and
+// the dq rows of every (batch, query head), one warp per row, those whose stored values hold
+// ±Inf/NaN recomputed exactly (nonfinite_fixup.cuh). CTAs stride over the (batch, head) pairs,
+// warps over their rows. (32-bit index arithmetic: a 64-bit division is a subroutine call, and
+// with it ptxas spilled.)
+__global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
+    backward_fixup_kernel(const __grid_constant__ AttentionParams p, const BwdWorkspace w) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (w.nonfinite[kNonfiniteDkDv] != 0) {
+    for (int bh = blockIdx.x; bh < p.batch * p.heads_kv; bh += gridDim.x) {
+      const int b = bh / p.heads_kv, hk = bh % p.heads_kv;
+      const int len_k = sequence_info(p, b).len_k;
+      for (int j = warp; j < len_k; j += kWarpsPerCta)
+        backward_fixup_keys(p, w.dsum, b, hk, j, 1, 0, p.head_dim);
+    }
+  }
+  if (w.nonfinite[kNonfiniteDq] != 0) {
+    for (int bh = blockIdx.x; bh < p.batch * p.heads_q; bh += gridDim.x) {
+      const int b = bh / p.heads_q, h = bh % p.heads_q;
+      const SequenceInfo seq = sequence_info(p, b);
+      for (int i = warp; i < seq.len_q; i += kWarpsPerCta) {
+        const int64_t dq_off = b * p.dq_batch_stride + (seq.q_row0 + i) * p.dq_row_stride +
+                               h * p.dq_head_stride;
+        float probe = 0.0f;
+        for (int c = lane; c < p.head_dim; c += 32)
+          probe = nonfinite_probe(probe, load_as_float(p.dq, dq_off + c, p.dtype));
+        if (!__any_sync(0xffffffffu, probe_found(probe))) continue;
+        __syncwarp();  // every lane has read the row before any rewrites it
+        if (lane * 8 < p.head_dim) backward_fixup_dq(p, w.dsum, b, h, i, lane * 8);
+      }
+    }
   }
 }
 
@@ -251,6 +307,13 @@ Status launch_backward_preprocess(const AttentionParams& p, const BwdWorkspace& 
     return launch_rows(backward_preprocess_kernel, "preprocess", p, w, stream);
   return launch_vec(backward_preprocess_vec_kernel<__half>,
                     backward_preprocess_vec_kernel<__nv_bfloat16>, "preprocess", p, w, stream);
+}
+
+Status launch_backward_fixup(const AttentionParams& p, const BwdWorkspace& w, int ctas,
+                             cudaStream_t stream) {
+  if (p.batch == 0 || p.seqlen_q == 0) return {};
+  backward_fixup_kernel<<<ctas, kWarpsPerCta * 32, 0, stream>>>(p, w);
+  return launch_check("fixup");
 }
 
 Status launch_backward_convert(const AttentionParams& p, const BwdWorkspace& w,

@@ -64,6 +64,7 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/device_probe.h"
+#include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/sm80/chunk_copy.cuh"
 #include "cuda/ptx/fast_math.cuh"
@@ -760,6 +761,14 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
   const int out_rows = kGrouped ? min(kBlockM, out_seq.len_q - out_m0) : rows_q;
   float* lse_row = p.lse + out.batch * p.lse_batch_stride + out.head * p.lse_head_stride +
                    out_seq.q_row0 + out_m0;
+  // Non-finite inputs (cuda/nonfinite_fixup.cuh). A row with no positive sum that sees every key
+  // (no window) had only −inf scores, or a NaN one: the reference's softmax is NaN there, so O and
+  // LSE are NaN. Under a window the P·V product may have multiplied a masked key's ±Inf/NaN V by
+  // P = 0: a row whose O comes out non-finite gets LSE = NaN, which has the forward fixup kernel
+  // (launched after this one under windows) recompute it exactly, as it does the rows left with
+  // LSE = −inf that see a key.
+  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
+  const bool every_key_visible = !windowed && out_seq.len_k > 0;
 #pragma unroll
   for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
@@ -767,16 +776,23 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
       float l = stats.sum(mf, half);
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.0f ? p.dropout_scale / l : 0.0f;
+      const float inv = l > 0.0f ? p.dropout_scale / l : every_key_visible ? NAN : 0.0f;
       const int r = warp_row0 + mf * 16 + half * 8 + g;
+      float probe = 0.0f;
 #pragma unroll
       for (int df = 0; df < kDFrags; ++df) {
-        const uint32_t packed = ptx::pack2<Element>(acc_o[mf][df][2 * half] * inv,
-                                                    acc_o[mf][df][2 * half + 1] * inv);
-        *reinterpret_cast<uint32_t*>(sQ + r * kStride + df * 8 + 2 * t) = packed;
+        const float o0 = acc_o[mf][df][2 * half] * inv, o1 = acc_o[mf][df][2 * half + 1] * inv;
+        probe = nonfinite_probe(nonfinite_probe(probe, o0), o1);
+        *reinterpret_cast<uint32_t*>(sQ + r * kStride + df * 8 + 2 * t) =
+            ptx::pack2<Element>(o0, o1);
       }
+      probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
+      probe += __shfl_xor_sync(0xffffffffu, probe, 2);
       if (t == 0 && r < out_rows)
-        lse_row[r] = l > 0.0f ? stats.max(mf, half) * kLn2 + logf(l) : -INFINITY;
+        lse_row[r] = windowed && probe_found(probe) ? NAN
+                     : l > 0.0f         ? stats.max(mf, half) * kLn2 + logf(l)
+                     : every_key_visible ? NAN
+                                         : -INFINITY;
     }
   __syncwarp();
 

@@ -37,6 +37,7 @@
 
 #include "core/params.h"
 #include "core/score_mod.h"
+#include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
@@ -418,7 +419,11 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 
   // Epilogue: dK (× scale) and dV rounded into this warpgroup's own part of the K and V tiles (the
   // other warpgroup may still be reading K for its last dQ tile: meet first), then 16-byte stores.
+  // A thread whose dK or dV came out ±Inf/NaN (a masked pair's P = 0 or dS = 0 times an infinite
+  // dO or dP is NaN in the MMA) sets a flag; the backward's fixup kernel then recomputes the
+  // non-finite rows exactly (nonfinite_fixup.cuh).
   ptx::named_barrier_sync(2, 128 * Cfg::kConsumers);
+  float probe = 0.0f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = key0 + 8 * half;
@@ -430,8 +435,13 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
           acc_dk[4 * j + 2 * half] * p.scale, acc_dk[4 * j + 2 * half + 1] * p.scale);
       *reinterpret_cast<uint32_t*>(smem + Cfg::kOffV + off) =
           ptx::pack2<Element>(acc_dv[4 * j + 2 * half], acc_dv[4 * j + 2 * half + 1]);
+      probe = nonfinite_probe(nonfinite_probe(probe, acc_dk[4 * j + 2 * half]),
+                              acc_dk[4 * j + 2 * half + 1]);
+      probe = nonfinite_probe(nonfinite_probe(probe, acc_dv[4 * j + 2 * half]),
+                              acc_dv[4 * j + 2 * half + 1]);
     }
   }
+  if (probe_found(probe)) w.nonfinite[sm80::kNonfiniteDkDv] = 1;
   __syncwarp();
   Element* gdk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
                  int64_t{n0} * p.dk_row_stride + hk * p.dk_head_stride;

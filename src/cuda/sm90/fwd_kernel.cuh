@@ -34,6 +34,7 @@
 
 #include "core/params.h"
 #include "core/score_mod.h"
+#include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
@@ -263,21 +264,34 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 
   // Epilogue: normalise, write LSE, stage O (rounded) in this warp's own rows of the Q tile, in
   // the same swizzle (eight rows of one chunk column hit eight bank quads), then 16-byte stores.
+  // Non-finite inputs (cuda/nonfinite_fixup.cuh): as in the sm80 kernel, a row with no positive
+  // sum that sees every key (no window) is NaN, and under a window a row whose O comes out
+  // non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
   float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
+  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
+  const bool every_key_visible = !windowed && len_k > 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float inv = l > 0.0f ? 1.0f / l : every_key_visible ? NAN : 0.0f;
     const int r = r0 + half * 8;
+    float probe = 0.0f;
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j) {
-      const uint32_t packed =
-          ptx::pack2<Element>(acc_o[4 * j + 2 * half] * inv, acc_o[4 * j + 2 * half + 1] * inv);
-      *reinterpret_cast<uint32_t*>(smem + swizzled(r, j, Cfg::kQPanelBytes) + 4 * t) = packed;
+      const float o0 = acc_o[4 * j + 2 * half] * inv, o1 = acc_o[4 * j + 2 * half + 1] * inv;
+      probe = nonfinite_probe(nonfinite_probe(probe, o0), o1);
+      *reinterpret_cast<uint32_t*>(smem + swizzled(r, j, Cfg::kQPanelBytes) + 4 * t) =
+          ptx::pack2<Element>(o0, o1);
     }
-    if (t == 0 && r < rows_q) lse_row[r] = l > 0.0f ? row_max[half] * kLn2f + logf(l) : -INFINITY;
+    probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
+    probe += __shfl_xor_sync(0xffffffffu, probe, 2);
+    if (t == 0 && r < rows_q)
+      lse_row[r] = windowed && probe_found(probe) ? NAN
+                   : l > 0.0f         ? row_max[half] * kLn2f + logf(l)
+                   : every_key_visible ? NAN
+                                       : -INFINITY;
   }
   __syncwarp();
 
