@@ -160,6 +160,41 @@ TEST(ContextParallel, OneRank) {
   run_case(c);
 }
 
+// The counters of take_timing on the host path: every exchange and byte the plan implies (times
+// are measured on CUDA devices only).
+TEST(ContextParallel, TimingCountsTheRingsTraffic) {
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+    CpCase c;
+    c.strategy = st;
+    c.world = 3;
+    c.dtype = DType::kBFloat16;
+    c.seqlen = 29;
+    SCOPED_TRACE(describe(c));
+    const Problem pr = problem_of(c);
+    std::vector<Local> locals = make_locals(c, pr);
+    std::vector<dist::CpTiming> timing(static_cast<size_t>(c.world));
+    auto comms = in_process_group(c.world, kTimeoutMs);
+    const std::vector<Status> result = run_ranks(comms, [&](Communicator& comm) -> Status {
+      std::unique_ptr<ContextParallelAttention> cp;
+      FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
+      FLARE_RETURN_IF_ERROR(cp->set_timing(true));
+      Local& l = locals[comm.rank()];
+      FLARE_RETURN_IF_ERROR(cp->forward(l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view));
+      FLARE_RETURN_IF_ERROR(cp->backward(l.dout.view, l.q.view, l.k.view, l.v.view, l.o.view,
+                                         l.lse.view, l.dq.view, l.dk.view, l.dv.view));
+      return cp->take_timing(&timing[comm.rank()]);
+    });
+    for (int r = 0; r < c.world; ++r) {
+      ASSERT_TRUE(result[r].ok()) << "rank " << r << ": " << result[r].to_string();
+      const RingTraffic want = expected_ring_traffic(c, r);
+      EXPECT_EQ(timing[r].calls, 2) << "rank " << r;
+      EXPECT_EQ(timing[r].exchanges, want.exchanges) << "rank " << r;
+      EXPECT_EQ(timing[r].bytes_sent, want.bytes) << "rank " << r;
+      EXPECT_EQ(timing[r].comm_ms, 0.0) << "rank " << r;
+    }
+  }
+}
+
 // ---- errors ------------------------------------------------------------------------------------
 
 TEST(ContextParallelErrors, ConfigsThatDisagreeFailOnEveryRank) {

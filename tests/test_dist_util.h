@@ -9,6 +9,8 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "flare/dist.h"
@@ -180,6 +182,26 @@ inline void expect_matches_reference(const Problem& pr) {
   const cpu::RefBackward ref = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
   const cpu::RefBackward naive = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
   expect_gradients_match(pr, bp, ref, naive);
+}
+
+// What a ring or zigzag forward + backward makes rank `rank` send: K/V of the block it holds at
+// steps 0 … n−2 (each pass), then the backward's fp32 dK/dV of the blocks it holds at steps
+// 0 … n−1 (sent one step later, the last one home); 2n exchanges when no shard is empty.
+struct RingTraffic {
+  int exchanges = 0;
+  int64_t bytes = 0;
+};
+inline RingTraffic expected_ring_traffic(const CpCase& c, int rank) {
+  const int n = c.world;
+  int64_t kv = 0, dkv = 0;
+  for (int step = 0; step < n; ++step) {
+    dist::SequenceShard held;
+    EXPECT_TRUE(dist::sequence_shard(c.strategy, c.seqlen, n, ((rank - step) % n + n) % n, &held).ok());
+    const int64_t elems = int64_t{c.batch} * held.length * c.heads_kv * c.head_dim;
+    if (step + 1 < n) kv += 2 * elems * static_cast<int64_t>(dtype_size(c.dtype));
+    dkv += 2 * elems * 4;
+  }
+  return {2 * n, 2 * kv + dkv};
 }
 
 }  // namespace flare::test
