@@ -11,7 +11,6 @@
 #include <string>
 
 #include "core/backends.h"
-#include "cuda/device_probe.h"
 #include "cuda/fwd_fixup.h"
 #include "cuda/sm80/fwd_launch.h"
 #include "cuda/sm90/fwd_launch.h"
@@ -125,11 +124,7 @@ Status forward(const AttentionParams& p, Stream stream) {
     // Under a window a row's O may have met a masked key's ±Inf/NaN V in the P·V product: the
     // rows the kernel marked are recomputed exactly (fwd_fixup.cu). Without one no tile holds a
     // masked real key, and the kernels' own results are the reference's.
-    if (status.ok() && p.has_window()) {
-      DeviceFacts device;
-      status = current_device_facts(&device);
-      if (status.ok()) status = launch_forward_fixup(p, 2 * device.sms, s);
-    }
+    if (status.ok() && p.has_window()) status = launch_forward_fixup(p, s);
     return status;
   });
 }

@@ -17,39 +17,39 @@
 namespace flare::cuda {
 namespace {
 
-constexpr int kWarpsPerCta = 8;
+constexpr int kRowsPerCta = 256;
 
-// CTAs stride over the (batch, head) pairs, each warp over 32 consecutive rows of one at a time,
-// recomputing the marked ones one by one. (32-bit index arithmetic: a 64-bit division is a
-// subroutine call, and with it ptxas spilled.)
-__global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
+// One thread per LSE entry: grid (row blocks of kRowsPerCta, heads, batch), each warp reading 32
+// consecutive rows and recomputing the marked ones one by one. A single pass over the entries
+// with every load in flight at once: at s 16k with 32 heads a loop of (batch, head) pairs per
+// CTA would leave most SMs idle and take tens of microseconds.
+__global__ void __launch_bounds__(kRowsPerCta, 1)
     forward_fixup_kernel(const __grid_constant__ AttentionParams p) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int bh = blockIdx.x; bh < p.batch * p.heads_q; bh += gridDim.x) {
-    const int b = bh / p.heads_q, h = bh % p.heads_q;
-    const SequenceInfo seq = sequence_info(p, b);
-    for (int i0 = warp * 32; i0 < seq.len_q; i0 += kWarpsPerCta * 32) {
-      const int i = i0 + lane;
-      bool marked = false;
-      if (i < seq.len_q) {
-        const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i];
-        if (!(fabsf(lse) < INFINITY)) {
-          const KeyRange keys =
-              visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
-          marked = keys.lo < keys.hi;
-        }
-      }
-      for (uint32_t todo = __ballot_sync(0xffffffffu, marked); todo != 0; todo &= todo - 1)
-        forward_recompute_row(p, b, h, i0 + __ffs(todo) - 1);
+  const int lane = threadIdx.x & 31;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const SequenceInfo seq = sequence_info(p, b);
+  const int i0 = blockIdx.x * kRowsPerCta + (threadIdx.x & ~31);
+  if (i0 >= seq.len_q) return;  // whole warps: the ballot below needs every lane
+  const int i = i0 + lane;
+  bool marked = false;
+  if (i < seq.len_q) {
+    const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i];
+    if (!(fabsf(lse) < INFINITY)) {
+      const KeyRange keys = visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
+      marked = keys.lo < keys.hi;
     }
   }
+  for (uint32_t todo = __ballot_sync(0xffffffffu, marked); todo != 0; todo &= todo - 1)
+    forward_recompute_row(p, b, h, i0 + __ffs(todo) - 1);
 }
 
 }  // namespace
 
-Status launch_forward_fixup(const AttentionParams& p, int ctas, cudaStream_t stream) {
+Status launch_forward_fixup(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return {};
-  forward_fixup_kernel<<<ctas, kWarpsPerCta * 32, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  forward_fixup_kernel<<<grid, kRowsPerCta, 0, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status::device_error(std::string("forward fixup launch: ") + cudaGetErrorString(err));

@@ -12,8 +12,7 @@ namespace flare::cuda {
 // After a forward kernel (sm80 or sm90) under a window: every row whose LSE came out non-finite
 // and that sees a key — a row whose O the kernel found ±Inf/NaN, marked with LSE = NaN, or one
 // left with LSE = −inf although it sees keys — is recomputed exactly from the inputs
-// (cuda/nonfinite_fixup.cuh). `ctas` sizes the grid (its warps stride over the LSE entries). Checks
-// the launch, never synchronises.
-Status launch_forward_fixup(const AttentionParams& p, int ctas, cudaStream_t stream);
+// (cuda/nonfinite_fixup.cuh). Checks the launch, never synchronises.
+Status launch_forward_fixup(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace flare::cuda
