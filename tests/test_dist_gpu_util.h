@@ -1,14 +1,19 @@
 // test_dist_gpu_util.h — what the multi-GPU tests share: how many devices a test may use, the skip
-// that says why a test did not run, and a device buffer for raw bytes.
+// that says why a test did not run, a device buffer for raw bytes, and a rank's local tensors of a
+// context-parallel case on its device.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "flare/dist.h"
+#include "gpu_util.h"
+#include "test_dist_util.h"
 
 namespace flare::test {
 
@@ -43,5 +48,38 @@ struct DeviceBuffer {
     return h;
   }
 };
+
+// One rank's local tensors on its device (the current one when constructed).
+struct DeviceLocal {
+  GpuTensor q, k, v, o, lse, dout, dq, dk, dv;
+  int device;
+
+  DeviceLocal(const Local& l, int dev) : device(dev) {
+    for (auto [d, h] : {std::pair{&q, &l.q}, {&k, &l.k}, {&v, &l.v}, {&o, &l.o}, {&lse, &l.lse},
+                        {&dout, &l.dout}, {&dq, &l.dq}, {&dk, &l.dk}, {&dv, &l.dv}})
+      d->upload(*h);
+  }
+  // GpuTensor's views name device 0; this rank's are on `device`.
+  TensorView at(const GpuTensor& t) const {
+    TensorView view = t.view();
+    view.device_index = device;
+    return view;
+  }
+  void poison_outputs() const {
+    for (const GpuTensor* t : {&o, &lse, &dq, &dk, &dv}) t->poison();
+  }
+  void download_outputs(Local* l) const {
+    o.download(&l->o);
+    lse.download(&l->lse);
+    dq.download(&l->dq);
+    dk.download(&l->dk);
+    dv.download(&l->dv);
+  }
+};
+
+inline Status cuda_ok(cudaError_t e, const char* what) {
+  return e == cudaSuccess ? Status{}
+                         : Status::device_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
 
 }  // namespace flare::test
