@@ -96,7 +96,7 @@ struct TrainFlags {
   std::optional<int64_t> n_layer, d_model, n_head, n_kv_head, head_dim, ffn_hidden, max_seq, vocab;
   std::optional<double> lr, min_lr, weight_decay, beta1, beta2, eps, grad_clip, peak_tflops,
       norm_eps, rope_theta;
-  bool recompute = false, nondeterministic = false;
+  bool recompute = false, nondeterministic = false, no_checkpoint = false;
 
   void declare(Flags* f) {
     constexpr int64_t kBig = int64_t{1} << 40;
@@ -127,6 +127,7 @@ struct TrainFlags {
     f->add_int("eval-batches", &eval_batches, -kBig, kBig, "batches per validation pass (default 8)");
     f->add_int("ckpt-every", &ckpt_every, -kBig, kBig, "steps between checkpoints (default 0: only at the end)");
     f->add_string("ckpt-dir", &ckpt_dir, "checkpoint directory (default checkpoints/MODEL)");
+    f->add_switch("no-checkpoint", &no_checkpoint, "write no checkpoint, not even at the end (benchmarks)");
     f->add_string("resume", &resume, "continue from this checkpoint");
     f->add_string("log", &log, "append one JSON object per step to this file");
     f->add_double("peak-tflops", &peak_tflops, -1e30, 1e30,
@@ -311,6 +312,10 @@ int train_command(int argc, char** argv, int first) {
   t.train_data = train_pattern;
   t.val_data = have_val ? val_pattern : "";
   t.checkpoint_dir = f.ckpt_dir.value_or((fs::path("checkpoints") / o.model.name).string());
+  if (f.no_checkpoint) {
+    if (f.ckpt_every || f.ckpt_dir) throw UsageError("--no-checkpoint: conflicts with --ckpt-every/--ckpt-dir");
+    t.checkpoint_dir.clear();
+  }
   check_config(ft::validate_train_config(t, o.model));
 
   const std::string device = f.device.value_or(flare::cuda_built() ? "cuda" : "cpu");

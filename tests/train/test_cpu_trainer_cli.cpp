@@ -80,7 +80,7 @@ TEST_F(TrainerCli, HelpListsEveryFlag) {
   EXPECT_EQ(r.status, 0) << r.output;
   for (const char* flag : {"--model", "--data", "--batch", "--seq", "--steps", "--lr", "--device",
                            "--grad-accum", "--recompute", "--eval-every", "--ckpt-every", "--resume",
-                           "--log", "--peak-tflops", "--n-layer", "--head-dim", "--vocab"}) {
+                           "--log", "--peak-tflops", "--no-checkpoint", "--n-layer", "--head-dim", "--vocab"}) {
     EXPECT_NE(r.output.find(flag), std::string::npos) << flag << " missing from --help";
   }
   EXPECT_EQ(run("sample --help", work_).status, 0);
@@ -121,6 +121,7 @@ TEST_F(TrainerCli, BadFlagsAndConfigsNameTheFlagAndWriteNothing) {
       {"--device cpu --model gpt-tiny", "prepare_data.py --out data/pydoc"},  // the default corpus
       {b + "--model gpt-tiny stray", "unexpected argument 'stray'"},
       {b + "--model gpt-tiny --recompute=yes", "--recompute: takes no value"},
+      {b + "--model gpt-tiny --no-checkpoint --ckpt-every 5", "--no-checkpoint: conflicts"},
   };
   for (const Case& c : cases) {
     const Result r = run(c.args, work_);
