@@ -17,6 +17,7 @@
 
 #include "flags.h"
 #include "flare/attention.h"
+#include "train/core/atomic_file.h"
 #include "train/core/checkpoint.h"
 #include "train/core/model_config.h"
 #include "train/core/train_config.h"
@@ -61,6 +62,7 @@ std::string flag_for_field(const std::string& message) {
       {"norm_eps", "--norm-eps"},     {"rope_theta", "--rope-theta"},
       {"resume_from", "--resume"},    {"log_path", "--log"},
       {"peak_flops", "--peak-tflops"}, {"eval_batches", "--eval-batches"},
+      {"init_weights", "--init-weights"},
   };
   const size_t colon = message.find(':');
   if (colon == std::string::npos) return message;
@@ -90,7 +92,8 @@ std::string preset_list() {
 // ---- train ----------------------------------------------------------------------------------------
 
 struct TrainFlags {
-  std::optional<std::string> model, data, train_data, val_data, device, ckpt_dir, resume, log, prompt;
+  std::optional<std::string> model, data, train_data, val_data, device, ckpt_dir, resume, log, prompt,
+      init_weights, dump_step;
   std::optional<int64_t> batch, seq, grad_accum, steps, warmup, eval_every, eval_batches, ckpt_every,
       seed, sample, top_k, device_index;
   std::optional<int64_t> n_layer, d_model, n_head, n_kv_head, head_dim, ffn_hidden, max_seq, vocab;
@@ -129,6 +132,11 @@ struct TrainFlags {
     f->add_string("ckpt-dir", &ckpt_dir, "checkpoint directory (default checkpoints/MODEL)");
     f->add_switch("no-checkpoint", &no_checkpoint, "write no checkpoint, not even at the end (benchmarks)");
     f->add_string("resume", &resume, "continue from this checkpoint");
+    f->add_string("init-weights", &init_weights,
+                  "initial weights: raw fp32 flat buffer (bench/train_compare.py prepare writes one)");
+    f->add_string("dump-step", &dump_step,
+                  "write the first forward/backward (loss, logits, gradients) to DIR and stop; "
+                  "reads DIR/tokens.bin and targets.bin when present");
     f->add_string("log", &log, "append one JSON object per step to this file");
     f->add_double("peak-tflops", &peak_tflops, -1e30, 1e30,
                   "device peak bf16 TFLOP/s for MFU (default from the device name)");
@@ -243,6 +251,100 @@ void print_throughput(const std::vector<ft::StepReport>& reports) {
   std::printf(", peak device memory in use %s\n", gib(static_cast<double>(peak_memory)).c_str());
 }
 
+// ---- the step dump (bench/train_compare.py reads it) -------------------------------------------
+
+void write_file(const fs::path& path, const void* data, size_t bytes) {
+  check_run(ft::write_file_atomically(path.string(), [&](FILE* f) {
+    return bytes == 0 || std::fwrite(data, 1, bytes, f) == bytes;
+  }));
+}
+
+// DIR/<stem>.bin as count int32, or false when absent.
+bool read_ints(const fs::path& path, size_t count, std::vector<int32_t>* out) {
+  if (!fs::exists(path)) return false;
+  const auto bytes = fs::file_size(path);
+  if (bytes != count * sizeof(int32_t)) {
+    throw UsageError("--dump-step: " + path.string() + " has " + std::to_string(bytes / 4) +
+                     " int32, expected batch x seq = " + std::to_string(count));
+  }
+  out->resize(count);
+  FILE* f = std::fopen(path.string().c_str(), "rb");
+  const size_t got = f ? std::fread(out->data(), sizeof(int32_t), count, f) : 0;
+  if (f) std::fclose(f);
+  if (got != count) throw RunError("--dump-step: reading " + path.string() + " failed");
+  return true;
+}
+
+std::string model_json(const ft::ModelConfig& m) {
+  char buf[1024];
+  std::snprintf(buf, sizeof buf,
+                "{\"family\": \"%s\", \"name\": \"%s\", \"vocab_size\": %lld, \"padded_vocab\": %lld, "
+                "\"n_layer\": %lld, \"d_model\": %lld, \"n_head\": %lld, \"n_kv_head\": %lld, "
+                "\"head_dim\": %lld, \"ffn_hidden\": %lld, \"max_seq\": %lld, \"norm_eps\": %.17g, "
+                "\"rope_theta\": %.17g, \"rope_scaling\": {\"enabled\": %s, \"factor\": %.17g, "
+                "\"low_freq_factor\": %.17g, \"high_freq_factor\": %.17g, \"original_max_position\": %lld}, "
+                "\"tied_embeddings\": %s}",
+                ft::family_name(m.family), m.name.c_str(), static_cast<long long>(m.vocab_size),
+                static_cast<long long>(m.padded_vocab), static_cast<long long>(m.n_layer),
+                static_cast<long long>(m.d_model), static_cast<long long>(m.n_head),
+                static_cast<long long>(m.n_kv_head), static_cast<long long>(m.head_dim),
+                static_cast<long long>(m.ffn_hidden), static_cast<long long>(m.max_seq), m.norm_eps,
+                m.rope_theta, m.rope_scaling.enabled ? "true" : "false", m.rope_scaling.factor,
+                m.rope_scaling.low_freq_factor, m.rope_scaling.high_freq_factor,
+                static_cast<long long>(m.rope_scaling.original_max_position),
+                m.tied_embeddings ? "true" : "false");
+  return buf;
+}
+
+// The first step's forward and backward, before clipping and the optimizer, as
+// bench/train_compare.py's "step dump": step.json, weights.bin, grads.bin, tokens.bin,
+// targets.bin, logits.bin (fp32; on CUDA the bf16 logits exactly).
+void dump_first_step(ft::Trainer& trainer, const std::string& dir) {
+  const ft::TrainerOptions& o = trainer.options();
+  const int64_t B = o.train.batch, T = o.train.seq, N = B * T;
+  const fs::path d(dir);
+  std::vector<int32_t> tokens, targets;
+  const bool given = read_ints(d / "tokens.bin", static_cast<size_t>(N), &tokens);
+  if (given != read_ints(d / "targets.bin", static_cast<size_t>(N), &targets)) {
+    throw UsageError("--dump-step: " + dir + " holds only one of tokens.bin and targets.bin");
+  }
+  if (given) {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] < 0 || tokens[i] >= o.model.vocab_size || targets[i] < -1 || targets[i] >= o.model.vocab_size) {
+        throw UsageError("--dump-step: token or target " + std::to_string(i) + " (" + std::to_string(tokens[i]) +
+                         ", " + std::to_string(targets[i]) + ") is outside the vocabulary of " +
+                         std::to_string(o.model.vocab_size));
+      }
+    }
+  } else {
+    check_run(trainer.next_batch(&tokens, &targets));
+  }
+  const size_t n = static_cast<size_t>(ft::parameter_layout(o.model).total);
+  std::vector<float> master(n), grads(n), logits(static_cast<size_t>(N * o.model.padded_vocab));
+  double loss = 0.0;
+  check_run(trainer.backend().step_gradients(tokens, targets, &loss, grads.data(), logits.data()));
+  check_run(trainer.backend().get_state(master.data(), nullptr, nullptr));
+  std::error_code ec;
+  fs::create_directories(d, ec);
+  if (ec) throw RunError("--dump-step: cannot create '" + dir + "': " + ec.message());
+  write_file(d / "weights.bin", master.data(), n * sizeof(float));
+  write_file(d / "grads.bin", grads.data(), n * sizeof(float));
+  write_file(d / "logits.bin", logits.data(), logits.size() * sizeof(float));
+  if (!given) {
+    write_file(d / "tokens.bin", tokens.data(), tokens.size() * sizeof(int32_t));
+    write_file(d / "targets.bin", targets.data(), targets.size() * sizeof(int32_t));
+  }
+  const bool gpu = o.device == ft::DeviceKind::kCuda;
+  char tail[256];
+  std::snprintf(tail, sizeof tail, ", \"batch\": %lld, \"seq\": %lld, \"loss\": %.9g, \"precision\": \"%s\", "
+                "\"logits_dtype\": \"fp32\"}\n", static_cast<long long>(B), static_cast<long long>(T), loss,
+                gpu ? "bf16" : "fp32");
+  const std::string json = "{\"model\": " + model_json(o.model) + tail;
+  write_file(d / "step.json", json.data(), json.size());
+  std::printf("step dump: loss %.6f, %s/{step.json, weights.bin, grads.bin, logits.bin, tokens.bin, targets.bin}\n",
+              loss, dir.c_str());
+}
+
 int train_command(int argc, char** argv, int first) {
   Flags flags;
   TrainFlags f;
@@ -329,6 +431,7 @@ int train_command(int argc, char** argv, int first) {
   o.backend.deterministic_attention = !f.nondeterministic;
   o.backend.device_index = static_cast<int>(f.device_index.value_or(0));
   o.resume_from = f.resume.value_or("");
+  o.init_weights = f.init_weights.value_or("");
   o.log_path = f.log.value_or("");
   o.eval_batches = f.eval_batches.value_or(8);
   o.peak_flops = f.peak_tflops.value_or(0.0) * 1e12;
@@ -370,6 +473,10 @@ int train_command(int argc, char** argv, int first) {
     std::printf("MFU: peak of '%s' unknown; pass --peak-tflops\n", trainer->backend().device_name().c_str());
   }
   std::fflush(stdout);
+  if (f.dump_step) {
+    dump_first_step(*trainer, *f.dump_step);
+    return 0;
+  }
 
   std::vector<ft::StepReport> reports;
   check_run(trainer->run(t.steps, [&](const ft::StepReport& r) {

@@ -70,6 +70,14 @@ class Backend {
   virtual Status evaluate(std::span<const int32_t> inputs, std::span<const int32_t> targets,
                           double* loss_sum, int64_t* valid) = 0;
 
+  // One micro-batch's forward and backward from the current weights, without the optimizer (a
+  // step dump for comparison with a reference): the mean loss over the valid targets, the fp32
+  // gradient of that loss (layout.total floats; gaps 0) and, when logits is not null, the logits
+  // before the classifier replaced them ((batch · seq, padded_vocab) floats; on CUDA the bf16
+  // values, exactly). Waits for the device.
+  virtual Status step_gradients(std::span<const int32_t> inputs, std::span<const int32_t> targets,
+                                double* loss, float* grads, float* logits) = 0;
+
   // Device memory in use (CUDA: total − free as the driver reports it) or the bytes of the
   // backend's own buffers (CPU).
   virtual int64_t memory_bytes() const = 0;

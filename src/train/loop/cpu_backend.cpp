@@ -110,6 +110,22 @@ class CpuBackend final : public Backend {
     return Status::ok_status();
   }
 
+  Status step_gradients(std::span<const int32_t> inputs, std::span<const int32_t> targets,
+                        double* loss, float* grads, float* logits) override {
+    FLARE_RETURN_IF_ERROR(check_batch(inputs, targets, 1));
+    if (logits) {
+      FLARE_RETURN_IF_ERROR(model_->forward(master_.data(), inputs.data(), nullptr, nullptr));
+      std::copy(model_->logits().begin(), model_->logits().end(), logits);
+    }
+    cpu::ClassifierResult r;
+    FLARE_RETURN_IF_ERROR(model_->forward(master_.data(), inputs.data(), targets.data(), &r));
+    std::fill(grads_.begin(), grads_.end(), 0.0f);
+    FLARE_RETURN_IF_ERROR(model_->backward(master_.data(), grads_.data()));
+    std::copy(grads_.begin(), grads_.end(), grads);
+    *loss = r.mean_loss;
+    return Status::ok_status();
+  }
+
   int64_t memory_bytes() const override {
     // The four state buffers; the model's activations are of the same order for tiny models and
     // are not counted.

@@ -187,6 +187,34 @@ class CudaBackend final : public Backend {
     return Status::ok_status();
   }
 
+  Status step_gradients(std::span<const int32_t> inputs, std::span<const int32_t> targets,
+                        double* loss, float* grads, float* logits) override {
+    if (pending_) return invalid("step_gradients: a step is in flight (step_end first)");
+    FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1));
+    const int64_t valid = std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -1; });
+    const ModelConfig& c = model_->config();
+    if (logits) {
+      FLARE_RETURN_IF_ERROR(model_->forward(tokens_, nullptr, 0.0f, false, nullptr));
+      std::vector<uint16_t> bits(static_cast<size_t>(batch_ * seq_ * c.padded_vocab));
+      FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(bits.data(), model_->logits(), bits.size() * sizeof(bf16),
+                                                        cudaMemcpyDeviceToHost, stream_), "logits"));
+      FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "logits"));
+      for (size_t i = 0; i < bits.size(); ++i) logits[i] = bf16_to_float(bits[i]);
+    }
+    const float dloss_scale = valid > 0 ? static_cast<float>(1.0 / static_cast<double>(valid)) : 0.0f;
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_), "loss"));
+    FLARE_RETURN_IF_ERROR(model_->zero_grads());
+    FLARE_RETURN_IF_ERROR(model_->forward(tokens_, targets_, dloss_scale, true, loss_sum_));
+    FLARE_RETURN_IF_ERROR(model_->backward(tokens_));
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->loss_sum, loss_sum_, sizeof(double),
+                                                      cudaMemcpyDeviceToHost, stream_), "loss readback"));
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(grads, model_->grads(), static_cast<size_t>(layout_.total) * sizeof(float),
+                                                      cudaMemcpyDeviceToHost, stream_), "gradients"));
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "step_gradients"));
+    *loss = valid > 0 ? readback_->loss_sum / static_cast<double>(valid) : 0.0;
+    return Status::ok_status();
+  }
+
   int64_t memory_bytes() const override {
     size_t free_bytes = 0, total_bytes = 0;
     if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0;

@@ -75,6 +75,27 @@ std::string thousands(double x) {
   return out;
 }
 
+// A raw little-endian fp32 file of exactly weights->size() values (the layout's flat buffer).
+Status read_flat_weights(const std::string& path, std::vector<float>* weights) {
+  std::error_code ec;
+  const auto bytes = std::filesystem::file_size(path, ec);
+  const auto want = weights->size() * sizeof(float);
+  if (ec) return invalid("init_weights: cannot read '", path, "': ", ec.message());
+  if (bytes != want) {
+    return invalid("init_weights: '", path, "' has ", bytes, " bytes, the model's flat buffer is ",
+                   weights->size(), " fp32 = ", want, " bytes");
+  }
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return invalid("init_weights: cannot open '", path, "'");
+  const size_t got = std::fread(weights->data(), sizeof(float), weights->size(), f);
+  std::fclose(f);
+  if (got != weights->size()) return invalid("init_weights: reading '", path, "' failed");
+  for (float w : *weights) {
+    if (!std::isfinite(w)) return invalid("init_weights: '", path, "' holds a non-finite weight");
+  }
+  return Status::ok_status();
+}
+
 }  // namespace
 
 // ---- Peak FLOP/s and the report's forms -----------------------------------------------------------
@@ -167,6 +188,9 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
   // buffers) or a fresh initialisation.
   const int64_t n = t->layout_.total;
   std::vector<float> master(sz(n)), m, v;
+  if (!options.resume_from.empty() && !options.init_weights.empty()) {
+    return invalid("init_weights: conflicts with resume_from (a resumed run takes its weights from the checkpoint)");
+  }
   if (!options.resume_from.empty()) {
     m.resize(sz(n));
     v.resize(sz(n));
@@ -180,6 +204,8 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
     Status s = t->train_loader_.restore_position(meta.loader_state);
     if (!s.ok()) return invalid("resume_from: '", options.resume_from, "': ", s.message());
     t->step_ = meta.step;
+  } else if (!options.init_weights.empty()) {
+    FLARE_RETURN_IF_ERROR(read_flat_weights(options.init_weights, &master));
   } else {
     init_parameters(t->layout_, train.seed, master.data());
   }
@@ -291,6 +317,13 @@ Status Trainer::run(int64_t until_step, const std::function<void(const StepRepor
     std::swap(position, next_position);
   }
   return Status::ok_status();
+}
+
+Status Trainer::next_batch(std::vector<int32_t>* inputs, std::vector<int32_t>* targets) {
+  const int64_t tokens = options_.train.batch * options_.train.seq;
+  inputs->resize(sz(tokens));
+  targets->resize(sz(tokens));
+  return train_loader_.next_batch(*inputs, *targets);
 }
 
 Status Trainer::evaluate(double* val_loss) {

@@ -45,6 +45,8 @@ struct TrainerOptions {
   DeviceKind device = DeviceKind::kCpu;
   BackendOptions backend;
   std::string resume_from;   // a checkpoint to continue from; empty: a fresh run from train.seed
+  std::string init_weights;  // a fresh run's initial master weights: a raw little-endian fp32 file
+                             // of parameter_layout(model).total values; empty: init.h from seed
   std::string log_path;      // JSON lines, one object per step (appended); empty: no log
   int64_t eval_batches = 8;  // validation micro-batches per evaluation (at most one epoch)
   double peak_flops = 0.0;   // the device's dense bf16 peak in FLOP/s; 0: peak_bf16_flops(name)
@@ -95,6 +97,10 @@ class Trainer {
   Status save_checkpoint(const std::string& path);
   // <checkpoint_dir>/step_NNNNNN.ckpt
   std::string checkpoint_path(int64_t step) const;
+
+  // The training loader's next batch (batch · seq int32 each), moving the loader on: for a step
+  // dump (Backend::step_gradients) before any step runs, not for use between steps.
+  Status next_batch(std::vector<int32_t>* inputs, std::vector<int32_t>* targets);
 
   int64_t step() const { return step_; }
   double peak_flops() const { return peak_flops_; }
