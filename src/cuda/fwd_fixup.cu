@@ -5,7 +5,7 @@
 // problems where a tile's P·V product can multiply a masked key's ±Inf/NaN V by P = 0 (without a
 // window every real key is visible to every row, and keys past a sequence end are zero-filled).
 // The forward kernels mark a row whose O came out non-finite with LSE = NaN; rows that see no key
-// keep O = 0, LSE = −inf and are skipped here. One read of the LSE entries when nothing is marked.
+// and were not marked keep O = 0, LSE = −inf and are skipped here. One read of the LSE entries when nothing is marked.
 #include "cuda/fwd_fixup.h"
 
 #include <cuda_runtime.h>
@@ -35,8 +35,11 @@ __global__ void __launch_bounds__(kRowsPerCta, 1)
   if (i < seq.len_q) {
     const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i];
     if (!(fabsf(lse) < INFINITY)) {
+      // NaN marks a non-finite O, also in a row that sees no key (its P = 0 met a masked key's
+      // ±Inf/NaN V; recomputed, it is O = 0, LSE = −inf); ±inf needs a recompute only where the
+      // row sees a key.
       const KeyRange keys = visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
-      marked = keys.lo < keys.hi;
+      marked = lse != lse || keys.lo < keys.hi;
     }
   }
   for (uint32_t todo = __ballot_sync(0xffffffffu, marked); todo != 0; todo &= todo - 1)
