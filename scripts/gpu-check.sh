@@ -114,6 +114,7 @@ elif command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     sanitize "$tool" test_gpu_forward '*SmallestHeadDimRaggedLengths/bf16_d64:*SmallestHeadDimRaggedLengths/bf16_d256:*VarlenWithEmptySequences/bf16:GpuForwardSm90.RaggedShapesSmall'
     sanitize "$tool" test_gpu_backward 'GpuBackward.SeqlenMismatchAndFullyMaskedRows:GpuBackward.VarlenWithEmptySequences:GpuBackward.Sm90RaggedShapesSmall'
+    sanitize "$tool" test_gpu_nonfinite '*GpuNonfiniteExamples*:Masks/GpuNonfiniteSm90.AllInjections/Causal_bf16_d128'
   done
 else
   log "compute-sanitizer not found: sanitizer checks skipped"
