@@ -62,7 +62,7 @@ std::string flag_for_field(const std::string& message) {
       {"norm_eps", "--norm-eps"},     {"rope_theta", "--rope-theta"},
       {"resume_from", "--resume"},    {"log_path", "--log"},
       {"peak_flops", "--peak-tflops"}, {"eval_batches", "--eval-batches"},
-      {"init_weights", "--init-weights"},
+      {"init_weights", "--init-weights"}, {"device_index", "--device-index"},
   };
   const size_t colon = message.find(':');
   if (colon == std::string::npos) return message;

@@ -49,6 +49,16 @@ class CudaBackend final : public Backend {
     seq_ = train.seq;
     max_micro_batches_ = train.grad_accum;
     layout_ = parameter_layout(config);
+    int devices = 0;
+    const cudaError_t found = cudaGetDeviceCount(&devices);
+    if (found != cudaSuccess || devices == 0) {
+      return Status::unsupported(cat("device: no usable CUDA device (", cudaGetErrorString(found),
+                                     "); use --device cpu"));
+    }
+    if (options.device_index >= devices) {
+      return invalid("device_index: ", options.device_index, " must be below the ", devices,
+                     " CUDA devices present");
+    }
     FLARE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(options.device_index), "cudaSetDevice"));
     cudaDeviceProp prop{};
     FLARE_RETURN_IF_ERROR(cuda_status(cudaGetDeviceProperties(&prop, options.device_index), "device properties"));
