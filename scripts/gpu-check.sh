@@ -18,7 +18,10 @@
 #    bench/host_overhead.py (host and GPU time per call, eager and compiled: DIR/host_overhead.json)
 #    and bench/gpt_loss.py (a small GPT trained with flare's attention and with SDPA's; fails unless
 #    the loss curves agree within the spread between SDPA backends: DIR/gpt_loss-<card>-<date>
-#    .json and .png); 7. ctest -L cpu. After the GPU tests, compute-sanitizer memcheck and
+#    .json and .png); 7. training throughput, flare-train against bench/train_torch.py
+#    (torch.compile + SDPA cuDNN) for GPT-2 124M and GPT-3 2.7B; 8. with two or more GPUs,
+#    bench/ring_bench (ring, zigzag, all-to-all against one GPU; the context-parallel tests run
+#    in step 2 on every visible GPU); 9. ctest -L cpu. After the GPU tests, compute-sanitizer memcheck and
 #    racecheck run on a small subset. Logs go to DIR. The Python benchmarks record the commit from
 #    $FLARE_COMMIT when set (a copy of the tree without .git), else from git.
 # Needs no network: GoogleTest is taken from the system, else built from a source tree given in
@@ -27,6 +30,7 @@
 # non-zero if the build, any test or any benchmark failed, gpt_loss.py's verdict included (the
 # benchmarks still run after test failures, to see the numbers).
 set -uo pipefail
+export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent machines
 
 out="" arch="90a" build="build-gpu" bench=1 python=1 tests=1 native_bench=1
 while [[ $# -gt 0 ]]; do
@@ -187,6 +191,42 @@ if [[ $python -eq 1 ]]; then
     fi
   fi
 fi
+# Training: flare-train against the PyTorch reference (torch.compile + SDPA cuDNN), same card,
+# same call, random tokens (bench/results/*-train-*.json; docs/training.md).
+if [[ $bench -eq 1 && $native_bench -eq 1 && -x "$build/apps/train/flare-train" ]]; then
+  log "training throughput: flare-train vs bench/train_torch.py (GPT-2 124M b16, GPT-3 2.7B b4, s 1024)"
+  ft="$build/apps/train/flare-train"
+  "$ft" synth-data --out "$out/synth" > "$out/train_synth.log" 2>&1 || { status=1; log "synth-data FAILED"; }
+  for c in "gpt2 16 40" "gpt3-2.7b 4 30"; do
+    set -- $c
+    if "$ft" --model "$1" --data "$out/synth" --batch "$2" --seq 1024 --steps "$3" --warmup 5 \
+         --sample 0 --no-checkpoint --nondeterministic --log "$out/train_$1.jsonl" > "$out/train_$1.log" 2>&1; then
+      log "flare-train $1: $(grep '^throughput' "$out/train_$1.log")"
+    else
+      status=1; log "flare-train $1 FAILED"; tail -5 "$out/train_$1.log" | tee -a "$out/summary.log"
+    fi
+  done
+  rm -rf "$out/synth"
+  if PYTHONUNBUFFERED=1 python3 bench/train_torch.py --case gpt2:16:1024 --case gpt3-2.7b:4:1024 \
+       --vocab 50257 --out "$out" > "$out/train_torch.log" 2>&1; then
+    grep -E 'tokens/s' "$out/train_torch.log" | tee -a "$out/summary.log"
+  else
+    status=1; log "train_torch.py FAILED"; tail -5 "$out/train_torch.log" | tee -a "$out/summary.log"
+  fi
+fi
+
+# Several GPUs: the context-parallel tests ran in ctest -L gpu above (they use every visible GPU);
+# here ring/zigzag/all-to-all are timed against one GPU in the same process. NVLink multicast
+# (NVLS) stays off.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$build/ring_bench" ]]; then
+  log "ring_bench on $gpus GPUs (ring, zigzag, all-to-all vs one GPU)"
+  NCCL_NVLS_ENABLE=0 "$build/ring_bench" --gpus "$gpus" --s 32768,131072 \
+    --strategies ring,zigzag,a2a --json "$out/ring_bench.json" > "$out/ring_bench.log" 2>&1 ||
+    { status=1; log "ring_bench FAILED"; }
+  tail -14 "$out/ring_bench.log" | tee -a "$out/summary.log"
+fi
+
 [[ $tests -eq 1 ]] && run_ctest cpu
 log "done (status $status)"
 exit $status
