@@ -41,7 +41,9 @@ TEST(TileOrder, GroupedOrderIsAPermutationWithHeaviestFirstInEachGroup) {
             // Within a group (same first head-batch index) the rank never decreases: every head's
             // heaviest tile before any head's next one.
             const int first = (s.batch * heads + s.head) / group * group;
-            if (first == prev_first) EXPECT_GE(s.rank, prev_rank) << "linear " << linear;
+            if (first == prev_first) {
+              EXPECT_GE(s.rank, prev_rank) << "linear " << linear;
+            }
             prev_first = first;
             prev_rank = s.rank;
           }
@@ -76,8 +78,12 @@ TEST(TileOrder, GroupRule) {
       EXPECT_GE(g, 1);
       EXPECT_EQ(g & (g - 1), 0) << g;
       EXPECT_LE(g, heads);
-      if (g > 1) EXPECT_LE(g * head_bytes, kTileGroupBytes);
-      if (2 * g <= heads) EXPECT_GT(2 * g * head_bytes, kTileGroupBytes) << g;
+      if (g > 1) {
+        EXPECT_LE(g * head_bytes, kTileGroupBytes);
+      }
+      if (2 * g <= heads) {
+        EXPECT_GT(2 * g * head_bytes, kTileGroupBytes) << g;
+      }
     }
   // The H100 grid's causal forward at s = 1k, d = 256: K and V 1 MiB per head, 128 heads.
   EXPECT_EQ(tile_group(true, int64_t{4} * 1024 * 256, 8, 128), 16);
