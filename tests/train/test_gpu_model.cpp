@@ -44,6 +44,7 @@
 #include "train/loop/init.h"
 #include "train/loop/trainer.h"
 #include "train/model/gpu_model.h"
+#include "train_gpu_test.h"
 
 namespace flare::train {
 namespace {
@@ -51,23 +52,6 @@ namespace {
 using cuda::bf16;
 using cuda::GpuModel;
 using cuda::GpuModelOptions;
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define SKIP_WITHOUT_GPU() \
-  do {                     \
-    if (!have_gpu()) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-#define ASSERT_OK(expr)                                              \
-  do {                                                               \
-    const ::flare::Status st_ = (expr);                              \
-    ASSERT_TRUE(st_.ok()) << #expr << ": " << st_.to_string();       \
-  } while (0)
 
 constexpr double kBf16Unit = 1.0 / 512.0;  // u = 2^-9, bf16's unit roundoff
 
@@ -223,7 +207,7 @@ double relative_l2(const float* a, const float* ref, int64_t n) {
 class GpuModelVsCpu : public ::testing::TestWithParam<int> {};
 
 TEST_P(GpuModelVsCpu, LossLogitsAndEveryGradient) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   const ModelConfig c = configs()[static_cast<size_t>(GetParam())];
   constexpr int64_t B = 2, T = 61;  // an odd length: ragged attention tiles
   const uint64_t seed = std::random_device{}();
@@ -286,7 +270,7 @@ INSTANTIATE_TEST_SUITE_P(Models, GpuModelVsCpu, ::testing::Range(0, 4), config_n
 class GpuModelRecompute : public ::testing::TestWithParam<int> {};
 
 TEST_P(GpuModelRecompute, SameLossAndGradientsBitForBit) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   ModelConfig c = configs()[static_cast<size_t>(GetParam())];
   c.n_layer = 3;  // a middle layer that is recomputed between two others
   constexpr int64_t B = 2, T = 64;
@@ -320,7 +304,7 @@ INSTANTIATE_TEST_SUITE_P(Models, GpuModelRecompute, ::testing::Range(0, 4), conf
 class GpuTrainer : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(GpuTrainer, LossFallsAndResumeIsBitwise) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   test::ScratchDir dir;
   test::write_cycle_shards(dir, 300);
   TrainerOptions o = test::tiny_run(dir, GetParam(), 30);
@@ -365,7 +349,7 @@ INSTANTIATE_TEST_SUITE_P(Presets, GpuTrainer, ::testing::Values("gpt-tiny", "lla
 
 // A run that cannot fit is refused before anything is allocated, with the breakdown.
 TEST(GpuBackend, SaysItDoesNotFitBeforeAllocating) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   ModelConfig c = preset("gpt3-2.7b");
   TrainConfig t;
   t.batch = 64;

@@ -33,29 +33,13 @@
 #include "train/cuda/norm.h"
 #include "train/cuda/rope.h"
 #include "train/cuda/swiglu.h"
+#include "train_gpu_test.h"
 
 namespace flare::train {
 namespace {
 
 using cuda::bf16;
 using test::within_tolerance;
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define SKIP_WITHOUT_GPU() \
-  do {                     \
-    if (!have_gpu()) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-#define ASSERT_OK(expr)                                   \
-  do {                                                    \
-    const ::flare::Status st_ = (expr);                   \
-    ASSERT_TRUE(st_.ok()) << #expr << ": " << st_.to_string(); \
-  } while (0)
 
 // ---- host data ---------------------------------------------------------------------------------
 
@@ -260,19 +244,19 @@ void check_norm(bool rms, bool residual, int64_t N, int64_t C) {
 }
 
 TEST(GpuOps, LayerNorm) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   for (const auto& s : kNormSizes) check_norm(false, false, s.rows, s.channels);
 }
 TEST(GpuOps, RmsNorm) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   for (const auto& s : kNormSizes) check_norm(true, false, s.rows, s.channels);
 }
 TEST(GpuOps, ResidualLayerNorm) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   for (const auto& s : kNormSizes) check_norm(false, true, s.rows, s.channels);
 }
 TEST(GpuOps, ResidualRmsNorm) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   for (const auto& s : kNormSizes) check_norm(true, true, s.rows, s.channels);
 }
 
@@ -362,7 +346,7 @@ void check_matmul(cuda::MatmulContext& ctx, int64_t N, int64_t in, int64_t out, 
 }
 
 TEST(GpuOps, Matmul) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   cuda::MatmulContext ctx;
   ASSERT_OK(ctx.init());
   check_matmul(ctx, 97, 80, 2560, true, false);
@@ -409,7 +393,7 @@ void check_rope(int64_t N, int64_t seq_len, int64_t n_head, int64_t n_kv_head, i
 }
 
 TEST(GpuOps, Rope) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   check_rope(97, 97, 4, 2, 64, false);
   check_rope(2 * 50, 50, 8, 1, 128, true);   // GQA 8:1, LLaMA-3 scaling, two sequences
   check_rope(1, 1, 32, 32, 80, false);       // head_dim 80
@@ -418,7 +402,7 @@ TEST(GpuOps, Rope) {
 // ---- SwiGLU ------------------------------------------------------------------------------------
 
 TEST(GpuOps, Swiglu) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   for (const auto& s : {RowsChannels{97, 1600}, RowsChannels{1, 2560}, RowsChannels{33, 77}}) {
     const int64_t N = s.rows, F = s.channels;
     SCOPED_TRACE(testing::Message() << "swiglu rows " << N << " ffn " << F);
@@ -494,7 +478,7 @@ void check_embedding(int64_t N, int64_t seq_len, int64_t vocab, int64_t C, bool 
 }
 
 TEST(GpuOps, Embedding) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   check_embedding(97, 97, 50, 2560, true);
   check_embedding(4 * 300, 300, 37, 1600, true);  // > 256 rows: owners scan several steps
   check_embedding(1, 1, 5, 77, false);
@@ -546,7 +530,7 @@ void check_classifier(int64_t N, int64_t vocab, int64_t padded) {
 }
 
 TEST(GpuOps, Classifier) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   check_classifier(97, 50257, 50304);
   check_classifier(1, 1000, 1024);
   check_classifier(7, 1001, 1003);  // padded row not a multiple of 8: the scalar path
@@ -575,7 +559,7 @@ ParameterLayout small_layout() {
 }
 
 TEST(GpuOps, GradientNormAndAdamW) {
-  SKIP_WITHOUT_GPU();
+  FLARE_SKIP_WITHOUT_CUDA();
   const ParameterLayout layout = small_layout();
   const size_t n = layout.total;
   std::mt19937_64 rng(test::test_seed());
