@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "cuda/testing.h"
 #include "test_util.h"
 
@@ -63,5 +65,16 @@ struct ForceArch {
   ForceArch(const ForceArch&) = delete;
   ForceArch& operator=(const ForceArch&) = delete;
 };
+
+// Head dims the sm90 tests run in each sm90 bucket (sm90/fwd_tiles.h): the bucket's own, one 24
+// below it, and the narrowest the bucket takes besides (80 and 136: zero-filled past d by TMA).
+inline std::vector<int> sm90_test_head_dims(int bucket) {
+  switch (bucket) {
+    case 64: return {64, 40};
+    case 128: return {128, 104, 80};
+    case 256: return {256, 192, 136};
+    default: return {bucket};
+  }
+}
 
 }  // namespace flare::test

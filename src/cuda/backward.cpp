@@ -71,25 +71,34 @@ Status launch_main(const AttentionParams& p, const sm80::BwdWorkspace& w, int ke
   }
 }
 
-// The sm90 main kernel where it takes p and the device runs it (Hopper); `taken` says whether it
-// did, so the caller runs the sm80 kernel otherwise.
-Status launch_main_sm90(const AttentionParams& p, const sm80::BwdWorkspace& w, cudaStream_t stream,
-                        bool* taken) {
-  *taken = false;
-  if (testing::forced_arch() == 80 || !sm90::backward_supported(p) ||
-      w.bucket != sm90::bwd90_bucket(p.head_dim) || w.num_splits != 1)
-    return {};
+// Whether the sm90 main kernel runs p: a problem it takes (sm90/bwd_tiles.h) on a device that runs
+// its sm_90a code. Asked before the workspace is sized: the dQ accumulator's rows are the bucket
+// of the main kernel that runs, and sm90's bucket can be wider than sm80's (d 80: 128, not 96).
+bool sm90_runs(const AttentionParams& p) {
+  if (testing::forced_arch() == 80 || !sm90::backward_supported(p)) return false;
+  switch (bwd_variant_key(p.dtype, sm90::bwd90_bucket(p.head_dim))) {
+#define FLARE_CUDA_BWD90_VARIANT(DT, HD) \
+  case bwd_variant_key(DType::DT, HD):   \
+    return sm90::backward_runs_on_device<DType::DT, HD>();
+#include "flare/cuda_bwd90_variants.inc"
+#undef FLARE_CUDA_BWD90_VARIANT
+    default:
+      return false;
+  }
+}
+
+// The sm90 main kernel of w.bucket; only after sm90_runs(p).
+Status launch_main_sm90(const AttentionParams& p, const sm80::BwdWorkspace& w,
+                        cudaStream_t stream) {
+  ++testing::sm90_launches;
   switch (bwd_variant_key(p.dtype, w.bucket)) {
-#define FLARE_CUDA_BWD90_VARIANT(DT, HD)                       \
-  case bwd_variant_key(DType::DT, HD):                         \
-    if (!sm90::backward_runs_on_device<DType::DT, HD>()) return {}; \
-    *taken = true;                                             \
-    ++testing::sm90_launches;                                  \
+#define FLARE_CUDA_BWD90_VARIANT(DT, HD) \
+  case bwd_variant_key(DType::DT, HD):   \
     return sm90::launch_backward_main<DType::DT, HD>(p, w, stream);
 #include "flare/cuda_bwd90_variants.inc"
 #undef FLARE_CUDA_BWD90_VARIANT
     default:
-      return {};
+      return Status::internal("backward: no sm90 kernel for bucket " + std::to_string(w.bucket));
   }
 }
 
@@ -153,6 +162,9 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   w.pair_store = out_strides % 2 == 0 && aligned(p.dk, 4) && aligned(p.dv, 4);
   w.store16 = p.head_dim % 8 == 0 && out_strides % 8 == 0 && aligned(p.dk, 16) && aligned(p.dv, 16);
 
+  const bool sm90 = sm90_runs(p);
+  if (sm90) w.bucket = sm90::bwd90_bucket(p.head_dim);
+
   const int key_blocks = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
   if (p.deterministic && key_blocks > 0 && p.batch > 0) {
     const int64_t units = static_cast<int64_t>(p.batch) * p.heads_kv;
@@ -184,9 +196,7 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
 
   Status status = sm80::launch_backward_preprocess(p, w, stream);
   if (status.ok() && key_blocks > 0 && p.batch > 0) {
-    bool sm90 = false;
-    status = launch_main_sm90(p, w, stream, &sm90);
-    if (status.ok() && !sm90) status = launch_main(p, w, key_blocks, stream);
+    status = sm90 ? launch_main_sm90(p, w, stream) : launch_main(p, w, key_blocks, stream);
   }
   if (status.ok()) status = sm80::launch_backward_convert(p, w, stream);
   if (status.ok() && rows > 0 && has_masked_pairs(p))

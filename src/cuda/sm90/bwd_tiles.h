@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "core/params.h"
+#include "cuda/sm90/fwd_tiles.h"
 #include "cuda/sm90/layout_check.h"
 
 namespace flare::cuda::sm90 {
@@ -37,14 +38,9 @@ constexpr Bwd90Tile bwd90_tile(int bucket) {
   return {0, 0, 0, 0};
 }
 
-// The sm90 backward bucket of a head_dim (the sm80 backward's bucket where sm90 has one of the
-// same width), else 0.
-constexpr int bwd90_bucket(int head_dim) {
-  if (head_dim > 32 && head_dim <= 64) return 64;
-  if (head_dim > 96 && head_dim <= 128) return 128;
-  if (head_dim > 192 && head_dim <= 256) return 256;
-  return 0;
-}
+// The sm90 backward bucket of a head_dim: the forward's (fwd_tiles.h), so that both passes of a
+// problem run on the same architecture.
+constexpr int bwd90_bucket(int head_dim) { return fwd90_bucket(head_dim); }
 
 // Whether the sm90 backward main kernel takes a problem (before asking the device): fixed-length
 // batches with any causal or sliding-window mask, GQA/MQA, seqlen_q != seqlen_k; not dropout,
