@@ -113,7 +113,9 @@ TEST(DpPlan, SlicesAreAlignedBalancedAndPartitionTheBuffer) {
           for (int r = 0; r < world; ++r) {
             const int64_t lo = b.slice_begin[sz(r)], hi = b.slice_begin[sz(r) + 1];
             ASSERT_LE(lo, hi);
-            if (hi > lo) EXPECT_EQ(lo % kParamAlignment, 0) << "rank " << r;
+            if (hi > lo) {
+              EXPECT_EQ(lo % kParamAlignment, 0) << "rank " << r;
+            }
             EXPECT_EQ(b.shard_offset[sz(r)], filled[sz(r)]);
             filled[sz(r)] += hi - lo;
             EXPECT_LE(hi - lo, plan.max_slice);
@@ -122,7 +124,9 @@ TEST(DpPlan, SlicesAreAlignedBalancedAndPartitionTheBuffer) {
               longest = std::max(longest, hi - lo);
             }
           }
-          if (longest > 0) EXPECT_LE(longest - shortest, kParamAlignment);
+          if (longest > 0) {
+            EXPECT_LE(longest - shortest, kParamAlignment);
+          }
         }
         EXPECT_EQ(filled, plan.shard_elements);
         const int64_t sum = std::accumulate(filled.begin(), filled.end(), int64_t{0});
