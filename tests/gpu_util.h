@@ -66,9 +66,10 @@ struct ForceArch {
   ForceArch& operator=(const ForceArch&) = delete;
 };
 
-// Head dims the sm90 tests run in each sm90 bucket (sm90/fwd_tiles.h): the bucket's own, one 24
-// below it, and the narrowest the bucket takes besides (80 and 136: zero-filled past d by TMA).
-inline std::vector<int> sm90_test_head_dims(int bucket) {
+// Head dims the sm90 forward tests run in each sm90 bucket (sm90/fwd_tiles.h): the bucket's own,
+// one 24 below it, and the narrowest the bucket takes besides (80 and 136: zero-filled past d by
+// TMA). The backward's buckets are narrower (sm90/bwd_tiles.h): its tests take {bucket, bucket-24}.
+inline std::vector<int> sm90_forward_test_head_dims(int bucket) {
   switch (bucket) {
     case 64: return {64, 40};
     case 128: return {128, 104, 80};

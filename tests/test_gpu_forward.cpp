@@ -369,7 +369,7 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
 
 // The problems the sm90 forward takes (sm90/fwd_tiles.h: fixed-length batches, any mask, GQA,
 // 16-byte aligned strides, no dropout or score modifiers), in each of its buckets at the head dims of
-// sm90_test_head_dims(), once through the automatic choice and once forced to sm80. On an
+// sm90_forward_test_head_dims(), once through the automatic choice and once forced to sm80. On an
 // sm_90 device built with sm_90a code every automatic call must take the sm90 kernel (counted);
 // elsewhere both runs are sm80 and the test still checks them.
 TEST(GpuForwardSm90, EveryBucketAndMaskAgainstTheReference) {
@@ -377,7 +377,7 @@ TEST(GpuForwardSm90, EveryBucketAndMaskAgainstTheReference) {
   const bool sm90 = cuda::testing::sm90_available();
   for (DType dtype : {DType::kBFloat16, DType::kFloat16})
     for (int bucket : {64, 128, 256})
-      for (int d : sm90_test_head_dims(bucket)) {
+      for (int d : sm90_forward_test_head_dims(bucket)) {
         std::vector<ProblemSpec> specs;
         ProblemSpec plain = base_spec(dtype, d, 60);  // 197×197: ragged last blocks
         specs.push_back(plain);

@@ -14,7 +14,6 @@
 #include <cstdint>
 
 #include "core/params.h"
-#include "cuda/sm90/fwd_tiles.h"
 #include "cuda/sm90/layout_check.h"
 
 namespace flare::cuda::sm90 {
@@ -38,9 +37,16 @@ constexpr Bwd90Tile bwd90_tile(int bucket) {
   return {0, 0, 0, 0};
 }
 
-// The sm90 backward bucket of a head_dim: the forward's (fwd_tiles.h), so that both passes of a
-// problem run on the same architecture.
-constexpr int bwd90_bucket(int head_dim) { return fwd90_bucket(head_dim); }
+// The sm90 backward bucket of a head_dim: the sm80 backward's bucket where sm90 has one of the
+// same width, else 0. Unlike the forward, zero-filling d 80/96 to 128 or d 192 to 256 does not pay
+// in the backward: sm80's 96 and 192 buckets ran 0-4% (d 80) and 5-15% (d 96, 192) faster than
+// sm90's wider ones on an H100 (sm90/notes.md).
+constexpr int bwd90_bucket(int head_dim) {
+  if (head_dim > 32 && head_dim <= 64) return 64;
+  if (head_dim > 96 && head_dim <= 128) return 128;
+  if (head_dim > 192 && head_dim <= 256) return 256;
+  return 0;
+}
 
 // Whether the sm90 backward main kernel takes a problem (before asking the device): fixed-length
 // batches with any causal or sliding-window mask, GQA/MQA, seqlen_q != seqlen_k; not dropout,
