@@ -128,6 +128,64 @@ TEST(ContextParallel, SoftcapAndStridedLocals) {
   run_case(c);
 }
 
+// Sliding windows under the ring and zigzag: each block call gets the window its global rows
+// see, blocks the window hides are skipped. Left only, right only, both, and with causal, over
+// lengths not divisible by the ranks and windows narrower than a chunk (several steps skip every
+// call) and wider than one.
+struct WindowParam {
+  Strategy strategy;
+  int world;
+};
+
+class Windows : public ::testing::TestWithParam<WindowParam> {};
+
+TEST_P(Windows, MatchSingleDeviceReference) {
+  struct Band {
+    int left, right;
+    bool causal;
+  };
+  for (const Band& b : {Band{5, -1, false}, Band{-1, 4, false}, Band{6, 3, false},
+                        Band{7, -1, true}, Band{0, 0, false}, Band{2, 9, true}}) {
+    CpCase c;
+    c.strategy = GetParam().strategy;
+    c.world = GetParam().world;
+    c.seqlen = 6 * c.world + 5;
+    c.batch = 1;
+    c.window_left = b.left;
+    c.window_right = b.right;
+    c.causal = b.causal;
+    run_case(c);
+  }
+}
+
+std::vector<WindowParam> window_grid() {
+  std::vector<WindowParam> g;
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+    for (int world : {2, 3, 4, 8}) g.push_back({st, world});
+  return g;
+}
+
+INSTANTIATE_TEST_SUITE_P(Dist, Windows, ::testing::ValuesIn(window_grid()),
+                         [](const ::testing::TestParamInfo<WindowParam>& i) {
+                           return std::string(dist::strategy_name(i.param.strategy)) + "_" +
+                                  std::to_string(i.param.world) + "ranks";
+                         });
+
+// Windows with GQA, bf16, a batch of two and padded local tensors (K/V packed before travelling).
+TEST(ContextParallel, WindowsHalfPrecisionAndStridedLocals) {
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+    CpCase c;
+    c.strategy = st;
+    c.world = 3;
+    c.seqlen = 40;
+    c.dtype = DType::kBFloat16;
+    c.window_left = 9;
+    c.causal = true;
+    c.pad = 2;
+    run_case(c);
+  }
+}
+
 // All-to-all runs one call over the whole sequence, so windows are the single-device ones.
 TEST(ContextParallel, AllToAllSlidingWindowAndMqaHeads) {
   CpCase c;
@@ -272,9 +330,11 @@ TEST(ContextParallelErrors, UnsupportedOptionsAndBadConfigs) {
   };
   const ContextParallelConfig good = config_of(CpCase{});
   ContextParallelConfig cfg = good;
-  cfg.attention.window_left = 4;
-  EXPECT_EQ(create(cfg).code(), StatusCode::kUnsupported);
-  EXPECT_TRUE(has(create(cfg), "sliding window")) << create(cfg).message();
+  cfg.attention.window_left = -2;
+  EXPECT_TRUE(has(create(cfg), "config.attention.window_left: must be >= -1")) << create(cfg).message();
+  cfg = good;
+  cfg.attention.window_right = -3;
+  EXPECT_TRUE(has(create(cfg), "config.attention.window_right")) << create(cfg).message();
   cfg = good;
   cfg.attention.dropout_p = 0.1f;
   EXPECT_EQ(create(cfg).code(), StatusCode::kUnsupported);
@@ -282,10 +342,12 @@ TEST(ContextParallelErrors, UnsupportedOptionsAndBadConfigs) {
   cfg = good;
   cfg.attention.alibi_slopes = TensorView::contiguous(slopes, DType::kFloat32, {4});
   EXPECT_TRUE(has(create(cfg), "ALiBi"));
-  cfg = good;
-  cfg.attention.window_left = 4;
-  cfg.strategy = Strategy::kAllToAll;
-  EXPECT_TRUE(create(cfg).ok()) << create(cfg).to_string();
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag, Strategy::kAllToAll}) {
+    cfg = good;
+    cfg.attention.window_left = 4;
+    cfg.strategy = st;
+    EXPECT_TRUE(create(cfg).ok()) << create(cfg).to_string();
+  }
   cfg = good;
   cfg.heads_kv = 3;
   EXPECT_TRUE(has(create(cfg), "config.heads_kv")) << create(cfg).message();

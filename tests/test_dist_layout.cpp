@@ -6,6 +6,7 @@
 #include <cmath>
 #include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "dist/layout.h"
@@ -85,51 +86,177 @@ TEST(SequenceShard, BadArguments) {
             std::string::npos);
 }
 
-// The ring plan covers exactly the visible (query, key) pairs, each once, and every call is a
-// mask the single-device API computes exactly: for causal calls the global positions of the
-// rows and keys must make bottom-right alignment the global causal mask.
+// The masks the planner is checked under: none, causal, and sliding windows (left only, right
+// only, both, with causal, the diagonal alone, wider than the sequence).
+std::vector<dist::MaskBand> bands() {
+  return {{-1, -1}, {-1, 0}, {2, -1}, {-1, 3}, {3, 2}, {4, 0}, {0, 0}, {0, 5}, {100, 100}};
+}
+
+std::string band_name(const dist::MaskBand& b) {
+  return "band=(" + std::to_string(b.left) + "," + std::to_string(b.right) + ")";
+}
+
+bool in_band(const dist::MaskBand& b, int64_t q, int64_t k) {
+  return (b.left < 0 || k >= q - b.left) && (b.right < 0 || k <= q + b.right);
+}
+
+// Whether the single-device call of task t (attention.h: bottom-right aligned within each of its
+// sequences) sees key j of a sequence of q_len rows and k_len keys from row i.
+bool call_sees(const dist::BlockTask& t, int64_t i, int64_t j, int64_t q_len, int64_t k_len) {
+  const int64_t pos = i + k_len - q_len;
+  return (t.window_left < 0 || j >= pos - t.window_left) &&
+         (t.window_right < 0 || j <= pos + t.window_right);
+}
+
+// Global row of a local row, or -1.
+int64_t global_row(const SequenceShard& sh, int64_t local) {
+  for (int c = 0; c < sh.count; ++c)
+    if (local >= sh.chunk[c].local_begin && local < sh.chunk[c].local_begin + sh.chunk[c].length)
+      return sh.chunk[c].global_begin + local - sh.chunk[c].local_begin;
+  return -1;
+}
+
+// The ring plan covers exactly the visible (query, key) pairs, each once, and every call is a mask
+// the single-device API computes exactly: its window, applied bottom-right within the call, must
+// select exactly the pairs of the global band. Windows are never below -1.
 TEST(RingStepTasks, CoverTheMaskExactlyOnce) {
   for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
-    for (bool causal : {false, true})
+    for (const dist::MaskBand& band : bands())
       for (int n = 1; n <= 8; ++n)
         for (int64_t s : {1, 3, 16, 21, 40}) {
-          SCOPED_TRACE(::testing::Message() << dist::strategy_name(st) << " causal=" << causal
+          SCOPED_TRACE(::testing::Message() << dist::strategy_name(st) << " " << band_name(band)
                                             << " n=" << n << " s=" << s);
           std::vector<SequenceShard> shards;
           for (int r = 0; r < n; ++r) shards.push_back(shard_of(st, s, n, r));
-          auto global = [](const SequenceShard& sh, int64_t local) {
-            for (int c = 0; c < sh.count; ++c)
-              if (local >= sh.chunk[c].local_begin &&
-                  local < sh.chunk[c].local_begin + sh.chunk[c].length)
-                return sh.chunk[c].global_begin + local - sh.chunk[c].local_begin;
-            return int64_t{-1};
-          };
           std::vector<int> seen(static_cast<size_t>(s * s), 0);
           for (int r = 0; r < n; ++r)
             for (int step = 0; step < n; ++step) {
               const int src = ((r - step) % n + n) % n;
               for (const dist::BlockTask& t :
-                   dist::ring_step_tasks(shards[r], shards[src], causal, src == r)) {
+                   dist::ring_step_tasks(shards[r], shards[src], band, src == r)) {
                 ASSERT_GT(t.q_len, 0);
                 ASSERT_GT(t.k_len, 0);
+                ASSERT_GE(t.window_left, -1);
+                ASSERT_GE(t.window_right, -1);
+                ASSERT_TRUE(t.segments.empty());
                 ASSERT_LE(t.q_begin + t.q_len, shards[r].length);
                 ASSERT_LE(t.k_begin + t.k_len, shards[src].length);
                 for (int64_t i = 0; i < t.q_len; ++i)
                   for (int64_t j = 0; j < t.k_len; ++j) {
-                    // attention.h: bottom-right causal keeps j <= i + s_k - s_q.
-                    if (t.causal && j > i + t.k_len - t.q_len) continue;
-                    const int64_t gq = global(shards[r], t.q_begin + i);
-                    const int64_t gk = global(shards[src], t.k_begin + j);
+                    const int64_t gq = global_row(shards[r], t.q_begin + i);
+                    const int64_t gk = global_row(shards[src], t.k_begin + j);
                     ASSERT_TRUE(gq >= 0 && gk >= 0);
-                    ++seen[gq * s + gk];
+                    if (call_sees(t, i, j, t.q_len, t.k_len)) ++seen[gq * s + gk];
+                    else ASSERT_FALSE(in_band(band, gq, gk)) << "pair (" << gq << ", " << gk << ") hidden";
                   }
               }
             }
           for (int64_t i = 0; i < s; ++i)
             for (int64_t j = 0; j < s; ++j)
-              ASSERT_EQ(seen[i * s + j], (!causal || j <= i) ? 1 : 0)
+              ASSERT_EQ(seen[i * s + j], in_band(band, i, j) ? 1 : 0)
                   << "pair (" << i << ", " << j << ")";
         }
+}
+
+// A narrow window hides most blocks of a long ring: those give no call at all.
+TEST(RingStepTasks, BlocksTheWindowHidesAreSkipped) {
+  const int n = 8;
+  const int64_t s = 160;  // 16 chunks of 10 rows
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag}) {
+    int empty_steps = 0;
+    for (int r = 0; r < n; ++r)
+      for (int step = 0; step < n; ++step) {
+        const int src = ((r - step) % n + n) % n;
+        if (dist::ring_step_tasks(shard_of(st, s, n, r), shard_of(st, s, n, src), {4, 0}, src == r)
+                .empty())
+          ++empty_steps;
+      }
+    // Causal with a window of 4: a rank's queries see at most the chunk before each of theirs.
+    EXPECT_GE(empty_steps, n * n - 3 * n) << dist::strategy_name(st);
+  }
+}
+
+// Packed batches: uneven, short and empty sequences. Each call's segments, bottom-right aligned
+// one by one, must select exactly the pairs of one sequence inside the band, every such pair once.
+TEST(VarlenStepTasks, CoverEverySequencesMaskExactlyOnce) {
+  const std::vector<std::vector<int32_t>> packs = {
+      {0, 13}, {0, 5, 5, 22, 23, 40}, {0, 0, 3, 3, 19}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, {0, 33, 34, 70}};
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+    for (const dist::MaskBand& band : bands())
+      for (int n = 1; n <= 8; ++n)
+        for (const std::vector<int32_t>& cu : packs) {
+          SCOPED_TRACE(::testing::Message() << dist::strategy_name(st) << " " << band_name(band)
+                                            << " n=" << n << " sequences=" << cu.size() - 1);
+          const int64_t total = cu.back();
+          auto sequence_of = [&](int64_t g) {
+            size_t b = 0;
+            while (cu[b + 1] <= g) ++b;
+            return b;
+          };
+          std::vector<dist::VarlenShard> shards(static_cast<size_t>(n));
+          for (int r = 0; r < n; ++r) ASSERT_TRUE(dist::varlen_shard(st, cu, n, r, &shards[r]).ok());
+          auto global = [&](const dist::VarlenShard& sh, int64_t local) {
+            for (const SequenceShard& seq : sh.sequences) {
+              const int64_t g = global_row(seq, local);
+              if (g >= 0) return g;
+            }
+            return int64_t{-1};
+          };
+          std::vector<int> seen(static_cast<size_t>(total * total), 0);
+          for (int r = 0; r < n; ++r)
+            for (int step = 0; step < n; ++step) {
+              const int src = ((r - step) % n + n) % n;
+              for (const dist::BlockTask& t :
+                   dist::varlen_step_tasks(shards[r], shards[src], band, src == r)) {
+                ASSERT_FALSE(t.segments.empty());
+                ASSERT_GE(t.window_left, -1);
+                ASSERT_GE(t.window_right, -1);
+                ASSERT_LE(t.q_begin + t.q_len, shards[r].length);
+                ASSERT_LE(t.k_begin + t.k_len, shards[src].length);
+                int64_t qo = 0, ko = 0;
+                for (const dist::Segment& sg : t.segments) {
+                  for (int64_t i = 0; i < sg.q_len; ++i)
+                    for (int64_t j = 0; j < sg.k_len; ++j) {
+                      if (!call_sees(t, i, j, sg.q_len, sg.k_len)) continue;
+                      const int64_t gq = global(shards[r], t.q_begin + qo + i);
+                      const int64_t gk = global(shards[src], t.k_begin + ko + j);
+                      ASSERT_TRUE(gq >= 0 && gk >= 0);
+                      ASSERT_EQ(sequence_of(gq), sequence_of(gk)) << "rows of two sequences meet";
+                      const int64_t base = cu[sequence_of(gq)];
+                      ASSERT_TRUE(in_band(band, gq - base, gk - base))
+                          << "pair (" << gq << ", " << gk << ") outside the band";
+                      ++seen[gq * total + gk];
+                    }
+                  qo += sg.q_len;
+                  ko += sg.k_len;
+                }
+                ASSERT_EQ(qo, t.q_len);
+                ASSERT_EQ(ko, t.k_len);
+              }
+            }
+          for (int64_t i = 0; i < total; ++i)
+            for (int64_t j = 0; j < total; ++j) {
+              const bool want = sequence_of(i) == sequence_of(j) &&
+                                in_band(band, i - cu[sequence_of(i)], j - cu[sequence_of(i)]);
+              ASSERT_EQ(seen[i * total + j], want ? 1 : 0) << "pair (" << i << ", " << j << ")";
+            }
+        }
+}
+
+// Without a window, each step of a packed zigzag is one call over every sequence (a balanced ring
+// step costs one kernel launch, whatever the number of sequences).
+TEST(VarlenStepTasks, OneCallPerStepWithoutAWindow) {
+  const std::vector<int32_t> cu = {0, 40, 41, 41, 100, 164};
+  const int n = 4;
+  for (const dist::MaskBand& band : {dist::MaskBand{-1, -1}, dist::MaskBand{-1, 0}})
+    for (int r = 0; r < n; ++r)
+      for (int src = 0; src < n; ++src) {
+        dist::VarlenShard a, b;
+        ASSERT_TRUE(dist::varlen_shard(Strategy::kZigzag, cu, n, r, &a).ok());
+        ASSERT_TRUE(dist::varlen_shard(Strategy::kZigzag, cu, n, src, &b).ok());
+        EXPECT_EQ(dist::varlen_step_tasks(a, b, band, src == r).size(), 1u)
+            << band_name(band) << " rank " << r << " block of " << src;
+      }
 }
 
 // Under zigzag every rank attends the same number of causal pairs (up to the rows that uneven
@@ -144,8 +271,8 @@ TEST(RingStepTasks, ZigzagBalancesCausalWork) {
       for (int step = 0; step < n; ++step) {
         const int src = ((r - step) % n + n) % n;
         for (const dist::BlockTask& t :
-             dist::ring_step_tasks(mine, shard_of(st, s, n, src), true, src == r)) {
-          pairs[r] += t.causal ? t.q_len * (t.q_len + 1) / 2 : t.q_len * t.k_len;
+             dist::ring_step_tasks(mine, shard_of(st, s, n, src), {-1, 0}, src == r)) {
+          pairs[r] += t.causal() ? t.q_len * (t.q_len + 1) / 2 : t.q_len * t.k_len;
           if (st == Strategy::kZigzag && step > 0) {
             EXPECT_EQ(t.q_len * t.k_len, (s / (2 * n)) * (s / n));
           }

@@ -16,7 +16,10 @@
 //
 // Local tensors have the single-device layout of attention.h with the sequence dimension holding
 // this rank's rows only: q, o, dout, dq (b, s_local, h_q, d); k, v, dk, dv (b, s_local, h_kv, d);
-// lse (b, h_q, s_local) fp32, in the order sequence_shard() gives.
+// lse (b, h_q, s_local) fp32, in the order sequence_shard() gives. A packed variable-length batch
+// (ContextParallelConfig::cu_seqlens) is split sequence by sequence: q, o, dout, dq
+// (total_local, h_q, d); k, v, dk, dv (total_local, h_kv, d); lse (h_q, total_local), in the order
+// varlen_shard() gives (each sequence's rows of this rank, sequences in batch order).
 #pragma once
 
 #include <cstdint>
@@ -199,6 +202,49 @@ Status shard_sequence(const TensorView& full, int seq_dim, Strategy strategy, in
                       const TensorView& local);
 Status unshard_sequence(const TensorView& local, int seq_dim, Strategy strategy, int size,
                         int rank, const TensorView& full);
+// The same copies for CPU tensors or CUDA tensors of one device (then stream-ordered on `stream`:
+// the call enqueues and returns; the caller keeps both tensors alive until the stream has run).
+Status shard_sequence(const TensorView& full, int seq_dim, Strategy strategy, int size, int rank,
+                      const TensorView& local, Stream stream);
+Status unshard_sequence(const TensorView& local, int seq_dim, Strategy strategy, int size,
+                        int rank, const TensorView& full, Stream stream);
+
+// ---- packed variable-length batches -------------------------------------------------------------
+// A packed batch (attention.h's varlen layout, sequence i holding rows cu_seqlens[i] up to
+// cu_seqlens[i + 1] of the global pack) is split sequence by sequence: sequence i is cut by
+// sequence_shard(strategy, its length, size, rank) on its own (zigzag: chunks r and 2·size−1−r of
+// that sequence, so every sequence's causal work is balanced; ring: its r-th contiguous chunk),
+// and a rank packs its rows of every sequence one after another, sequences in batch order (zigzag:
+// the early chunk, then the late one). Sequences shorter than the chunk count, empty sequences and
+// lengths not divisible by the ranks give empty or uneven chunks, as for one sequence; a rank may
+// hold no row of a sequence (its local length is then 0) or no row at all.
+//
+// cu_seqlens here are host memory, int32, batch + 1 entries: 0 first, non-decreasing.
+
+// What rank `rank` holds of a packed batch.
+struct VarlenShard {
+  // Per sequence, its rows at this rank: chunk global_begin counts rows of the global pack
+  // (cu_seqlens[i] + the row within the sequence), local_begin rows of this rank's pack.
+  std::vector<SequenceShard> sequences;
+  // This rank's pack as attention.h's varlen arguments take it: batch + 1 offsets, sequence i at
+  // local rows [cu_seqlens[i], cu_seqlens[i + 1]).
+  std::vector<int32_t> cu_seqlens;
+  int64_t length = 0;   // local rows (cu_seqlens.back())
+  int max_seqlen = 0;   // the longest local sequence
+};
+Status varlen_shard(Strategy strategy, const std::vector<int32_t>& cu_seqlens, int size, int rank,
+                    VarlenShard* shard);
+
+// Copies rank `rank`'s rows of a packed tensor into `local` (its pack, varlen_shard's order), or
+// `local` back into `full`. seq_dim is the packed token dimension: 0 for q/k/v/o (total, h, d),
+// 1 for lse (h, total). CPU tensors, or CUDA tensors of one device, stream-ordered on `stream`
+// (enqueued, no host wait). One dtype; the other dimensions must agree.
+Status shard_varlen(const TensorView& full, int seq_dim, Strategy strategy,
+                    const std::vector<int32_t>& cu_seqlens, int size, int rank,
+                    const TensorView& local, Stream stream = nullptr);
+Status unshard_varlen(const TensorView& local, int seq_dim, Strategy strategy,
+                      const std::vector<int32_t>& cu_seqlens, int size, int rank,
+                      const TensorView& full, Stream stream = nullptr);
 
 // ---- context-parallel attention ------------------------------------------------------------------
 
@@ -211,11 +257,17 @@ struct ContextParallelConfig {
   int heads_kv = 0;    // divides heads_q (GQA/MQA: K/V travel with heads_kv heads, never expanded)
   int head_dim = 0;
   DType dtype = DType::kBFloat16;
-  // causal, softmax_scale, softcap, deterministic and backend are honoured, and sliding windows
-  // under kAllToAll. The ring strategies would need each block's global position for windows,
-  // and every strategy for ALiBi and dropout, which the single-device API cannot take yet: those
-  // are refused (kUnsupported).
+  // causal, window_left / window_right, softmax_scale, softcap, deterministic and backend are
+  // honoured, every mask over global positions as on one device (the ring and zigzag give each
+  // block call the window its rows and keys see; blocks the mask hides entirely are skipped, not
+  // computed). ALiBi and dropout would need each block's global position inside the kernels, which
+  // the single-device API cannot take yet: refused (kUnsupported).
   AttentionOptions attention;
+  // A packed variable-length batch: the global pack's cu_seqlens (host, batch + 1 entries, 0 first,
+  // non-decreasing; see varlen_shard for the rows each rank holds). Empty: fixed length. With it,
+  // batch and seqlen are the number of sequences and the packed token count (0: taken from
+  // cu_seqlens; other values must match it). Ring and zigzag (all-to-all: kUnsupported).
+  std::vector<int32_t> cu_seqlens;
 };
 
 // Where the calls' time went, summed over the calls since the last take_timing(): the time the
@@ -247,7 +299,8 @@ class ContextParallelAttention {
                        std::unique_ptr<ContextParallelAttention>* out);
   ~ContextParallelAttention();
 
-  // Collective forward: writes this rank's rows of o and lse.
+  // Collective forward: writes this rank's rows of o and lse (shapes: the top of this file; a
+  // packed plan's local cu_seqlens are the plan's own, varlen_shard().cu_seqlens).
   Status forward(const TensorView& q, const TensorView& k, const TensorView& v,
                  const TensorView& o, const TensorView& lse, Stream stream = nullptr);
   // Collective backward: given the forward's o and lse, writes this rank's dq, dk and dv.
@@ -262,8 +315,11 @@ class ContextParallelAttention {
   Status take_timing(CpTiming* out);
 
   const ContextParallelConfig& config() const;
-  // This rank's rows.
+  // This rank's rows. Of a packed variable-length plan: count 0 and length = the local rows; the
+  // rows themselves are varlen_shard()'s.
   const SequenceShard& shard() const;
+  // Of a packed variable-length plan, this rank's rows of every sequence (empty otherwise).
+  const VarlenShard& varlen_shard() const;
 
   struct State;
 

@@ -31,7 +31,7 @@ namespace {
 // The config as fixed-size data, to gather from every rank and compare.
 struct WireConfig {
   int32_t size, strategy, batch, heads_q, heads_kv, head_dim, dtype, causal, window_left,
-      window_right, deterministic, backend;
+      window_right, deterministic, backend, cu_seqlens;  // cu_seqlens: its entry count
   int64_t seqlen;
   float softmax_scale, softcap;
 };
@@ -51,6 +51,7 @@ WireConfig wire(const ContextParallelConfig& c, int size) {
   w.window_right = c.attention.window_right;
   w.deterministic = c.attention.deterministic;
   w.backend = static_cast<int32_t>(c.attention.backend);
+  w.cu_seqlens = static_cast<int32_t>(c.cu_seqlens.size());
   w.seqlen = c.seqlen;
   w.softmax_scale = c.attention.softmax_scale;
   w.softcap = c.attention.softcap;
@@ -79,7 +80,52 @@ Status compare(const WireConfig& mine, const WireConfig& theirs, int me, int oth
   FLARE_DIST_COMPARE(softcap)
   FLARE_DIST_COMPARE(deterministic)
   FLARE_DIST_COMPARE(backend)
+  FLARE_DIST_COMPARE(cu_seqlens)
 #undef FLARE_DIST_COMPARE
+  return {};
+}
+
+// A packed plan's cu_seqlens: every rank's, gathered once every rank is known to hold as many,
+// against this rank's (all ranks fail alike on the first difference, named).
+Status agree_on_cu_seqlens(Communicator& comm, const std::vector<int32_t>& mine) {
+  const int n = comm.size();
+  const auto count = static_cast<int64_t>(mine.size());
+  std::vector<int32_t> all(static_cast<size_t>(n * count));
+  FLARE_RETURN_IF_ERROR(comm.host_all_gather(mine.data(), all.data(), count * 4));
+  for (int r = 1; r < n; ++r)
+    for (int64_t i = 0; i < count; ++i)
+      if (all[r * count + i] != all[i])
+        return invalid("config: ranks disagree on cu_seqlens[", i, "]: rank ", r, " has ",
+                       all[r * count + i], ", rank 0 has ", all[i],
+                       "; every rank must create the plan with the same config");
+  return {};
+}
+
+// A packed batch's cu_seqlens, and batch / seqlen against them (0: taken from them).
+Status check_packed(ContextParallelConfig* c) {
+  const std::vector<int32_t>& cu = c->cu_seqlens;
+  if (cu.size() < 2)
+    return invalid("config.cu_seqlens: ", cu.size(), " entries; a packed batch of b sequences has "
+                   "b + 1 >= 2 (leave it empty for fixed length)");
+  if (cu[0] != 0) return invalid("config.cu_seqlens[0] must be 0, got ", cu[0]);
+  for (size_t i = 0; i + 1 < cu.size(); ++i)
+    if (cu[i + 1] < cu[i])
+      return invalid("config.cu_seqlens: must be non-decreasing, but [", i + 1, "] = ", cu[i + 1],
+                     " < [", i, "] = ", cu[i]);
+  const auto sequences = static_cast<int64_t>(cu.size()) - 1;
+  if (cu.back() < 1) return invalid("config.cu_seqlens: every sequence is empty (0 tokens)");
+  if (c->batch != 0 && c->batch != sequences)
+    return invalid("config.batch: ", c->batch, " must be 0 or the number of sequences in "
+                   "cu_seqlens, ", sequences);
+  if (c->seqlen != 0 && c->seqlen != cu.back())
+    return invalid("config.seqlen: ", c->seqlen, " must be 0 or the packed token count "
+                   "cu_seqlens ends at, ", cu.back());
+  if (c->strategy == Strategy::kAllToAll)
+    return Status::unsupported(
+        "config.cu_seqlens: packed variable-length batches are not supported by the all-to-all "
+        "strategy yet; use ring or zigzag");
+  c->batch = static_cast<int>(sequences);
+  c->seqlen = cu.back();
   return {};
 }
 
@@ -99,13 +145,14 @@ Status check_config(const ContextParallelConfig& c) {
     return invalid("config.dtype: ", static_cast<int>(c.dtype),
                    " is not one of float32, float16, bfloat16");
   const AttentionOptions& a = c.attention;
-  // A block's mask is bottom-right aligned within the block; these features would need each
-  // block's global position, which attention_forward cannot take (docs/context-parallel.md).
-  // All-to-all calls attention over the whole sequence, so its windows are the single-device ones.
-  if ((a.window_left != -1 || a.window_right != -1) && c.strategy != Strategy::kAllToAll)
-    return Status::unsupported(cat("config.attention: a sliding window (", a.window_left, ", ",
-                                   a.window_right, ") is not supported by the ",
-                                   strategy_name(c.strategy), " strategy yet (all-to-all has it)"));
+  if (a.window_left < -1)
+    return invalid("config.attention.window_left: must be >= -1 (-1 = unbounded), got ",
+                   a.window_left);
+  if (a.window_right < -1)
+    return invalid("config.attention.window_right: must be >= -1 (-1 = unbounded), got ",
+                   a.window_right);
+  // ALiBi's bias and dropout's mask depend on each score's global position inside the kernels,
+  // which a block call cannot be given (docs/context-parallel.md).
   if (a.alibi_slopes.defined())
     return Status::unsupported("config.attention: ALiBi is not supported by context parallelism yet");
   if (a.dropout_p != 0.0f)
@@ -145,14 +192,25 @@ Status check_locals(const State& st, const Communicator& comm,
                     const TensorView& lse) {
   const ContextParallelConfig& c = st.config;
   const int64_t s = st.ring.shards[comm.rank()].length;
-  for (const auto& [t, name] : qlike)
-    FLARE_RETURN_IF_ERROR(check_shape(*t, name, {c.batch, s, c.heads_q, c.head_dim},
-                                      "(batch, local rows, heads_q, head_dim)", st, comm));
-  for (const auto& [t, name] : kvlike)
-    FLARE_RETURN_IF_ERROR(check_shape(*t, name, {c.batch, s, c.heads_kv, c.head_dim},
-                                      "(batch, local rows, heads_kv, head_dim)", st, comm));
-  FLARE_RETURN_IF_ERROR(check_shape(lse, "lse", {c.batch, c.heads_q, s},
-                                    "(batch, heads_q, local rows)", st, comm));
+  if (st.ring.packed) {
+    for (const auto& [t, name] : qlike)
+      FLARE_RETURN_IF_ERROR(check_shape(*t, name, {s, c.heads_q, c.head_dim},
+                                        "(local rows, heads_q, head_dim)", st, comm));
+    for (const auto& [t, name] : kvlike)
+      FLARE_RETURN_IF_ERROR(check_shape(*t, name, {s, c.heads_kv, c.head_dim},
+                                        "(local rows, heads_kv, head_dim)", st, comm));
+    FLARE_RETURN_IF_ERROR(
+        check_shape(lse, "lse", {c.heads_q, s}, "(heads_q, local rows)", st, comm));
+  } else {
+    for (const auto& [t, name] : qlike)
+      FLARE_RETURN_IF_ERROR(check_shape(*t, name, {c.batch, s, c.heads_q, c.head_dim},
+                                        "(batch, local rows, heads_q, head_dim)", st, comm));
+    for (const auto& [t, name] : kvlike)
+      FLARE_RETURN_IF_ERROR(check_shape(*t, name, {c.batch, s, c.heads_kv, c.head_dim},
+                                        "(batch, local rows, heads_kv, head_dim)", st, comm));
+    FLARE_RETURN_IF_ERROR(check_shape(lse, "lse", {c.batch, c.heads_q, s},
+                                      "(batch, heads_q, local rows)", st, comm));
+  }
   for (const auto& list : {qlike, kvlike})
     for (const auto& [t, name] : list) {
       if (t->dtype != c.dtype)
@@ -171,8 +229,20 @@ Status check_locals(const State& st, const Communicator& comm,
 
 AttentionOptions ring_block_options(const ContextParallelConfig& c) {
   AttentionOptions o = c.attention;
-  o.causal = false;  // set per block call
+  o.causal = false;  // the mask is set per block call
+  o.window_left = o.window_right = -1;
   return o;
+}
+
+// The local pack's cu_seqlens as the single-device validation takes them (packed plans).
+VarlenArgs local_varlen(const CpContext& ctx) {
+  VarlenArgs a;
+  if (!ctx.packed) return a;
+  const VarlenShard& mine = ctx.varlen[ctx.comm->rank()];
+  a.cu_seqlens_q = a.cu_seqlens_k = ctx.dense(ctx.at(ctx.ws.tables), DType::kInt32,
+                                              {static_cast<int64_t>(mine.cu_seqlens.size())});
+  a.max_seqlen_q = a.max_seqlen_k = mine.max_seqlen;
+  return a;
 }
 
 }  // namespace
@@ -185,60 +255,78 @@ const ContextParallelConfig& ContextParallelAttention::config() const { return s
 const SequenceShard& ContextParallelAttention::shard() const {
   return state_->ring.shards[state_->ring.comm->rank()];
 }
+const VarlenShard& ContextParallelAttention::varlen_shard() const {
+  static const VarlenShard kNone;
+  return state_->ring.packed ? state_->ring.varlen[state_->ring.comm->rank()] : kNone;
+}
 
 Status ContextParallelAttention::create(Communicator* comm, const ContextParallelConfig& config,
                                         std::unique_ptr<ContextParallelAttention>* out) {
   if (out == nullptr) return invalid("ContextParallelAttention::create: out is null");
   if (comm == nullptr) return invalid("comm: is null");
   FLARE_RETURN_IF_ERROR(comm->health());
-  FLARE_RETURN_IF_ERROR(check_config(config));
-  if (comm->device() == DeviceType::kCUDA && config.dtype == DType::kFloat32)
+  ContextParallelConfig cfg = config;
+  if (!cfg.cu_seqlens.empty()) FLARE_RETURN_IF_ERROR(check_packed(&cfg));
+  FLARE_RETURN_IF_ERROR(check_config(cfg));
+  if (comm->device() == DeviceType::kCUDA && cfg.dtype == DType::kFloat32)
     return Status::unsupported(
         "config.dtype: float32 over the " + std::string(comm->kind()) +
         " communicator: the CUDA kernels take float16 or bfloat16 (as FlashAttention does)");
 
   const int n = comm->size();
-  if (config.strategy == Strategy::kAllToAll &&
-      (config.heads_q % n != 0 || config.heads_kv % n != 0))
+  if (cfg.strategy == Strategy::kAllToAll &&
+      (cfg.heads_q % n != 0 || cfg.heads_kv % n != 0))
     return Status::unsupported(cat(
-        "config: all-to-all over ", n, " ranks needs heads_q = ", config.heads_q,
-        " and heads_kv = ", config.heads_kv, " to be multiples of ", n,
+        "config: all-to-all over ", n, " ranks needs heads_q = ", cfg.heads_q,
+        " and heads_kv = ", cfg.heads_kv, " to be multiples of ", n,
         " (each rank takes whole heads, and K/V heads are never copied); use ring or zigzag"));
 
   // Agreement: every rank sees every config and fails alike on the first difference.
-  const WireConfig mine = wire(config, n);
+  const WireConfig mine = wire(cfg, n);
   std::vector<WireConfig> all(static_cast<size_t>(n));
   FLARE_RETURN_IF_ERROR(comm->host_all_gather(&mine, all.data(), sizeof(WireConfig)));
   for (int r = 0; r < n; ++r) FLARE_RETURN_IF_ERROR(compare(all[0], all[r], 0, r));
+  if (!cfg.cu_seqlens.empty()) FLARE_RETURN_IF_ERROR(agree_on_cu_seqlens(*comm, cfg.cu_seqlens));
 
   auto st = std::make_unique<State>();
-  st->config = config;
+  st->config = cfg;
   CpContext& ring = st->ring;
   ring.comm = comm;
   ring.shards.resize(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r)
-    FLARE_RETURN_IF_ERROR(sequence_shard(config.strategy, config.seqlen, n, r, &ring.shards[r]));
-  ring.batch = config.batch;
-  ring.heads_q = config.heads_q;
-  ring.heads_kv = config.heads_kv;
-  ring.head_dim = config.head_dim;
-  ring.dtype = config.dtype;
-  ring.causal = config.attention.causal;
+  ring.packed = !cfg.cu_seqlens.empty();
+  if (ring.packed) ring.varlen.resize(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    if (ring.packed) {
+      FLARE_RETURN_IF_ERROR(dist::varlen_shard(cfg.strategy, cfg.cu_seqlens, n, r, &ring.varlen[r]));
+      ring.shards[r].length = ring.varlen[r].length;
+    } else {
+      FLARE_RETURN_IF_ERROR(sequence_shard(cfg.strategy, cfg.seqlen, n, r, &ring.shards[r]));
+    }
+  }
+  ring.batch = cfg.batch;
+  ring.heads_q = cfg.heads_q;
+  ring.heads_kv = cfg.heads_kv;
+  ring.head_dim = cfg.head_dim;
+  ring.dtype = cfg.dtype;
+  ring.band = mask_band(cfg.attention);
   // The ring sets the mask per block call; all-to-all makes one call with the caller's options.
   ring.block_options =
-      config.strategy == Strategy::kAllToAll ? config.attention : ring_block_options(config);
-  ring.strategy = config.strategy;
+      cfg.strategy == Strategy::kAllToAll ? cfg.attention : ring_block_options(cfg);
+  ring.strategy = cfg.strategy;
   ring.device = comm->device();
   ring.device_index = comm->device() == DeviceType::kCUDA ? comm->device_index() : 0;
   // The workspace, once, from the plan: no call allocates after this.
-  if (config.strategy == Strategy::kAllToAll)
+  std::vector<int32_t> tables;
+  if (cfg.strategy == Strategy::kAllToAll)
     plan_all_to_all_workspace(ring, &ring.ws);
   else
-    plan_ring_workspace(ring, &ring.ws);
+    plan_ring(ring, &tables);
   if (ring.device == DeviceType::kCUDA)
     FLARE_RETURN_IF_ERROR(make_device_ops(ring.device_index, ring.ws.bytes, &ring.ops));
   else
     ring.ops = make_host_ops(ring.ws.bytes);
+  FLARE_RETURN_IF_ERROR(ring.ops->upload(ring.ws.tables, tables.data(),
+                                         static_cast<int64_t>(tables.size()) * 4));
   out->reset(new ContextParallelAttention(std::move(st)));
   return {};
 }
@@ -251,7 +339,8 @@ Status ContextParallelAttention::forward(const TensorView& q, const TensorView& 
   FLARE_RETURN_IF_ERROR(comm.health());
   FLARE_RETURN_IF_ERROR(check_locals(st, comm, {{&q, "q"}, {&o, "o"}}, {{&k, "k"}, {&v, "v"}}, lse));
   AttentionParams p;
-  FLARE_RETURN_IF_ERROR(make_forward_params(q, k, v, o, lse, st.config.attention, {}, &p));
+  FLARE_RETURN_IF_ERROR(
+      make_forward_params(q, k, v, o, lse, st.config.attention, local_varlen(st.ring), &p));
   FLARE_RETURN_IF_ERROR(st.config.strategy == Strategy::kAllToAll
                             ? all_to_all_attention_forward(st.ring, q, k, v, o, lse, stream)
                             : ring_attention_forward(st.ring, q, k, v, o, lse, stream));
@@ -273,7 +362,8 @@ Status ContextParallelAttention::backward(const TensorView& dout, const TensorVi
                                      {{&k, "k"}, {&v, "v"}, {&dk, "dk"}, {&dv, "dv"}}, lse));
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(
-      make_backward_params(dout, q, k, v, o, lse, dq, dk, dv, st.config.attention, {}, &p));
+      make_backward_params(dout, q, k, v, o, lse, dq, dk, dv, st.config.attention,
+                           local_varlen(st.ring), &p));
   FLARE_RETURN_IF_ERROR(
       st.config.strategy == Strategy::kAllToAll
           ? all_to_all_attention_backward(st.ring, dout, q, k, v, o, lse, dq, dk, dv, stream)

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dist/cp_ops.h"
+#include "dist/layout.h"
 #include "flare/attention.h"
 #include "flare/dist.h"
 
@@ -31,6 +32,9 @@ struct CpWorkspace {
   int64_t dkv[2] = {0, 0};  // fp32 dK then dV travelling with a block, double-buffered
   int64_t grad_blk = 0;   // dtype dQ of one call, then dK, dV of every call of a step
   int64_t lse_rows = 0;   // fp32 (b, h_q, rows): a call's rows of the forward's LSE
+  // Packed plans: int32 cu_seqlens of this rank's pack, then of every call (RingCall), uploaded at
+  // create.
+  int64_t tables = 0;
   // All-to-all.
   int64_t a2a_send = 0;   // slabs to send, one per rank
   int64_t a2a_stage = 0;  // slabs received, one per rank
@@ -38,14 +42,26 @@ struct CpWorkspace {
   int64_t bytes = 0;      // the whole workspace
 };
 
+// One single-device call of a ring step, with where its packed sequences' tables sit.
+struct RingCall {
+  BlockTask task;
+  int64_t cu_q = 0, cu_k = 0;  // byte offsets in the workspace of int32 cu_seqlens (packed plans)
+  int max_q = 0, max_k = 0;    // the longest segment on each side (packed plans)
+};
+
 // What a strategy needs besides the tensors: the plan, the workspace and where it runs.
 struct CpContext {
   Communicator* comm = nullptr;
-  std::vector<SequenceShard> shards;  // shards[r]: rank r's rows
+  // shards[r]: rank r's rows. Of a packed plan: count 0 and length = rank r's pack, whose rows are
+  // varlen[r]'s.
+  std::vector<SequenceShard> shards;
+  bool packed = false;
+  std::vector<VarlenShard> varlen;   // packed plans: every rank's rows of every sequence
+  std::vector<std::vector<RingCall>> steps;  // ring and zigzag: steps[i], the calls of ring step i
   int batch = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
   DType dtype = DType::kFloat32;
-  bool causal = false;
-  AttentionOptions block_options;  // for every block call; `causal` is set per call (ring)
+  AttentionOptions block_options;  // for every block call; the mask is set per call (ring)
+  MaskBand band;                   // the mask over global positions (ring)
   DeviceType device = DeviceType::kCPU;
   int device_index = 0;
   CpWorkspace ws;

@@ -46,6 +46,10 @@ class CpOps {
   virtual void end() = 0;
 
   virtual unsigned char* workspace() = 0;
+  // Copies `bytes` of host memory into the workspace at `offset` and waits for the copy (on the
+  // plan's own stream: nothing else on the device waits). At create only: the plan's constant
+  // tables (a packed plan's per-call cu_seqlens).
+  virtual Status upload(int64_t offset, const void* host, int64_t bytes) = 0;
 
   // ---- computation, on the caller's stream ----
   virtual Status fill(float* data, int64_t count, float value) = 0;

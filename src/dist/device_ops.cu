@@ -26,6 +26,7 @@
 #include "core/message.h"
 #include "core/numeric.h"
 #include "dist/cp_ops.h"
+#include "dist/layout.h"
 #include "dist/merge.h"
 
 namespace flare::dist {
@@ -100,6 +101,33 @@ __global__ void copy_kernel(TensorView src, TensorView dst) {
   }
 }
 
+// Runs of rows between two views (shard / unshard): blockIdx.y picks the run, the block's threads
+// stride over its elements. The runs travel as a kernel argument (no upload), kRunsPerLaunch at a
+// time.
+constexpr int kRunsPerLaunch = 32;
+struct RunBatch {
+  int64_t src_row[kRunsPerLaunch], dst_row[kRunsPerLaunch], rows[kRunsPerLaunch];
+};
+
+template <typename T>
+__global__ void copy_runs_kernel(TensorView src, TensorView dst, int seq_dim, RunBatch runs) {
+  const int run = static_cast<int>(blockIdx.y);
+  int64_t total = 1;
+  for (int i = 0; i < src.ndim; ++i) total *= i == seq_dim ? runs.rows[run] : src.shape[i];
+  for (int64_t x = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; x < total;
+       x += int64_t{gridDim.x} * blockDim.x) {
+    int64_t rest = x, from = 0, to = 0;
+    for (int i = src.ndim - 1; i >= 0; --i) {
+      const int64_t extent = i == seq_dim ? runs.rows[run] : src.shape[i];
+      const int64_t idx = rest % extent;
+      rest /= extent;
+      from += (i == seq_dim ? idx + runs.src_row[run] : idx) * src.stride[i];
+      to += (i == seq_dim ? idx + runs.dst_row[run] : idx) * dst.stride[i];
+    }
+    static_cast<T*>(dst.data)[to] = static_cast<const T*>(src.data)[from];
+  }
+}
+
 // ---- host side --------------------------------------------------------------------------------
 
 unsigned blocks_for(int64_t items) {
@@ -165,6 +193,19 @@ class DeviceOps final : public CpOps {
   }
 
   unsigned char* workspace() override { return static_cast<unsigned char*>(workspace_); }
+
+  Status upload(int64_t offset, const void* host, int64_t bytes) override {
+    if (bytes <= 0) return {};
+    const int previous = current_device();
+    cudaSetDevice(device_);
+    Status s = cuda_status(cudaMemcpyAsync(static_cast<unsigned char*>(workspace_) + offset, host,
+                                           static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
+                                           comm_),
+                           "cudaMemcpyAsync (plan tables)");
+    if (s.ok()) s = cuda_status(cudaStreamSynchronize(comm_), "cudaStreamSynchronize (plan tables)");
+    cudaSetDevice(previous);
+    return s;
+  }
 
   Status fill(float* data, int64_t count, float value) override {
     if (count <= 0) return {};
@@ -332,6 +373,42 @@ class DeviceOps final : public CpOps {
 };
 
 }  // namespace
+
+Status device_copy_runs(const TensorView& src, const TensorView& dst, int seq_dim,
+                        const std::vector<RowRun>& runs, Stream stream) {
+  const size_t el = dtype_size(src.dtype);
+  if (el != 2 && el != 4)
+    return Status::unsupported(cat("device_copy_runs: elements of ", el, " bytes"));
+  int previous = 0;
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&previous), "cudaGetDevice"));
+  if (previous != src.device_index)
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(src.device_index), "cudaSetDevice"));
+  int64_t per_row = 1;
+  for (int i = 0; i < src.ndim; ++i)
+    if (i != seq_dim) per_row *= src.shape[i];
+  Status s;
+  for (size_t first = 0; first < runs.size() && s.ok(); first += kRunsPerLaunch) {
+    RunBatch batch{};
+    unsigned count = 0;
+    int64_t longest = 0;
+    for (size_t i = first; i < runs.size() && count < kRunsPerLaunch; ++i, ++count) {
+      batch.src_row[count] = runs[i].src_row;
+      batch.dst_row[count] = runs[i].dst_row;
+      batch.rows[count] = runs[i].rows;
+      longest = std::max(longest, runs[i].rows);
+    }
+    if (longest * per_row == 0) continue;
+    const dim3 grid(blocks_for(longest * per_row), count);
+    auto* st = static_cast<cudaStream_t>(stream);
+    if (el == 2)
+      copy_runs_kernel<uint16_t><<<grid, kThreads, 0, st>>>(src, dst, seq_dim, batch);
+    else
+      copy_runs_kernel<uint32_t><<<grid, kThreads, 0, st>>>(src, dst, seq_dim, batch);
+    s = cuda_status(cudaGetLastError(), "copy_runs kernel launch");
+  }
+  if (previous != src.device_index) cudaSetDevice(previous);
+  return s;
+}
 
 Status make_device_ops(int device_index, int64_t workspace_bytes, std::unique_ptr<CpOps>* out) {
   auto ops = std::make_unique<DeviceOps>(device_index);

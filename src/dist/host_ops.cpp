@@ -1,6 +1,7 @@
 // host_ops.cpp — CpOps on host memory (the in-process communicator): plain loops that complete
 // before they return, so there is nothing to order between streams and the waits are no-ops.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "core/numeric.h"
@@ -22,6 +23,10 @@ class HostOps final : public CpOps {
   }
   void end() override {}
   unsigned char* workspace() override { return workspace_.data(); }
+  Status upload(int64_t offset, const void* host, int64_t bytes) override {
+    if (bytes > 0) std::memcpy(workspace_.data() + offset, host, static_cast<size_t>(bytes));
+    return {};
+  }
 
   Status fill(float* data, int64_t count, float value) override {
     std::fill(data, data + count, value);

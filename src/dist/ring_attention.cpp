@@ -50,29 +50,69 @@ struct Dims {
   int64_t kv_bytes(int64_t len) const { return kv_elems(len) * el(); }
 };
 
+// A packed plan runs as a batch of one: its (total, h, d) tensors and (h, total) LSE are viewed
+// as (1, total, h, d) and (1, h, total), so that the merge, the accumulations and the copies index
+// both kinds of plan alike; its block calls get the packed views back (unbatched).
 Dims dims_of(const CpContext& ctx) {
-  return {ctx.batch, ctx.heads_q, ctx.heads_kv, ctx.head_dim, ctx.s_local(), ctx.s_max(),
-          ctx.dtype};
+  return {ctx.packed ? 1 : ctx.batch, ctx.heads_q, ctx.heads_kv, ctx.head_dim, ctx.s_local(),
+          ctx.s_max(), ctx.dtype};
+}
+
+TensorView batched(const TensorView& t) {
+  TensorView r = t;
+  r.ndim = t.ndim + 1;
+  for (int i = t.ndim; i >= 1; --i) {
+    r.shape[i] = t.shape[i - 1];
+    r.stride[i] = t.stride[i - 1];
+  }
+  r.shape[0] = 1;
+  r.stride[0] = t.shape[0] * t.stride[0];  // a dense tensor stays dense
+  return r;
+}
+
+TensorView unbatched(const TensorView& t) {
+  TensorView r = t;
+  r.ndim = t.ndim - 1;
+  for (int i = 0; i < r.ndim; ++i) {
+    r.shape[i] = t.shape[i + 1];
+    r.stride[i] = t.stride[i + 1];
+  }
+  r.shape[r.ndim] = 0;
+  r.stride[r.ndim] = 0;
+  return r;
 }
 
 int mod(int a, int n) { return (a % n + n) % n; }
 
 // The calls of step `step` at this rank (the block of rank src = r − step).
-std::vector<BlockTask> step_tasks(const CpContext& ctx, int step) {
-  const int n = ctx.comm->size(), r = ctx.comm->rank(), src = mod(r - step, n);
-  return ring_step_tasks(ctx.shards[r], ctx.shards[src], ctx.causal, src == r);
-}
+const std::vector<RingCall>& step_calls(const CpContext& ctx, int step) { return ctx.steps[step]; }
 
 // The most K/V rows the calls of one step read, summed over the step's calls: the backward keeps
 // every call's dK/dV until the step's accumulator has arrived.
 int64_t max_step_k_rows(const CpContext& ctx) {
   int64_t most = 0;
-  for (int step = 0; step < ctx.comm->size(); ++step) {
+  for (const std::vector<RingCall>& step : ctx.steps) {
     int64_t sum = 0;
-    for (const BlockTask& t : step_tasks(ctx, step)) sum += t.k_len;
+    for (const RingCall& c : step) sum += c.task.k_len;
     most = std::max(most, sum);
   }
   return most;
+}
+
+// Appends the offsets of a pack's sequences (from 0) to the tables; returns where they start, in
+// int32 entries.
+int64_t add_offsets(const std::vector<Segment>& segments, bool keys, std::vector<int32_t>* tables,
+                    int* longest) {
+  const auto at = static_cast<int64_t>(tables->size());
+  int64_t end = 0;
+  tables->push_back(0);
+  for (const Segment& sg : segments) {
+    const int64_t len = keys ? sg.k_len : sg.q_len;
+    end += len;
+    *longest = std::max(*longest, static_cast<int>(len));
+    tables->push_back(static_cast<int32_t>(end));
+  }
+  return at;
 }
 
 // A K/V block: dense (b, len, h_kv, d) views, in user memory or a receive buffer.
@@ -135,10 +175,29 @@ class Ring {
 
   Status exchange(const std::vector<Transfer>& t) { return exchange_after_compute(ctx_, t); }
 
-  AttentionOptions options(const BlockTask& t) const {
+  // The options of one block call: the caller's, with the call's own window.
+  AttentionOptions options(const RingCall& c) const {
     AttentionOptions o = ctx_.block_options;
-    o.causal = t.causal;
+    o.causal = c.task.window_right == 0;
+    o.window_left = static_cast<int>(c.task.window_left);
+    o.window_right = o.causal ? -1 : static_cast<int>(c.task.window_right);
     return o;
+  }
+
+  // A (1, rows, h, d) or (1, h, rows) view as the call takes it: unchanged for fixed-length plans,
+  // the packed layout for packed ones.
+  TensorView arg(const TensorView& t) const { return ctx_.packed ? unbatched(t) : t; }
+
+  // The packed sequences of a call (none for fixed-length plans).
+  VarlenArgs varlen(const RingCall& c) const {
+    VarlenArgs a;
+    if (!ctx_.packed) return a;
+    const int64_t entries = static_cast<int64_t>(c.task.segments.size()) + 1;
+    a.cu_seqlens_q = ctx_.dense(ctx_.at(c.cu_q), DType::kInt32, {entries});
+    a.cu_seqlens_k = ctx_.dense(ctx_.at(c.cu_k), DType::kInt32, {entries});
+    a.max_seqlen_q = c.max_q;
+    a.max_seqlen_k = c.max_k;
+    return a;
   }
 
  private:
@@ -151,9 +210,43 @@ class Ring {
 
 }  // namespace
 
-void plan_ring_workspace(const CpContext& ctx, CpWorkspace* ws) {
+void plan_ring(CpContext& ctx, std::vector<int32_t>* tables) {
+  const int n = ctx.comm->size(), r = ctx.comm->rank();
+  tables->clear();
+  if (ctx.packed) {
+    const std::vector<int32_t>& own = ctx.varlen[r].cu_seqlens;
+    tables->insert(tables->end(), own.begin(), own.end());  // the local pack, for validation
+  }
+  // Calls of each step, and in packed plans their tables (as int32 indices until the workspace
+  // has a place for them).
+  ctx.steps.assign(static_cast<size_t>(n), {});
+  for (int step = 0; step < n; ++step) {
+    const int src = mod(r - step, n);
+    const std::vector<BlockTask> tasks =
+        ctx.packed ? varlen_step_tasks(ctx.varlen[r], ctx.varlen[src], ctx.band, src == r)
+                   : ring_step_tasks(ctx.shards[r], ctx.shards[src], ctx.band, src == r);
+    for (const BlockTask& t : tasks) {
+      RingCall call;
+      call.task = t;
+      if (ctx.packed) {
+        call.cu_q = add_offsets(t.segments, false, tables, &call.max_q);
+        call.cu_k = add_offsets(t.segments, true, tables, &call.max_k);
+      }
+      ctx.steps[step].push_back(call);
+    }
+  }
+  plan_ring_workspace(ctx, &ctx.ws, static_cast<int64_t>(tables->size()) * 4);
+  for (std::vector<RingCall>& step : ctx.steps)
+    for (RingCall& call : step) {
+      call.cu_q = ctx.ws.tables + 4 * call.cu_q;
+      call.cu_k = ctx.ws.tables + 4 * call.cu_k;
+    }
+}
+
+void plan_ring_workspace(const CpContext& ctx, CpWorkspace* ws, int64_t table_bytes) {
   const Dims m = dims_of(ctx);
   WorkspaceCursor c;
+  ws->tables = c.take(table_bytes);
   ws->kv_send = c.take(2 * m.kv_bytes(m.s_max));
   ws->kv_recv[0] = c.take(2 * m.kv_bytes(m.s_max));
   ws->kv_recv[1] = c.take(2 * m.kv_bytes(m.s_max));
@@ -173,9 +266,10 @@ void plan_ring_workspace(const CpContext& ctx, CpWorkspace* ws) {
   ws->bytes = std::max(forward_end, c.end);
 }
 
-Status ring_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
-                              const TensorView& v, const TensorView& o, const TensorView& lse,
-                              Stream stream) {
+namespace {
+
+Status ring_forward(CpContext& ctx, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& o, const TensorView& lse, Stream stream) {
   Ring ring(ctx, stream);
   FLARE_RETURN_IF_ERROR(ring.begun());
   CpOps& ops = *ctx.ops;
@@ -191,12 +285,14 @@ Status ring_attention_forward(CpContext& ctx, const TensorView& q, const TensorV
   for (int step = 0; step < ring.size(); ++step) {
     FLARE_RETURN_IF_ERROR(ring.start_step(step));
     const KvBlock& held = ring.held();
-    for (const BlockTask& t : step_tasks(ctx, step)) {
+    for (const RingCall& call : step_calls(ctx, step)) {
+      const BlockTask& t = call.task;
       FLARE_RETURN_IF_ERROR(attention_forward(
-          rows(q, 1, t.q_begin, t.q_len), rows(held.k, 1, t.k_begin, t.k_len),
-          rows(held.v, 1, t.k_begin, t.k_len), ctx.dense(o_blk, m.dtype, {m.b, t.q_len, m.hq, m.d}),
-          ctx.dense(lse_blk, DType::kFloat32, {m.b, m.hq, t.q_len}), ring.options(t), {},
-          ops.compute_stream()));
+          ring.arg(rows(q, 1, t.q_begin, t.q_len)), ring.arg(rows(held.k, 1, t.k_begin, t.k_len)),
+          ring.arg(rows(held.v, 1, t.k_begin, t.k_len)),
+          ring.arg(ctx.dense(o_blk, m.dtype, {m.b, t.q_len, m.hq, m.d})),
+          ring.arg(ctx.dense(lse_blk, DType::kFloat32, {m.b, m.hq, t.q_len})), ring.options(call),
+          ring.varlen(call), ops.compute_stream()));
       FLARE_RETURN_IF_ERROR(ops.merge_block(
           {o_acc, lse_acc, o_blk, lse_blk, m.b, m.hq, m.d, m.s_local, t.q_begin, t.q_len, m.dtype}));
     }
@@ -206,10 +302,10 @@ Status ring_attention_forward(CpContext& ctx, const TensorView& q, const TensorV
                        m.s_local, 2);
 }
 
-Status ring_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
-                               const TensorView& k, const TensorView& v, const TensorView& o,
-                               const TensorView& lse, const TensorView& dq, const TensorView& dk,
-                               const TensorView& dv, Stream stream) {
+Status ring_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
+                     const TensorView& k, const TensorView& v, const TensorView& o,
+                     const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                     const TensorView& dv, Stream stream) {
   Ring ring(ctx, stream);
   FLARE_RETURN_IF_ERROR(ring.begun());
   CpOps& ops = *ctx.ops;
@@ -241,13 +337,13 @@ Status ring_attention_backward(CpContext& ctx, const TensorView& dout, const Ten
   for (int step = 0; step < n; ++step) {
     FLARE_RETURN_IF_ERROR(ring.start_step(step, pass_dkv(step)));
     const KvBlock& held = ring.held();
-    const std::vector<BlockTask> tasks = step_tasks(ctx, step);
+    const std::vector<RingCall>& calls = step_calls(ctx, step);
     // Every call's dK/dV stays in grad until the step's accumulator has arrived.
     unsigned char* dq_t = grad;
-    std::vector<unsigned char*> dk_t(tasks.size());
+    std::vector<unsigned char*> dk_t(calls.size());
     unsigned char* next = grad + m.q_elems(m.s_local) * m.el();
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      const BlockTask& t = tasks[i];
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const BlockTask& t = calls[i].task;
       dk_t[i] = next;
       next += 2 * m.kv_bytes(t.k_len);
       // The backward takes a dense LSE: rows of the full (b, h, s_local) one are copied out.
@@ -257,21 +353,21 @@ Status ring_attention_backward(CpContext& ctx, const TensorView& dout, const Ten
         FLARE_RETURN_IF_ERROR(ops.copy_rows(lse, t.q_begin, lse_t, 0, t.q_len, 2));
       }
       FLARE_RETURN_IF_ERROR(attention_backward(
-          rows(dout, 1, t.q_begin, t.q_len), rows(q, 1, t.q_begin, t.q_len),
-          rows(held.k, 1, t.k_begin, t.k_len), rows(held.v, 1, t.k_begin, t.k_len),
-          rows(o, 1, t.q_begin, t.q_len), lse_t,
-          ctx.dense(dq_t, m.dtype, {m.b, t.q_len, m.hq, m.d}),
-          ctx.dense(dk_t[i], m.dtype, {m.b, t.k_len, m.hkv, m.d}),
-          ctx.dense(dk_t[i] + m.kv_bytes(t.k_len), m.dtype, {m.b, t.k_len, m.hkv, m.d}),
-          ring.options(t), {}, ops.compute_stream()));
+          ring.arg(rows(dout, 1, t.q_begin, t.q_len)), ring.arg(rows(q, 1, t.q_begin, t.q_len)),
+          ring.arg(rows(held.k, 1, t.k_begin, t.k_len)),
+          ring.arg(rows(held.v, 1, t.k_begin, t.k_len)), ring.arg(rows(o, 1, t.q_begin, t.q_len)),
+          ring.arg(lse_t), ring.arg(ctx.dense(dq_t, m.dtype, {m.b, t.q_len, m.hq, m.d})),
+          ring.arg(ctx.dense(dk_t[i], m.dtype, {m.b, t.k_len, m.hkv, m.d})),
+          ring.arg(ctx.dense(dk_t[i] + m.kv_bytes(t.k_len), m.dtype, {m.b, t.k_len, m.hkv, m.d})),
+          ring.options(calls[i]), ring.varlen(calls[i]), ops.compute_stream()));
       FLARE_RETURN_IF_ERROR(ops.accumulate_rows(dq_acc, m.s_local, t.q_begin, dq_t, t.q_len, m.b,
                                                 m.hq * m.d, m.dtype));
     }
     // The additions into the travelling buffer wait for it (step 0's is local and zeroed).
-    if (step > 0 && !tasks.empty()) FLARE_RETURN_IF_ERROR(ops.compute_waits_comm());
+    if (step > 0 && !calls.empty()) FLARE_RETURN_IF_ERROR(ops.compute_waits_comm());
     float* acc = dkv[step % 2];
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      const BlockTask& t = tasks[i];
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const BlockTask& t = calls[i].task;
       FLARE_RETURN_IF_ERROR(ops.accumulate_rows(acc, held.len, t.k_begin, dk_t[i], t.k_len, m.b,
                                                 m.hkv * m.d, m.dtype));
       FLARE_RETURN_IF_ERROR(ops.accumulate_rows(acc + dv_at, held.len, t.k_begin,
@@ -290,6 +386,24 @@ Status ring_attention_backward(CpContext& ctx, const TensorView& dout, const Ten
   FLARE_RETURN_IF_ERROR(ops.store_rows(dq_acc, dq));
   FLARE_RETURN_IF_ERROR(ops.store_rows(own, dk));
   return ops.store_rows(own + dv_at, dv);
+}
+
+}  // namespace
+
+Status ring_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
+                              const TensorView& v, const TensorView& o, const TensorView& lse,
+                              Stream stream) {
+  if (!ctx.packed) return ring_forward(ctx, q, k, v, o, lse, stream);
+  return ring_forward(ctx, batched(q), batched(k), batched(v), batched(o), batched(lse), stream);
+}
+
+Status ring_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
+                               const TensorView& k, const TensorView& v, const TensorView& o,
+                               const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                               const TensorView& dv, Stream stream) {
+  if (!ctx.packed) return ring_backward(ctx, dout, q, k, v, o, lse, dq, dk, dv, stream);
+  return ring_backward(ctx, batched(dout), batched(q), batched(k), batched(v), batched(o),
+                       batched(lse), batched(dq), batched(dk), batched(dv), stream);
 }
 
 }  // namespace flare::dist
