@@ -6,8 +6,10 @@ launch path takes longer than its kernels leaves the GPU idle, however fast the 
 each implementation (flare's flash_attn_func, PyTorch SDPA with its cuDNN and flash backends),
 pass (forward; forward + backward through autograd) and shape, this script measures:
 
-  host_us_per_call  wall time of the host to queue N calls back to back (nothing waits for the
-                    GPU in between: a call that synchronised would show here as GPU time);
+  host_us_per_call  wall time of the host to queue N calls back to back behind a spin kernel
+                    that outlasts the queueing, so that the calls' own execution cannot slow the
+                    host and a host that waited for the GPU (a synchronising call, a full launch
+                    queue) is detected: host_never_waited says the spin outlasted it every round;
   gpu_us_per_call   GPU time of N calls queued behind a spin kernel (torch.cuda._sleep), so the
                     host is far ahead and the interval is the GPU's work alone;
   host_ran_ahead    whether, when the host finished queueing the N calls (no spin kernel), the
@@ -16,7 +18,7 @@ pass (forward; forward + backward through autograd) and shape, this script measu
 Each row is measured eagerly and, with --compile, under torch.compile (fullgraph) as well
 ("compiled": true). --profile writes a cProfile table of flare's calls to DIR/profile-*.txt.
 
-usage: host_overhead.py --json OUT.json [--iters 100] [--rounds 7] [--compile] [--profile DIR]
+usage: host_overhead.py --json OUT.json [--iters 100] [--rounds 9] [--compile] [--profile DIR]
 """
 import argparse
 import cProfile
@@ -73,17 +75,39 @@ def make_step(fn, q, k, v, dout, pass_):
 
 
 def host_time_us(step, iters):
-    """Host µs per call queueing `iters` calls, and whether the GPU was still busy after."""
+    """Host µs per call queueing `iters` calls behind a spin kernel, so the host measures only
+    itself: none of the calls runs meanwhile, nothing they launch competes with the host for the
+    driver, and a host that had to wait for the GPU (a synchronising call, a full launch queue)
+    shows up as a spin that ended before queueing did. The spin doubles until it outlasts the
+    queueing; a host that still waits for the GPU at 2^33 cycles is reported as such."""
+    cycles = 1 << 27
+    while True:
+        torch.cuda.synchronize()
+        spin_done = torch.cuda.Event()
+        torch.cuda._sleep(cycles)
+        spin_done.record()
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            step()
+        t1 = time.perf_counter_ns()
+        hidden = not spin_done.query()
+        torch.cuda.synchronize()
+        if hidden or cycles >= 1 << 33:
+            return (t1 - t0) / 1e3 / iters, hidden
+        cycles *= 2
+
+
+def host_ran_ahead(step, iters):
+    """Whether, queueing `iters` calls back to back with nothing in front of them, the host
+    finished while the GPU still had work left (the end event had not completed)."""
     torch.cuda.synchronize()
     end = torch.cuda.Event()
-    t0 = time.perf_counter_ns()
     for _ in range(iters):
         step()
-    t1 = time.perf_counter_ns()
     end.record()
     ran_ahead = not end.query()
     torch.cuda.synchronize()
-    return (t1 - t0) / 1e3 / iters, ran_ahead
+    return ran_ahead
 
 
 def gpu_time_us(step, iters):
@@ -129,9 +153,11 @@ def measure_case(shape, pass_, compiled, iters, rounds, profile_dir):
         except Exception as e:  # a backend that refuses a shape: say so, go on
             errors[impl] = f"{type(e).__name__}: {e}"[:300]
     host = {impl: [] for impl in steps}
+    ahead = {impl: [] for impl in steps}
     for _ in range(rounds):
         for impl, step in steps.items():
             host[impl].append(host_time_us(step, iters))
+            ahead[impl].append(host_ran_ahead(step, iters))
     rows = []
     for impl in IMPLS:
         row = {"impl": impl, "pass": pass_, "model": name, "b": b, "s": s, "h": h, "h_kv": h_kv,
@@ -143,7 +169,8 @@ def measure_case(shape, pass_, compiled, iters, rounds, profile_dir):
         gpu_us = statistics.median(gpu_time_us(step, iters) for _ in range(3))
         row.update(host_us_per_call=round(statistics.median(t for t, _ in host[impl]), 2),
                    gpu_us_per_call=round(gpu_us, 2),
-                   host_ran_ahead=all(r for _, r in host[impl]))
+                   host_ran_ahead=all(ahead[impl]),
+                   host_never_waited=all(hidden for _, hidden in host[impl]))
         if profile_dir and impl == "flare":
             write_profile(step, iters, profile_dir, f"{name}-{pass_}{'-compiled' if compiled else ''}")
         rows.append(row)
@@ -167,7 +194,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved host-time rounds")
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved host-time rounds")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--profile", default="")
     args = ap.parse_args()
@@ -187,11 +214,12 @@ def main():
         "commit": git_commit(),
         "software": {"torch": torch.__version__, "cuda": torch.version.cuda,
                      "cudnn": torch.backends.cudnn.version(), "flare": flare.__version__},
-        "method": "host_us_per_call: host wall time to queue `iters` calls, median of `rounds` "
-                  "rounds interleaved across implementations; "
+        "method": "host_us_per_call: host wall time to queue `iters` calls behind a spin "
+                  "kernel that outlasts the queueing (host_never_waited: it did, in every round), "
+                  "median of `rounds` rounds interleaved across implementations; "
                   "gpu_us_per_call: the same calls queued behind torch.cuda._sleep, CUDA events, "
-                  "median of 3; host_ran_ahead: the GPU was still busy when queueing ended "
-                  "(in every round)",
+                  "median of 3; host_ran_ahead: queueing `iters` calls with nothing in front, the "
+                  "GPU was still busy when queueing ended (in every round)",
         "rows": rows,
     }
     with open(args.json, "w") as f:

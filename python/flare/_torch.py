@@ -8,15 +8,17 @@ Two roads lead to the same two functions, forward() and backward() below:
   torch.library.custom_op cost 384 µs of host time and a forward + backward 681 µs (the op's
   generated autograd wrapper, argument defaulting and aliasing checks, all in Python), against
   136 µs and 540 µs of GPU time at GPT-3 2.7B's attention shape (bench/host_overhead.py).
-- Under torch.compile, the same autograd.Function calls the operators torch.ops.flare.fwd and
-  torch.ops.flare.bwd, defined here with torch.library (a schema, one kernel for CPU and CUDA, a
-  fake (shape-only) kernel). Dynamo traces the Function, so attention stays in the graph
-  (fullgraph=True works), AOTAutograd places bwd in the backward graph, and the compiled code
-  reaches the kernels through the dispatcher with no Python autograd wrapper around them. The
-  operators have no autograd kernel of their own: differentiate through flash_attn_func.
+- Under torch.compile, the same autograd.Function allocates its outputs and calls the operators
+  torch.ops.flare.fwd and torch.ops.flare.bwd, defined here with torch.library (a schema that
+  writes into the given outputs, one kernel for CPU and CUDA, a fake kernel). Dynamo traces the
+  Function, so attention stays in the graph (fullgraph=True works), AOTAutograd places bwd in the
+  backward graph, inductor allocates the outputs itself (C++, no Python torch.empty per output)
+  and the compiled code reaches the kernels through the dispatcher with no Python autograd
+  wrapper around them. The operators have no autograd kernel of their own: differentiate through
+  flash_attn_func.
 
-Outputs are allocated contiguous with torch.empty on both roads, in the fake kernels too, so the
-strides the compiler plans for are the strides it gets. Work is queued on the current stream of
+Outputs are allocated contiguous on both roads, so the strides the compiler plans for are the
+strides it gets. Work is queued on the current stream of
 the tensors' device and nothing synchronises or allocates through anything but torch's caching
 allocator, so calls can be captured in a CUDA graph.
 
@@ -66,66 +68,97 @@ def draw_rng_state(dropout_p):
 
 # ---- the two calls every road ends in ----------------------------------------------------------
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-            deterministic, rng_state, backend):
-    """Allocates out (like q) and lse (float32) and runs flare's forward. Returns (out, lse).
-    q, k and v have a unit last stride (attention() makes them so; the library rejects others)."""
-    is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = q.new_empty(_core.lse_shape(q, is_varlen), dtype=torch.float32)
+def run_forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                deterministic, rng_state, backend):
+    """flare's forward into the caller's out and lse. q, k and v have a unit last stride
+    (attention() makes them so; the library rejects others)."""
     seed, offset = _seeds(rng_state)
     _ext.forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                  dropout_p, seed, offset, deterministic, backend, _stream(q))
-    return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-             deterministic, rng_state, backend):
-    """Allocates dq, dk, dv (like q, k, v) and runs flare's backward. Returns (dq, dk, dv).
-    q, k, v are the forward's (unit last stride) and out is its own output; only dout, which
-    autograd may hand over in any layout (an expanded gradient has stride 0), is checked."""
-    dout = _unit_last_stride(dout)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+def run_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+                 softcap, alibi_slopes, deterministic, rng_state, backend):
+    """flare's backward into the caller's dq, dk and dv. q, k, v are the forward's (unit last
+    stride) and out is its own output; dout has a unit last stride (see backward())."""
     seed, offset = _seeds(rng_state)
     _ext.backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                   alibi_slopes, dropout_p, seed, offset, deterministic, backend, _stream(q))
+
+
+def forward_outputs(q, is_varlen):
+    """out (like q, contiguous) and lse (float32), allocated for a forward."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty(_core.lse_shape(q, is_varlen), dtype=torch.float32)
+
+
+def backward_outputs(q, k, v):
+    """dq, dk, dv (like q, k, v, contiguous), allocated for a backward."""
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
+    """Allocates out and lse and runs flare's forward (arguments as run_forward's, without out
+    and lse). Returns (out, lse)."""
+    out, lse = forward_outputs(q, cu_seqlens_q is not None or cu_seqlens_k is not None)
+    run_forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *args)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, *args):
+    """Allocates dq, dk, dv and runs flare's backward (arguments as run_backward's, without dq,
+    dk and dv). autograd may hand dout over in any layout (an expanded gradient has stride 0), so
+    it alone is made unit-stride here. Returns (dq, dk, dv)."""
+    dout = _unit_last_stride(dout)
+    dq, dk, dv = backward_outputs(q, k, v)
+    run_backward(dout, q, k, v, out, lse, dq, dk, dv, *args)
     return dq, dk, dv
 
 
 # ---- the operators (torch.compile's road) -------------------------------------------------------
+# They write into outputs the compiled graph allocates (schema `Tensor(a!)`), so the allocation is
+# inductor's own C++ call rather than a Python torch.empty per output inside the operator: the
+# operator's Python kernel does no more than the extension call.
 
 _lib = torch.library.Library("flare", "DEF")
-_lib.define(
-    "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-    "int max_seqlen_q, int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
-    "int window_left, int window_right, float softcap, Tensor? alibi_slopes, bool deterministic, "
-    "Tensor? rng_state, int backend) -> (Tensor, Tensor)")
-_lib.define(
-    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
-    "float dropout_p, float softmax_scale, bool causal, int window_left, int window_right, "
-    "float softcap, Tensor? alibi_slopes, bool deterministic, Tensor? rng_state, int backend) "
-    "-> (Tensor, Tensor, Tensor)")
+_OPTIONS = ("Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+            "float dropout_p, float softmax_scale, bool causal, int window_left, int window_right, "
+            "float softcap, Tensor? alibi_slopes, bool deterministic, Tensor? rng_state, "
+            "int backend")
+_lib.define("fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, " + _OPTIONS +
+            ") -> ()")
+_lib.define("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, " + _OPTIONS + ") -> ()")
 for _key in ("CPU", "CUDA"):
-    _lib.impl("fwd", forward, _key)
-    _lib.impl("bwd", backward, _key)
+    _lib.impl("fwd", run_forward, _key)
+    _lib.impl("bwd", run_backward, _key)
 
 
 @torch.library.register_fake("flare::fwd")
-def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
-    is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    return q.new_empty(q.shape), q.new_empty(_core.lse_shape(q, is_varlen), dtype=torch.float32)
+def _fwd_fake(*args):
+    return None
 
 
 @torch.library.register_fake("flare::bwd")
-def _bwd_fake(dout, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _bwd_fake(*args):
+    return None
+
+
+def _compiled_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
+    out, lse = forward_outputs(q, cu_seqlens_q is not None or cu_seqlens_k is not None)
+    torch.ops.flare.fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *args)
+    return out, lse
+
+
+def _compiled_backward(dout, q, k, v, out, lse, *args):
+    dout = _unit_last_stride(dout)
+    dq, dk, dv = backward_outputs(q, k, v)
+    torch.ops.flare.bwd(dout, q, k, v, out, lse, dq, dk, dv, *args)
+    return dq, dk, dv
 
 
 # fwd's argument count: a backward returns one gradient (or None) per argument.
@@ -159,7 +192,7 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        run = torch.ops.flare.fwd if torch.compiler.is_compiling() else forward
+        run = _compiled_forward if torch.compiler.is_compiling() else forward
         out, lse = run(*inputs)
         _save_for_backward(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
@@ -175,7 +208,7 @@ class Attention(torch.autograd.Function):
         # dlse is ignored, as in flash_attn: the LSE output is not differentiable.
         if dout is None:  # out did not reach the loss either
             return (None,) * _N_FWD_INPUTS
-        run = torch.ops.flare.bwd if torch.compiler.is_compiling() else backward
+        run = _compiled_backward if torch.compiler.is_compiling() else backward
         dq, dk, dv = run(dout, *_backward_args(ctx))
         return (dq, dk, dv) + (None,) * (_N_FWD_INPUTS - 3)
 
@@ -197,5 +230,5 @@ def attention(q, k, v, options, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return Attention.apply(*args)
     if torch.compiler.is_compiling():
-        return torch.ops.flare.fwd(*args)
+        return _compiled_forward(*args)
     return forward(*args)

@@ -263,13 +263,13 @@ def test_opcheck(device):
     q = torch.randn(1, 16, 2, 32, device=device, dtype=dtype)
     k = torch.randn(1, 24, 1, 32, device=device, dtype=dtype)
     v = torch.randn(1, 24, 1, 32, device=device, dtype=dtype)
-    args = (q, k, v, None, None, 0, 0, 0.0, 0.0, True, -1, -1, 0.0, None, False, None, 0)
+    options = (None, None, 0, 0, 0.0, 0.0, True, -1, -1, 0.0, None, False, None, 0)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 16, device=device)
     with cuda_may_be_unsupported(device):
-        torch.library.opcheck(torch.ops.flare.fwd.default, args)
-        out, lse = torch.ops.flare.fwd(*args)
-        bwd_args = (torch.randn_like(out), q, k, v, out, lse, None,
-                    None, 0, 0, 0.0, 0.0, True, -1, -1, 0.0, None, False, None, 0)
-        torch.library.opcheck(torch.ops.flare.bwd.default, bwd_args)
+        torch.library.opcheck(torch.ops.flare.fwd.default, (q, k, v, out, lse) + options)
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        torch.library.opcheck(torch.ops.flare.bwd.default,
+                              (torch.randn_like(out), q, k, v, out, lse) + grads + options)
 
 
 # ---- dropout, streams, errors -----------------------------------------------------------------
