@@ -1,6 +1,7 @@
 /* c_api_from_c.c — a caller of the C API written in C99, so that flare/c_api.h is proven to be a
  * valid C header (a C++-only construct in it would fail this compile). test_cpu_c_api calls
- * flare_c_forward and checks its results against the C++ API. */
+ * flare_c_forward and test_cpu_c_api_dist calls flare_c_cp_rank, and each checks the results
+ * against the C++ API. */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -43,4 +44,42 @@ int flare_c_forward(void* q, void* k, void* v, void* o, void* lse, const int64_t
   options.causal = causal;
   options.backend = backend;
   return flare_attention_forward(&tq, &tk, &tv, &to, &tlse, &options, NULL, NULL);
+}
+
+/* One rank of a context-parallel float32 forward and backward, written against the C ABI alone:
+ * the plan over `comm` (every rank calls this at once, each with its own handle), then forward and
+ * backward on dense buffers of this rank's rows. local_shape is q's (b, s_local, h_q, d); k, v,
+ * dk and dv have heads_kv heads. A plan whose shard disagrees with s_local is reported as
+ * FLARE_INVALID_ARGUMENT before anything runs. Returns the first failed call's status code. */
+int flare_c_cp_rank(flare_comm* comm, int32_t strategy, int32_t causal, int64_t seqlen,
+                    const int64_t* local_shape, int32_t heads_kv, void* q, void* k, void* v,
+                    void* o, void* lse, void* dout, void* dq, void* dk, void* dv) {
+  const int64_t kv_shape[4] = {local_shape[0], local_shape[1], heads_kv, local_shape[3]};
+  const int64_t lse_shape[3] = {local_shape[0], local_shape[2], local_shape[1]};
+  const flare_tensor tq = dense_f32(q, 4, local_shape), tk = dense_f32(k, 4, kv_shape),
+                     tv = dense_f32(v, 4, kv_shape), to = dense_f32(o, 4, local_shape),
+                     tl = dense_f32(lse, 3, lse_shape), tdo = dense_f32(dout, 4, local_shape),
+                     tdq = dense_f32(dq, 4, local_shape), tdk = dense_f32(dk, 4, kv_shape),
+                     tdv = dense_f32(dv, 4, kv_shape);
+  flare_cp_config config = flare_default_cp_config();
+  flare_sequence_shard shard;
+  flare_cp* cp = NULL;
+  int code;
+  config.strategy = strategy;
+  config.batch = (int32_t)local_shape[0];
+  config.seqlen = seqlen;
+  config.heads_q = (int32_t)local_shape[2];
+  config.heads_kv = heads_kv;
+  config.head_dim = (int32_t)local_shape[3];
+  config.dtype = FLARE_FLOAT32;
+  config.attention.causal = causal;
+  code = flare_cp_create(comm, &config, &cp);
+  if (code != FLARE_OK) return code;
+  code = flare_cp_get_shard(cp, &shard);
+  if (code == FLARE_OK && shard.length != local_shape[1]) code = FLARE_INVALID_ARGUMENT;
+  if (code == FLARE_OK) code = flare_cp_forward(cp, &tq, &tk, &tv, &to, &tl, NULL);
+  if (code == FLARE_OK)
+    code = flare_cp_backward(cp, &tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, NULL);
+  flare_cp_destroy(cp);
+  return code;
 }

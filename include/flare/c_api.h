@@ -1,4 +1,5 @@
-/* flare/c_api.h — the C ABI mirror of flare/attention.h, for bindings (Python over DLPack, …).
+/* flare/c_api.h — the C ABI mirror of flare/attention.h and flare/dist.h, for bindings (Python
+ * over DLPack, …).
  *
  * Every function returns a flare_status_code (0 = OK). On failure, flare_last_error() returns the
  * message of the last failed call on the calling thread; nothing was written to any output.
@@ -73,6 +74,133 @@ int flare_attention_backward(const flare_tensor* dout, const flare_tensor* q,
                              const flare_tensor* dk, const flare_tensor* dv,
                              const flare_attention_options* options, const flare_varlen* varlen,
                              void* stream);
+
+/* ---- context parallelism: the C mirror of flare/dist.h ---------------------------------------
+ * One sequence split across ranks; docs/context-parallel.md describes the algorithm and launch.
+ * Handles are opaque. A handle belongs to one rank and is used by one thread at a time; every
+ * rank issues the same collective calls in the same order. Every operation of a communicator is
+ * bounded by its timeout: a dead or missing peer gives FLARE_DEVICE_ERROR naming it, never a
+ * hang, and leaves the communicator unusable. timeout_ms = 0 takes the default (5 minutes).
+ * The NCCL entry points return FLARE_UNSUPPORTED in builds without CUDA and NCCL. */
+typedef struct flare_comm flare_comm;
+typedef struct flare_cp flare_cp;
+
+enum flare_cp_strategy { FLARE_CP_RING = 0, FLARE_CP_ZIGZAG = 1, FLARE_CP_ALL_TO_ALL = 2 };
+
+/* NCCL's unique id: rank 0 makes it (flare_nccl_unique_id), every rank needs the same bytes. */
+typedef struct flare_nccl_id {
+  unsigned char bytes[128];
+} flare_nccl_id;
+
+typedef struct flare_comm_info {
+  int32_t rank;
+  int32_t size;
+  int32_t device;        /* enum flare_device: where its buffers live */
+  int32_t device_index;
+  int32_t timeout_ms;
+  const char* kind;      /* "in-process" or "nccl"; static storage */
+} flare_comm_info;
+
+/* Where this process sits in a launch: torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK,
+ * MASTER_ADDR, MASTER_PORT), else Open MPI's (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK). */
+typedef struct flare_launch_info {
+  int32_t rank;
+  int32_t size;
+  int32_t local_rank;
+  int32_t master_port;
+  char master_addr[256];
+  char source[16];       /* "torchrun" or "mpirun" */
+} flare_launch_info;
+
+/* A run of consecutive global rows held by one rank; a shard is one or two of them (zigzag). */
+typedef struct flare_sequence_chunk {
+  int64_t global_begin;
+  int64_t local_begin;
+  int64_t length;
+} flare_sequence_chunk;
+
+typedef struct flare_sequence_shard {
+  int32_t count;
+  flare_sequence_chunk chunk[2];
+  int64_t length;        /* local rows */
+} flare_sequence_shard;
+
+/* What every rank agrees on (self-attention over one global sequence of seqlen rows). */
+typedef struct flare_cp_config {
+  int32_t strategy;      /* enum flare_cp_strategy */
+  int32_t batch;
+  int64_t seqlen;
+  int32_t heads_q;
+  int32_t heads_kv;
+  int32_t head_dim;
+  int32_t dtype;         /* enum flare_dtype */
+  flare_attention_options attention;
+} flare_cp_config;
+
+/* Sums over the calls since the last flare_cp_take_timing (times on CUDA devices only). */
+typedef struct flare_cp_timing {
+  int32_t calls;
+  int32_t exchanges;
+  int64_t bytes_sent;
+  double comm_ms;
+  double compute_ms;
+} flare_cp_timing;
+
+int flare_nccl_built(void);
+int flare_nccl_unique_id(flare_nccl_id* id);
+
+/* `size` in-process communicators of one group (threads of this process, host memory): comms is
+ * an array of `size` handles, comms[r] being rank r's, each destroyed on its own. */
+int flare_comm_create_in_process_group(int32_t size, int32_t timeout_ms, flare_comm** comms);
+/* An NCCL communicator on CUDA device `device`, rank `rank` of `size` (collective). */
+int flare_comm_create_nccl(const flare_nccl_id* id, int32_t rank, int32_t size, int32_t device,
+                           int32_t timeout_ms, flare_comm** comm);
+/* The launcher's path: reads the environment, shares rank 0's NCCL id over TCP
+ * (MASTER_ADDR:MASTER_PORT) and creates the communicator on device LOCAL_RANK. info may be NULL. */
+int flare_comm_create_nccl_from_env(int32_t timeout_ms, flare_comm** comm,
+                                    flare_launch_info* info);
+/* Wraps a caller's ncclComm_t. With take_ownership it is destroyed with the handle; either way a
+ * timeout aborts it (docs/context-parallel.md). */
+int flare_comm_adopt_nccl(void* nccl_comm, int32_t take_ownership, int32_t timeout_ms,
+                          flare_comm** comm);
+/* NULL is ignored. Destroy every flare_cp made on a communicator first. */
+void flare_comm_destroy(flare_comm* comm);
+int flare_comm_get_info(const flare_comm* comm, flare_comm_info* info);
+/* Host-blocking: every rank has arrived and this rank's earlier operations have completed. */
+int flare_comm_barrier(flare_comm* comm);
+/* FLARE_OK, or the error that made the communicator unusable. */
+int flare_comm_health(flare_comm* comm);
+int flare_launch_info_from_env(flare_launch_info* info);
+
+/* Which global rows rank `rank` of `size` holds, in local order. */
+int flare_get_sequence_shard(int32_t strategy, int64_t seqlen, int32_t size, int32_t rank,
+                             flare_sequence_shard* shard);
+/* Copies rank `rank`'s rows of `full` into `local` (shard) or back (unshard); seq_dim 1 for
+ * (b, s, h, d) tensors, 2 for lse (b, h, s). CPU tensors of one dtype. */
+int flare_shard_sequence(const flare_tensor* full, int32_t seq_dim, int32_t strategy,
+                         int32_t size, int32_t rank, const flare_tensor* local);
+int flare_unshard_sequence(const flare_tensor* local, int32_t seq_dim, int32_t strategy,
+                           int32_t size, int32_t rank, const flare_tensor* full);
+
+/* Zigzag, bfloat16, default attention options, sizes 0 (to be filled in). */
+flare_cp_config flare_default_cp_config(void);
+/* Collective: every rank of `comm` calls it with the same config (checked across ranks). comm
+ * must outlive the plan. */
+int flare_cp_create(flare_comm* comm, const flare_cp_config* config, flare_cp** cp);
+void flare_cp_destroy(flare_cp* cp);
+/* This rank's rows: local tensors hold shard->length of them, in that order. */
+int flare_cp_get_shard(const flare_cp* cp, flare_sequence_shard* shard);
+/* Collective. Local tensors: q, o, dout, dq (b, s_local, h_q, d); k, v, dk, dv
+ * (b, s_local, h_kv, d); lse (b, h_q, s_local) float32. stream: cudaStream_t or NULL. */
+int flare_cp_forward(flare_cp* cp, const flare_tensor* q, const flare_tensor* k,
+                     const flare_tensor* v, const flare_tensor* o, const flare_tensor* lse,
+                     void* stream);
+int flare_cp_backward(flare_cp* cp, const flare_tensor* dout, const flare_tensor* q,
+                      const flare_tensor* k, const flare_tensor* v, const flare_tensor* o,
+                      const flare_tensor* lse, const flare_tensor* dq, const flare_tensor* dk,
+                      const flare_tensor* dv, void* stream);
+int flare_cp_set_timing(flare_cp* cp, int32_t on);
+int flare_cp_take_timing(flare_cp* cp, flare_cp_timing* timing);
 
 /* Message of the last failed call on this thread ("" if none). Valid until the next call. */
 const char* flare_last_error(void);

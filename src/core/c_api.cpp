@@ -1,37 +1,55 @@
-// c_api.cpp — the extern "C" mirror: converts C structs to flare types, calls the C++ entry
-// points, and turns a Status into a code plus a thread-local message. Nothing crosses the ABI as
-// an exception: allocation failures while converting are reported as FLARE_OUT_OF_MEMORY.
+// c_api.cpp — the extern "C" mirror of attention.h: converts C structs to flare types, calls the
+// C++ entry points, and turns a Status into a code plus a thread-local message. Nothing crosses
+// the ABI as an exception: allocation failures while converting are reported as
+// FLARE_OUT_OF_MEMORY. The helpers are shared with c_api_dist.cpp (dist.h's mirror) through
+// c_api_internal.h.
 #include "flare/c_api.h"
 
-#include <initializer_list>
-#include <new>
 #include <string>
 
+#include "core/c_api_internal.h"
 #include "flare/attention.h"
+
+using flare::c_api::guarded;
+using flare::c_api::rank_error;
+using flare::c_api::to_options;
+using flare::c_api::to_view;
 
 namespace {
 
 thread_local std::string g_last_error;
 
-// A flare_tensor's ndim indexes fixed arrays of kMaxDims, so it is checked (by rank_error) before
-// the tensor is converted.
-flare::TensorView to_view(const flare_tensor* t) {
-  flare::TensorView v;
+flare::VarlenArgs to_varlen(const flare_varlen* v) {
+  flare::VarlenArgs r;
+  if (v == nullptr) return r;
+  r.cu_seqlens_q = flare::c_api::to_view(&v->cu_seqlens_q);
+  r.cu_seqlens_k = flare::c_api::to_view(&v->cu_seqlens_k);
+  r.max_seqlen_q = v->max_seqlen_q;
+  r.max_seqlen_k = v->max_seqlen_k;
+  return r;
+}
+
+}  // namespace
+
+namespace flare::c_api {
+
+TensorView to_view(const flare_tensor* t) {
+  TensorView v;
   if (t == nullptr) return v;
   v.data = t->data;
-  v.dtype = static_cast<flare::DType>(t->dtype);
-  v.device = static_cast<flare::DeviceType>(t->device);
+  v.dtype = static_cast<DType>(t->dtype);
+  v.device = static_cast<DeviceType>(t->device);
   v.device_index = t->device_index;
   v.ndim = t->ndim;
-  for (int i = 0; i < flare::kMaxDims; ++i) {
+  for (int i = 0; i < kMaxDims; ++i) {
     v.shape[i] = t->shape[i];
     v.stride[i] = t->stride[i];
   }
   return v;
 }
 
-flare::AttentionOptions to_options(const flare_attention_options* o) {
-  flare::AttentionOptions r;
+AttentionOptions to_options(const flare_attention_options* o) {
+  AttentionOptions r;
   if (o == nullptr) return r;
   r.softmax_scale = o->softmax_scale;
   r.causal = o->causal != 0;
@@ -43,22 +61,10 @@ flare::AttentionOptions to_options(const flare_attention_options* o) {
   r.dropout_seed = o->dropout_seed;
   r.dropout_offset = o->dropout_offset;
   r.deterministic = o->deterministic != 0;
-  r.backend = static_cast<flare::Backend>(o->backend);
+  r.backend = static_cast<Backend>(o->backend);
   return r;
 }
 
-flare::VarlenArgs to_varlen(const flare_varlen* v) {
-  flare::VarlenArgs r;
-  if (v == nullptr) return r;
-  r.cu_seqlens_q = to_view(&v->cu_seqlens_q);
-  r.cu_seqlens_k = to_view(&v->cu_seqlens_k);
-  r.max_seqlen_q = v->max_seqlen_q;
-  r.max_seqlen_k = v->max_seqlen_k;
-  return r;
-}
-
-// Records the message without letting an allocation failure escape: the code still reaches the
-// caller, with an empty message.
 int fail(int code, const char* message) {
   try {
     g_last_error = message;
@@ -68,31 +74,12 @@ int fail(int code, const char* message) {
   return code;
 }
 
-template <typename F>
-int guarded(F&& f) {
-  try {
-    const flare::Status s = f();
-    return s.ok() ? FLARE_OK : fail(static_cast<int>(s.code()), s.message().c_str());
-  } catch (const std::bad_alloc&) {
-    return fail(FLARE_OUT_OF_MEMORY, "host allocation failed");
-  } catch (...) {
-    return fail(FLARE_INTERNAL, "unexpected exception inside flare");
-  }
-}
-
-// Each tensor argument with its name, so a bad rank is reported against the argument it belongs to.
-struct NamedTensor {
-  const char* name;
-  const flare_tensor* tensor;
-};
-
-flare::Status rank_error(std::initializer_list<NamedTensor> tensors,
-                         const flare_attention_options* options, const flare_varlen* varlen) {
+Status rank_error(std::initializer_list<NamedTensor> tensors,
+                  const flare_attention_options* options, const flare_varlen* varlen) {
   auto check = [](const char* name, const flare_tensor* t) {
-    if (t == nullptr || (t->ndim >= 0 && t->ndim <= flare::kMaxDims)) return flare::Status();
-    return flare::Status::invalid_argument(std::string(name) + ": ndim = " +
-                                           std::to_string(t->ndim) + " must be in [0, " +
-                                           std::to_string(flare::kMaxDims) + "]");
+    if (t == nullptr || (t->ndim >= 0 && t->ndim <= kMaxDims)) return Status();
+    return Status::invalid_argument(std::string(name) + ": ndim = " + std::to_string(t->ndim) +
+                                    " must be in [0, " + std::to_string(kMaxDims) + "]");
   };
   for (const NamedTensor& n : tensors) FLARE_RETURN_IF_ERROR(check(n.name, n.tensor));
   if (options != nullptr) FLARE_RETURN_IF_ERROR(check("alibi_slopes", &options->alibi_slopes));
@@ -103,7 +90,7 @@ flare::Status rank_error(std::initializer_list<NamedTensor> tensors,
   return {};
 }
 
-}  // namespace
+}  // namespace flare::c_api
 
 extern "C" {
 
