@@ -87,7 +87,7 @@ log "build ok in $(( $(date +%s) - start )) s; spills: $(grep -c 'bytes spill st
 
 run_ctest() {  # label
   log "ctest -L $1"
-  if ctest --test-dir "$build" -L "$1" -j 4 --output-on-failure --timeout 900 \
+  if ctest --test-dir "$build" -L "$1" -j 8 --output-on-failure --timeout 900 \
        > "$out/ctest_$1.log" 2>&1; then
     log "ctest -L $1: $(grep -E 'tests passed' "$out/ctest_$1.log")"
   else
