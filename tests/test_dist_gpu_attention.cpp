@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,7 @@
 #include "gpu_util.h"
 #include "test_dist_gpu_util.h"
 #include "test_dist_util.h"
+#include "test_dist_varlen_util.h"
 #include "test_util.h"
 
 namespace flare::test {
@@ -50,9 +52,10 @@ Status forward_backward(ContextParallelAttention& cp, const DeviceLocal& d, cuda
   return cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
-// Runs case c `runs` times on c.world GPUs with one plan per rank; run i's outputs land in
-// (*outs)[i], one Local per rank (inputs sharded from pr).
-void run_on_gpus(const CpCase& c, const Problem& pr, int runs, std::vector<std::vector<Local>>* outs) {
+// Runs case c (CpCase, or VarlenCpCase for packed batches) `runs` times on c.world GPUs with one
+// plan per rank; run i's outputs land in (*outs)[i], one Local per rank (inputs sharded from pr).
+template <typename Case>
+void run_on_gpus(const Case& c, const Problem& pr, int runs, std::vector<std::vector<Local>>* outs) {
   for (int i = 0; i < runs; ++i) outs->push_back(make_locals(c, pr));
   const std::vector<Status> st = run_nccl(c.world, kTimeoutMs, [&](Communicator& comm) -> Status {
     const int r = comm.rank();
@@ -75,15 +78,23 @@ void run_on_gpus(const CpCase& c, const Problem& pr, int runs, std::vector<std::
 // The whole problem as one single-GPU flare call on device 0; outputs into pr.
 void run_single_gpu(Problem* pr) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-  GpuTensor q, k, v, o, lse, dout, dq, dk, dv;
+  GpuTensor q, k, v, o, lse, dout, dq, dk, dv, cu_q, cu_k;
   for (auto [d, h] : {std::pair{&q, &pr->q}, {&k, &pr->k}, {&v, &pr->v}, {&o, &pr->o}, {&lse, &pr->lse},
                       {&dout, &pr->dout}, {&dq, &pr->dq}, {&dk, &pr->dk}, {&dv, &pr->dv}})
     d->upload(*h);
+  VarlenArgs varlen;
+  if (pr->is_varlen()) {
+    cu_q.upload(pr->cu_q);
+    cu_k.upload(pr->cu_k);
+    varlen = pr->varlen;
+    varlen.cu_seqlens_q = cu_q.view();
+    varlen.cu_seqlens_k = cu_k.view();
+  }
   for (const GpuTensor* t : {&o, &lse, &dq, &dk, &dv}) t->poison();
-  Status s = attention_forward(q.view(), k.view(), v.view(), o.view(), lse.view(), pr->options);
+  Status s = attention_forward(q.view(), k.view(), v.view(), o.view(), lse.view(), pr->options, varlen);
   ASSERT_TRUE(s.ok()) << s.to_string();
   s = attention_backward(dout.view(), q.view(), k.view(), v.view(), o.view(), lse.view(), dq.view(),
-                         dk.view(), dv.view(), pr->options);
+                         dk.view(), dv.view(), pr->options, varlen);
   ASSERT_TRUE(s.ok()) << s.to_string();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   o.download(&pr->o);
@@ -101,7 +112,8 @@ double max_difference(const std::vector<double>& a, const std::vector<double>& b
 }
 
 // The whole check of one case: context parallel and single GPU, each against the reference.
-void run_gpu_case(const CpCase& c) {
+template <typename Case>
+void run_gpu_case(const Case& c) {
   SCOPED_TRACE(describe(c));
   const ProblemSpec spec = spec_of(c);
   Problem pr = make_problem(spec);
@@ -240,6 +252,93 @@ TEST(ContextParallelGpu, AllToAll) {
   c.window_right = 9;
   c.dtype = DType::kFloat16;
   run_gpu_case(with_strategy(c, Strategy::kAllToAll));
+}
+
+// Sliding windows under the ring and zigzag: every block call gets its own window, blocks the
+// window hides are skipped; left only, right only, both, and with causal, windows narrower than a
+// chunk and wider than one, over several kernel tiles per block.
+TEST(ContextParallelGpu, SlidingWindows) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  struct Band {
+    int left, right;
+    bool causal;
+  };
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+    for (const Band& b : {Band{100, -1, true}, Band{37, 0, false}, Band{-1, 50, false},
+                          Band{300, 200, false}, Band{1000, -1, true}}) {
+      CpCase c;
+      c.world = usable_devices();
+      c.strategy = st;
+      c.dtype = DType::kBFloat16;
+      c.batch = 2;
+      c.seqlen = 192 * c.world + 29;
+      c.heads_q = 8;
+      c.heads_kv = 2;
+      c.head_dim = 128;
+      c.window_left = b.left;
+      c.window_right = b.right;
+      c.causal = b.causal;
+      run_gpu_case(c);
+    }
+}
+
+// Packed variable-length batches: each sequence split across the GPUs on its own; empty
+// sequences, sequences shorter than the chunk count, lengths not divisible by the ranks; causal
+// and not, a sliding window, fp16 and bf16, GQA.
+TEST(ContextParallelGpu, PackedVariableLength) {
+  FLARE_SKIP_WITHOUT_TWO_GPUS();
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+    for (bool causal : {true, false}) {
+      VarlenCpCase c;
+      c.world = usable_devices();
+      c.strategy = st;
+      c.causal = causal;
+      c.dtype = causal ? DType::kBFloat16 : DType::kFloat16;
+      c.heads_q = 8;
+      c.heads_kv = 2;
+      c.head_dim = 128;
+      c.seqlens = {300 * c.world + 7, 0, 1, 2 * c.world - 1, 129, 64 * c.world, 0};
+      run_gpu_case(c);
+      c.window_left = 90;
+      c.window_right = causal ? -1 : 17;
+      run_gpu_case(c);
+    }
+}
+
+// shard_varlen / unshard_varlen on device tensors: the same bytes as on the host.
+TEST(ContextParallelGpu, DeviceShardHelpers) {
+  if (usable_devices() < 1) GTEST_SKIP() << "needs a CUDA device";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  const std::vector<int32_t> cu = {0, 37, 37, 38, 171};
+  std::mt19937_64 rng(test_seed());
+  HostTensor full = HostTensor::make(DType::kBFloat16, {171, 3, 40});
+  full.fill_normal(rng);
+  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
+    for (int n : {2, 3}) {
+      SCOPED_TRACE(::testing::Message() << dist::strategy_name(st) << " n=" << n);
+      HostTensor back = HostTensor::make(DType::kBFloat16, {171, 3, 40});
+      GpuTensor d_full, d_back;
+      d_full.upload(full);
+      d_back.upload(back);
+      for (int r = 0; r < n; ++r) {
+        dist::VarlenShard sh;
+        ASSERT_TRUE(dist::varlen_shard(st, cu, n, r, &sh).ok());
+        HostTensor want = HostTensor::make(DType::kBFloat16, {sh.length, 3, 40});
+        ASSERT_TRUE(dist::shard_varlen(full.view, 0, st, cu, n, r, want.view).ok());
+        HostTensor got = HostTensor::make(DType::kBFloat16, {sh.length, 3, 40});
+        GpuTensor d_local;
+        d_local.upload(got);
+        Status s = dist::shard_varlen(d_full.view(), 0, st, cu, n, r, d_local.view());
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        s = dist::unshard_varlen(d_local.view(), 0, st, cu, n, r, d_back.view());
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        d_local.download(&got);
+        EXPECT_EQ(got.bytes, want.bytes) << "rank " << r;
+      }
+      d_back.download(&back);
+      EXPECT_EQ(back.bytes, full.bytes);
+    }
 }
 
 // Two runs of one plan on the same inputs give the same bytes (deterministic backward; the ring's
