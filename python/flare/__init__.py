@@ -3,7 +3,9 @@
 Drop-in for flash_attn 2.x's functions (flare/interface.py) over any DLPack framework, with
 autograd for PyTorch; attention_forward / attention_backward are the plain calls for
 frameworks without autograd (NumPy). flare.bert_padding holds flash_attn.bert_padding's helpers
-(torch only; import it explicitly). A bad argument raises TypeError (wrong kind of value: None,
+(torch only; import it explicitly). flare.dist is context parallelism — one sequence split
+across GPUs (ring_flash_attn_func, communicators from torch.distributed groups or the launch
+environment; import it explicitly). A bad argument raises TypeError (wrong kind of value: None,
 a list, an array of another framework) or ValueError (invalid value); errors from the library
 are raised as ValueError (invalid argument), NotImplementedError (valid but unsupported by this
 build or device), MemoryError or RuntimeError (device errors). Every message starts with the

@@ -19,12 +19,18 @@
 // An argument that is not a tensor at all raises TypeError naming it.
 // The GIL is released while the library runs, so CPU attention on one thread does not stall
 // Python threads, and CUDA launches do not serialise with them.
+//
+// Context parallelism (flare/dist.py): Comm and Plan own a communicator and a plan of the C ABI;
+// their collective calls release the GIL, since in-process ranks are threads of one interpreter.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "flare/c_api.h"
 
@@ -296,6 +302,250 @@ void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::han
   check(code);
 }
 
+// ---- context parallelism (flare/dist.h through the C ABI) ----------------------------------------
+// A communicator and a plan are Python objects that own their C handles. Every collective call
+// releases the GIL: the ranks of an in-process group are Python threads of this interpreter, and
+// each waits inside the call for the others.
+
+// One rank's communicator. A plan made on it holds a reference to it, so it outlives its plans;
+// close() refuses while any plan is open.
+struct Comm {
+  flare_comm* handle = nullptr;
+  int open_plans = 0;
+
+  explicit Comm(flare_comm* h) : handle(h) {}
+  ~Comm() { flare_comm_destroy(handle); }
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  flare_comm* get() const {
+    if (handle == nullptr) raise(PyExc_ValueError, "comm: the communicator is closed");
+    return handle;
+  }
+  void close() {
+    if (open_plans > 0)
+      raise(PyExc_RuntimeError, "comm: " + std::to_string(open_plans) +
+                                    " context-parallel plan(s) still use this communicator; "
+                                    "close them first");
+    flare_comm_destroy(handle);
+    handle = nullptr;
+  }
+  nb::dict info() const {
+    flare_comm_info i;
+    check(flare_comm_get_info(get(), &i));
+    nb::dict d;
+    d["rank"] = i.rank;
+    d["size"] = i.size;
+    d["device"] = i.device == FLARE_CUDA ? "cuda" : "cpu";
+    d["device_index"] = i.device_index;
+    d["timeout_ms"] = i.timeout_ms;
+    d["kind"] = std::string(i.kind);
+    return d;
+  }
+  void barrier() {
+    flare_comm* c = get();
+    int code;
+    {
+      nb::gil_scoped_release release;
+      code = flare_comm_barrier(c);
+    }
+    check(code);
+  }
+  void health() { check(flare_comm_health(get())); }
+};
+
+nb::list make_in_process_group(int size, int timeout_ms) {
+  if (size < 1) raise(PyExc_ValueError, "world_size: " + std::to_string(size) + " must be >= 1");
+  std::vector<flare_comm*> handles(static_cast<size_t>(size), nullptr);
+  check(flare_comm_create_in_process_group(size, timeout_ms, handles.data()));
+  nb::list out;
+  for (flare_comm* h : handles) out.append(nb::cast(new Comm(h), nb::rv_policy::take_ownership));
+  return out;
+}
+
+nb::bytes make_nccl_unique_id() {
+  flare_nccl_id id;
+  check(flare_nccl_unique_id(&id));
+  return nb::bytes(reinterpret_cast<const char*>(id.bytes), sizeof id.bytes);
+}
+
+Comm* make_nccl_comm(nb::bytes id, int rank, int size, int device, int timeout_ms) {
+  if (id.size() != sizeof(flare_nccl_id::bytes))
+    raise(PyExc_ValueError, "nccl_id: expected " + std::to_string(sizeof(flare_nccl_id::bytes)) +
+                                " bytes, got " + std::to_string(id.size()));
+  flare_nccl_id nid;
+  std::memcpy(nid.bytes, id.c_str(), sizeof nid.bytes);
+  flare_comm* h = nullptr;
+  int code;
+  {
+    nb::gil_scoped_release release;  // collective: waits for every rank to join
+    code = flare_comm_create_nccl(&nid, rank, size, device, timeout_ms, &h);
+  }
+  check(code);
+  return new Comm(h);
+}
+
+nb::dict launch_dict(const flare_launch_info& i) {
+  nb::dict d;
+  d["rank"] = i.rank;
+  d["size"] = i.size;
+  d["local_rank"] = i.local_rank;
+  d["master_addr"] = std::string(i.master_addr);
+  d["master_port"] = i.master_port;
+  d["source"] = std::string(i.source);
+  return d;
+}
+
+nb::tuple make_nccl_comm_from_env(int timeout_ms) {
+  flare_comm* h = nullptr;
+  flare_launch_info info{};
+  int code;
+  {
+    nb::gil_scoped_release release;  // rendezvous and creation wait for every rank
+    code = flare_comm_create_nccl_from_env(timeout_ms, &h, &info);
+  }
+  check(code);
+  return nb::make_tuple(nb::cast(new Comm(h), nb::rv_policy::take_ownership), launch_dict(info));
+}
+
+Comm* adopt_nccl_comm(uintptr_t nccl_comm, bool take_ownership, int timeout_ms) {
+  flare_comm* h = nullptr;
+  check(flare_comm_adopt_nccl(reinterpret_cast<void*>(nccl_comm), take_ownership ? 1 : 0,
+                              timeout_ms, &h));
+  return new Comm(h);
+}
+
+nb::dict launch_info_from_env() {
+  flare_launch_info info{};
+  check(flare_launch_info_from_env(&info));
+  return launch_dict(info);
+}
+
+nb::list shard_chunks(const flare_sequence_shard& s) {
+  nb::list chunks;
+  for (int i = 0; i < s.count; ++i)
+    chunks.append(nb::make_tuple(s.chunk[i].global_begin, s.chunk[i].local_begin,
+                                 s.chunk[i].length));
+  return chunks;
+}
+
+// The rows rank `rank` holds: a list of (global_begin, local_begin, length) in local order.
+nb::list sequence_shard(int strategy, int64_t seqlen, int size, int rank) {
+  flare_sequence_shard s;
+  check(flare_get_sequence_shard(strategy, seqlen, size, rank, &s));
+  return shard_chunks(s);
+}
+
+// A context-parallel plan on one rank's communicator.
+struct Plan {
+  flare_cp* handle = nullptr;
+  nb::object comm;  // keeps the communicator alive; its open_plans counts this plan
+
+  Plan(flare_cp* h, nb::object c) : handle(h), comm(std::move(c)) {
+    nb::cast<Comm&>(comm).open_plans += 1;
+  }
+  ~Plan() { close(); }
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+
+  flare_cp* get() const {
+    if (handle == nullptr) raise(PyExc_ValueError, "plan: the context-parallel plan is closed");
+    return handle;
+  }
+  void close() {
+    if (handle == nullptr) return;
+    flare_cp_destroy(handle);
+    handle = nullptr;
+    nb::cast<Comm&>(comm).open_plans -= 1;
+  }
+  nb::list shard() const {
+    flare_sequence_shard s;
+    check(flare_cp_get_shard(get(), &s));
+    return shard_chunks(s);
+  }
+  void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle o, nb::handle lse,
+               uintptr_t stream) {
+    const flare_tensor tq = to_flare_tensor(q, "q"), tk = to_flare_tensor(k, "k"),
+                       tv = to_flare_tensor(v, "v"), to = to_flare_tensor(o, "o", true),
+                       tl = to_flare_tensor(lse, "lse", true);
+    flare_cp* cp = get();
+    int code;
+    {
+      nb::gil_scoped_release release;
+      code = flare_cp_forward(cp, &tq, &tk, &tv, &to, &tl, reinterpret_cast<void*>(stream));
+    }
+    check(code);
+  }
+  void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle o,
+                nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv, uintptr_t stream) {
+    const flare_tensor tdo = to_flare_tensor(dout, "dout"), tq = to_flare_tensor(q, "q"),
+                       tk = to_flare_tensor(k, "k"), tv = to_flare_tensor(v, "v"),
+                       to = to_flare_tensor(o, "o"), tl = to_flare_tensor(lse, "lse"),
+                       tdq = to_flare_tensor(dq, "dq", true),
+                       tdk = to_flare_tensor(dk, "dk", true),
+                       tdv = to_flare_tensor(dv, "dv", true);
+    flare_cp* cp = get();
+    int code;
+    {
+      nb::gil_scoped_release release;
+      code = flare_cp_backward(cp, &tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv,
+                               reinterpret_cast<void*>(stream));
+    }
+    check(code);
+  }
+  void set_timing(bool on) { check(flare_cp_set_timing(get(), on ? 1 : 0)); }
+  nb::dict take_timing() {
+    flare_cp_timing t;
+    flare_cp* cp = get();
+    int code;
+    {
+      nb::gil_scoped_release release;  // waits for the recorded events on a CUDA device
+      code = flare_cp_take_timing(cp, &t);
+    }
+    check(code);
+    nb::dict d;
+    d["calls"] = t.calls;
+    d["exchanges"] = t.exchanges;
+    d["bytes_sent"] = t.bytes_sent;
+    d["comm_ms"] = t.comm_ms;
+    d["compute_ms"] = t.compute_ms;
+    return d;
+  }
+};
+
+Plan* make_plan(nb::object comm, int strategy, int batch, int64_t seqlen, int heads_q,
+                int heads_kv, int head_dim, int dtype, float softmax_scale, bool causal,
+                int window_left, int window_right, float softcap, bool deterministic,
+                int backend) {
+  flare_cp_config c = flare_default_cp_config();
+  c.strategy = strategy;
+  c.batch = batch;
+  c.seqlen = seqlen;
+  c.heads_q = heads_q;
+  c.heads_kv = heads_kv;
+  c.head_dim = head_dim;
+  c.dtype = dtype;
+  c.attention.softmax_scale = softmax_scale;
+  c.attention.causal = causal ? 1 : 0;
+  c.attention.window_left = window_left;
+  c.attention.window_right = window_right;
+  c.attention.softcap = softcap;
+  c.attention.deterministic = deterministic ? 1 : 0;
+  c.attention.backend = backend;
+  flare_comm* h = nb::cast<Comm&>(comm).get();
+  flare_cp* cp = nullptr;
+  int code;
+  {
+    nb::gil_scoped_release release;  // collective: gathers every rank's config
+    code = flare_cp_create(h, &c, &cp);
+  }
+  check(code);
+  return new Plan(cp, std::move(comm));
+}
+
+// flare's dtype code of a tensor argument (float32, float16, bfloat16, int32).
+int dtype_code(nb::handle x, const char* name) { return to_flare_tensor(x, name).dtype; }
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -324,6 +574,47 @@ NB_MODULE(_ext, m) {
 
   m.def("version", [] { return std::string(flare_version()); });
   m.def("cuda_built", [] { return flare_cuda_built() != 0; });
+
+  m.def("dtype_code", [](nb::handle x, const std::string& name) { return dtype_code(x, name.c_str()); },
+        nb::arg("x").none(), nb::arg("name"));
+  m.attr("FLOAT32") = static_cast<int>(FLARE_FLOAT32);
+  m.attr("FLOAT16") = static_cast<int>(FLARE_FLOAT16);
+  m.attr("BFLOAT16") = static_cast<int>(FLARE_BFLOAT16);
+
+  // Context parallelism (flare/dist.py is the Python interface).
+  m.def("nccl_built", [] { return flare_nccl_built() != 0; });
+  m.def("nccl_unique_id", &make_nccl_unique_id);
+  m.def("launch_info_from_env", &launch_info_from_env);
+  m.def("sequence_shard", &sequence_shard, nb::arg("strategy"), nb::arg("seqlen"),
+        nb::arg("size"), nb::arg("rank"));
+  nb::class_<Comm>(m, "Comm")
+      .def("info", &Comm::info)
+      .def("barrier", &Comm::barrier)
+      .def("health", &Comm::health)
+      .def("close", &Comm::close)
+      .def_prop_ro("closed", [](const Comm& c) { return c.handle == nullptr; });
+  m.def("in_process_group", &make_in_process_group, nb::arg("size"), nb::arg("timeout_ms"));
+  m.def("nccl_comm", &make_nccl_comm, nb::arg("nccl_id"), nb::arg("rank"), nb::arg("size"),
+        nb::arg("device"), nb::arg("timeout_ms"), nb::rv_policy::take_ownership);
+  m.def("nccl_comm_from_env", &make_nccl_comm_from_env, nb::arg("timeout_ms"));
+  m.def("adopt_nccl_comm", &adopt_nccl_comm, nb::arg("nccl_comm"), nb::arg("take_ownership"),
+        nb::arg("timeout_ms"), nb::rv_policy::take_ownership);
+  nb::class_<Plan>(m, "Plan")
+      .def("shard", &Plan::shard)
+      .def("forward", &Plan::forward, nb::arg("q").none(), nb::arg("k").none(),
+           nb::arg("v").none(), nb::arg("o").none(), nb::arg("lse").none(), nb::arg("stream"))
+      .def("backward", &Plan::backward, nb::arg("dout").none(), nb::arg("q").none(),
+           nb::arg("k").none(), nb::arg("v").none(), nb::arg("o").none(), nb::arg("lse").none(),
+           nb::arg("dq").none(), nb::arg("dk").none(), nb::arg("dv").none(), nb::arg("stream"))
+      .def("set_timing", &Plan::set_timing)
+      .def("take_timing", &Plan::take_timing)
+      .def("close", &Plan::close)
+      .def_prop_ro("closed", [](const Plan& p) { return p.handle == nullptr; });
+  m.def("plan", &make_plan, nb::arg("comm"), nb::arg("strategy"), nb::arg("batch"),
+        nb::arg("seqlen"), nb::arg("heads_q"), nb::arg("heads_kv"), nb::arg("head_dim"),
+        nb::arg("dtype"), nb::arg("softmax_scale"), nb::arg("causal"), nb::arg("window_left"),
+        nb::arg("window_right"), nb::arg("softcap"), nb::arg("deterministic"),
+        nb::arg("backend"), nb::rv_policy::take_ownership);
 
   m.attr("BACKEND_AUTO") = static_cast<int>(FLARE_BACKEND_AUTO);
   m.attr("BACKEND_REFERENCE") = static_cast<int>(FLARE_BACKEND_REFERENCE);
