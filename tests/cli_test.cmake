@@ -2,7 +2,8 @@
 # Run as: cmake -DFLARE=<path to flare> -DMODE=<mode> [-DJSON=<file>] [-DDIR=<dir>] -P cli_test.cmake
 #
 #   MODE=usage          every bad command line below exits 2 with a one-line message on stderr;
-#                       help lists every command and --version, which prints the version
+#                       help lists every command and --version, which prints the version;
+#                       bench-dist's help shows both launchers
 #   MODE=bench_json     `flare bench` on the CPU writes a result file in the schema of
 #                       docs/architecture.md ("Result files"); each case's line is in the piped
 #                       output, in order
@@ -10,7 +11,8 @@
 #                       fails before any case runs, naming --json and the path
 #   MODE=line_buffered  a bench killed while its first case runs has already delivered its
 #                       header line through the pipe, and leaves no result file (JSON) behind
-#   MODE=no_cuda        `--device cuda` in a build without CUDA kernels exits 1, saying why
+#   MODE=no_cuda        `--device cuda` and `bench-dist` in a build without CUDA kernels exit 1,
+#                       saying why
 cmake_minimum_required(VERSION 3.25)
 
 # Runs flare with the arguments in the string `cmdline`; sets rc, out and err in the caller.
@@ -44,6 +46,15 @@ if(MODE STREQUAL "usage")
     "bench --causal=yes"
     "bench --json"
     "bench --h-kv 3 --d 64"
+    "bench-dist --s 0"
+    "bench-dist --s 1024,x"
+    "bench-dist --s ,"
+    "bench-dist --strategies ring,stripe"
+    "bench-dist --h 8 --h-kv 3"
+    "bench-dist --causal --no-causal"
+    "bench-dist --timeout-s 0"
+    "bench-dist --json"
+    "bench-dist --gpus 4"
     "help nonsense")
   foreach(cmdline IN LISTS bad_command_lines)
     run_flare("${cmdline}")
@@ -55,7 +66,8 @@ if(MODE STREQUAL "usage")
     endif()
     message(STATUS "flare ${cmdline} -> 2: ${err}")
   endforeach()
-  foreach(cmdline IN ITEMS "help" "--help" "help demo" "help bench" "demo --help" "bench -h")
+  foreach(cmdline IN ITEMS "help" "--help" "help demo" "help bench" "help bench-dist" "demo --help"
+                          "bench -h" "bench-dist --help")
     run_flare("${cmdline}")
     if(NOT rc EQUAL 0 OR NOT out MATCHES "usage: flare")
       message(FATAL_ERROR "flare ${cmdline}: exit status ${rc}, expected 0 and usage text")
@@ -63,11 +75,19 @@ if(MODE STREQUAL "usage")
   endforeach()
   # The top-level help names every way in, --version included.
   run_flare("help")
-  foreach(entry IN ITEMS "\n  demo " "\n  bench " "\n  help " "\n  --version ")
+  foreach(entry IN ITEMS "\n  demo " "\n  bench " "\n  bench-dist " "\n  help " "\n  --version ")
     string(FIND "${out}" "${entry}" at)
     if(at EQUAL -1)
       string(STRIP "${entry}" name)
       message(FATAL_ERROR "flare help does not list '${name}':\n${out}")
+    endif()
+  endforeach()
+  # bench-dist's help says how to launch it both ways.
+  run_flare("help bench-dist")
+  foreach(entry IN ITEMS "mpirun -np" "torchrun --nproc-per-node" "--json FILE" "per-block sum")
+    string(FIND "${out}" "${entry}" at)
+    if(at EQUAL -1)
+      message(FATAL_ERROR "flare help bench-dist does not mention '${entry}':\n${out}")
     endif()
   endforeach()
   run_flare("--version")
@@ -175,6 +195,14 @@ elseif(MODE STREQUAL "json_unwritable")
     endif()
     message(STATUS "--json ${path} -> 2: ${err}")
   endforeach()
+  # bench-dist checks --json before it looks for GPUs or a launch.
+  execute_process(COMMAND "${FLARE}" bench-dist --json "${DIR}"
+                  TIMEOUT 60 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  string(FIND "${err}" "--json: cannot write '${DIR}'" at)
+  if(NOT rc EQUAL 2 OR at EQUAL -1)
+    message(FATAL_ERROR "flare bench-dist --json ${DIR}: exit status ${rc}, expected 2 naming "
+                        "--json:\n${out}\n${err}")
+  endif()
   file(GLOB left "${DIR}/*")
   if(left)
     message(FATAL_ERROR "the rejected runs left files behind: ${left}")
@@ -203,6 +231,13 @@ elseif(MODE STREQUAL "no_cuda")
   run_flare("demo --device cuda --s 64")
   if(NOT rc EQUAL 1 OR NOT err MATCHES "--device cuda: ")
     message(FATAL_ERROR "flare demo --device cuda: exit status ${rc}, stderr: ${err}")
+  endif()
+  # bench-dist needs GPUs and NCCL: one line saying so, nothing on stdout.
+  run_flare("bench-dist --s 1024 --strategies zigzag")
+  if(NOT rc EQUAL 1 OR NOT err MATCHES "^flare: bench-dist: .*needs a build with CUDA and NCCL"
+     OR err MATCHES "\n" OR NOT out STREQUAL "")
+    message(FATAL_ERROR "flare bench-dist without CUDA: exit status ${rc}, stdout '${out}', "
+                        "stderr: ${err}")
   endif()
 
 else()

@@ -2,6 +2,8 @@
 //
 //   flare demo    one checked forward+backward on the best device (demo.cpp)
 //   flare bench   the benchmark grid or given sizes, optional JSON results (bench.cpp)
+//   flare bench-dist  context-parallel attention across GPUs, one process per GPU launched by
+//                 mpirun or torchrun (bench_dist.cpp)
 //   flare help    usage
 //   flare --version
 //
@@ -29,6 +31,8 @@ commands:
           float64 reference, print time, throughput and peak memory
   bench   time forward/backward over the standard grid or given sizes, print one line
           per case, optionally write JSON results
+  bench-dist  time context-parallel attention across GPUs (one process per GPU,
+          launched by mpirun or torchrun) against one GPU, optionally write JSON results
   help    this text; `flare help <command>` for a command's options
 
 options:
@@ -42,7 +46,9 @@ int help(const std::string& topic) {
   if (topic.empty()) std::fputs(kUsage, stdout);
   else if (topic == "demo") std::fputs(demo_help(), stdout);
   else if (topic == "bench") std::fputs(bench_help(), stdout);
-  else throw UsageError("flare help: unknown command '" + topic + "' (commands: demo, bench)");
+  else if (topic == "bench-dist") std::fputs(bench_dist_help(), stdout);
+  else throw UsageError("flare help: unknown command '" + topic +
+                        "' (commands: demo, bench, bench-dist)");
   return 0;
 }
 
@@ -63,7 +69,9 @@ int dispatch(int argc, char** argv) {
   }
   if (command == "demo") return run_demo(argc, argv);
   if (command == "bench") return run_bench(argc, argv);
-  throw UsageError("flare: unknown command '" + command + "' (commands: demo, bench, help)");
+  if (command == "bench-dist") return run_bench_dist(argc, argv);
+  throw UsageError("flare: unknown command '" + command +
+                   "' (commands: demo, bench, bench-dist, help)");
 }
 
 }  // namespace

@@ -17,6 +17,20 @@
 namespace flare::cli {
 namespace {
 
+std::string trim(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+// Where a result file is written before it is renamed to `path`: in the same directory, so the
+// rename replaces `path` in one step, and named after this process so concurrent runs writing the
+// same path do not share it.
+std::string partial_path(const std::string& path) {
+  return path + ".partial-" + std::to_string(getpid());
+}
+
+}  // namespace
+
 std::string json_string(const std::string& s) {
   std::string out = "\"";
   for (const char c : s) {
@@ -41,20 +55,6 @@ std::string json_number(double x) {
   std::snprintf(buf, sizeof buf, "%.6g", x);
   return buf;
 }
-
-std::string trim(std::string s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
-  return s;
-}
-
-// Where a result file is written before it is renamed to `path`: in the same directory, so the
-// rename replaces `path` in one step, and named after this process so concurrent runs writing the
-// same path do not share it.
-std::string partial_path(const std::string& path) {
-  return path + ".partial-" + std::to_string(getpid());
-}
-
-}  // namespace
 
 std::string iso_date_utc() {
   const std::time_t now = std::time(nullptr);
@@ -128,8 +128,10 @@ void write_result_file(const std::string& path, const ResultFile& file) {
       << "}";
   }
   j << "\n  ]\n}\n";
-  const std::string text = j.str();
+  write_file_whole(path, j.str());
+}
 
+void write_file_whole(const std::string& path, const std::string& text) {
   const std::string partial = partial_path(path);
   int error = 0;
   // errno of the failed step (a short fwrite need not set one).

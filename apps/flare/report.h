@@ -44,8 +44,15 @@ std::vector<std::pair<std::string, std::string>> software_versions(
 // new file (one is created there and removed again) and `path` must not be a directory or a
 // file this process may not replace. For checking --json before anything runs.
 std::string result_file_problem(const std::string& path);
-// Writes the file whole or not at all: into a new file beside `path`, renamed over it once
-// complete, so no reader ever sees a truncated result. Throws RunError if it cannot.
+// Writes the file whole or not at all (write_file_whole). Throws RunError if it cannot.
 void write_result_file(const std::string& path, const ResultFile& file);
+
+// Writes `text` into a new file beside `path`, renamed over it once complete, so no reader ever
+// sees a truncated result. Throws RunError (naming --json and the path) if it cannot.
+void write_file_whole(const std::string& path, const std::string& text);
+// A JSON string literal of s (quotes and control characters escaped).
+std::string json_string(const std::string& s);
+// A JSON number, or null where x is not finite (JSON has no NaN or infinity).
+std::string json_number(double x);
 
 }  // namespace flare::cli
