@@ -243,6 +243,8 @@ Status DataLoader::restore_position(std::span<const uint8_t> bytes) {
   }
   for (int field = kSeed; field < kEpoch; ++field) {
     if (!config_.shuffle && field == kSeed) continue;  // the seed plays no part then
+    // Another batch size or rank count is converted below (data parallel resume).
+    if (field == kWorldSize || field == kBatchSize) continue;
     if (saved[field] != mine[field]) {
       return invalid("DataLoader::restore_position: saved with ", kPositionFieldNames[field], " ",
                      saved[field], " but this loader has ", mine[field]);
@@ -251,12 +253,30 @@ Status DataLoader::restore_position(std::span<const uint8_t> bytes) {
   if (saved[kEpoch] > uint64_t(std::numeric_limits<int64_t>::max())) {
     return invalid("DataLoader::restore_position: epoch ", saved[kEpoch], " is out of range");
   }
-  if (saved[kBatch] >= uint64_t(batches_per_epoch_)) {
+  if (saved[kWorldSize] == 0 || saved[kBatchSize] == 0) {
+    return invalid("DataLoader::restore_position: saved with batch_size ", saved[kBatchSize],
+                   " and world_size ", saved[kWorldSize], " (must be positive)");
+  }
+  // The position as a window of the epoch's sequence, which batch size and rank count do not
+  // change: the saved loader had used batch · batch_size · world_size windows of it.
+  const uint64_t saved_per_batch = saved[kBatchSize] * saved[kWorldSize];
+  const uint64_t saved_batches = uint64_t(total_windows_) / saved_per_batch;
+  if (saved[kBatch] >= saved_batches) {
     return invalid("DataLoader::restore_position: batch ", saved[kBatch], " is past the epoch's ",
-                   batches_per_epoch_, " batches");
+                   saved_batches, " batches");
+  }
+  const uint64_t window = saved[kBatch] * saved_per_batch;
+  const uint64_t per_batch = uint64_t(config_.batch_size) * uint64_t(config_.world_size);
+  if (window % per_batch != 0) {
+    return invalid("DataLoader::restore_position: saved after ", window, " windows of its epoch ",
+                   "(batch_size ", saved[kBatchSize], " x world_size ", saved[kWorldSize],
+                   "), not a whole number of this loader's batches of batch_size ",
+                   config_.batch_size, " x world_size ", config_.world_size);
   }
   start_epoch(int64_t(saved[kEpoch]));
-  batch_ = int64_t(saved[kBatch]);
+  batch_ = int64_t(window / per_batch);
+  // The saved configuration's epoch may hold windows this one skips as its last partial batch.
+  if (batch_ >= batches_per_epoch_) start_epoch(epoch_ + 1);
   return Status::ok_status();
 }
 

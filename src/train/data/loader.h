@@ -59,7 +59,10 @@ class DataLoader {
   // batches the saved one would have. The bytes hold (epoch, batch) and the configuration they
   // are valid for (seed, shuffle, B, T, world_size, the shards' sizes); restore rejects bytes
   // from a different configuration, naming the field. They do not hold the rank: all ranks are at
-  // the same position, so any rank's bytes restore every rank.
+  // the same position, so any rank's bytes restore every rank. A position saved with another B or
+  // world_size (a data-parallel run resumed on another number of ranks) is restored when the
+  // windows it had used are a whole number of this loader's batches of B · world_size: the next
+  // batches then hold the next windows of the same epoch sequence; otherwise it is rejected.
   std::vector<uint8_t> save_position() const;
   Status restore_position(std::span<const uint8_t> bytes);
 

@@ -6,6 +6,21 @@
 // CPU. A backend owns the whole optimizer state (master weights, m, v) and the gradients; the
 // trainer only sees them as fp32 host arrays when it checkpoints or samples.
 //
+// Data parallel (BackendOptions::comm): each rank runs its own micro-batches, and the step is that
+// of one model over every rank's micro-batches together (docs/training.md, "Several GPUs"):
+//   - the gradients stay local until the last micro-batch of the step (accumulation without
+//     communication); then each bucket of the flat gradient (train/dist/dp_plan.h) is
+//     reduce-scattered, every rank keeping the sum of its slices (on CUDA on a communication
+//     stream, each bucket as soon as the backward has finished its layers);
+//   - the loss is the mean over the valid targets of every rank's micro-batches: the ranks agree
+//     on the step's valid-target count before the first forward, so each gradient is scaled by
+//     1 / (global count) and the reduction is a plain sum;
+//   - ZeRO-1: master weights, m and v exist only for this rank's shard; the gradient norm is the
+//     square root of the ranks' shard sums of squares (gathered and added in rank order, so every
+//     rank clips alike), AdamW runs on the shard, and the updated weights (bf16 on CUDA, fp32 on
+//     the CPU) are all-gathered to every rank.
+// With comm of size 1 the step is the single-device step, bit for bit.
+//
 // A step is split in two so that the host can prepare the next batch while the device computes:
 // step_begin() enqueues the whole optimizer step (every micro-batch's forward and backward, the
 // gradient norm, the clip and AdamW) and returns; step_end() waits for that step's loss and
@@ -18,6 +33,7 @@
 #include <span>
 #include <string>
 
+#include "flare/dist.h"
 #include "flare/status.h"
 #include "train/core/adamw.h"
 #include "train/core/model_config.h"
@@ -38,7 +54,11 @@ struct StepResult {
 
 struct BackendOptions {
   bool deterministic_attention = true;  // CUDA: bitwise-reproducible attention backward
-  int device_index = 0;                 // CUDA ordinal
+  int device_index = 0;                 // CUDA ordinal (with comm: must be comm's device)
+  // Data parallel over this communicator (not owned; outlives the backend): in-process for the
+  // CPU backend, NCCL for CUDA. Null: one device, no communication.
+  dist::Communicator* comm = nullptr;
+  int64_t bucket_bytes = int64_t{25} << 20;  // gradient bucket target (dp_plan.h)
 };
 
 class Backend {
@@ -50,9 +70,12 @@ class Backend {
   virtual std::string device_name() const = 0;
 
   // The optimizer state from host arrays of layout.total floats each; m and v may be null for a
-  // fresh run (zeros). The weights the model reads are derived from master.
+  // fresh run (zeros). The weights the model reads are derived from master. Data parallel: every
+  // rank passes the whole state and keeps its shard (so any world size resumes any checkpoint).
   virtual Status set_state(const float* master, const float* m, const float* v) = 0;
-  // The state into host arrays (any may be null). Waits for the device.
+  // The state into host arrays (any may be null). Waits for the device. Data parallel: a
+  // collective that gathers all three tensors to rank 0, whose non-null arrays receive them; the
+  // other ranks' arrays are not written (they may be null).
   virtual Status get_state(float* master, float* m, float* v) = 0;
 
   // Enqueues one optimizer step over `micro_batches` micro-batches of (batch, seq) tokens each:
@@ -71,7 +94,8 @@ class Backend {
                           double* loss_sum, int64_t* valid) = 0;
 
   // One micro-batch's forward and backward from the current weights, without the optimizer (a
-  // step dump for comparison with a reference): the mean loss over the valid targets, the fp32
+  // step dump for comparison with a reference; this rank's batch alone, no communication): the
+  // mean loss over the valid targets, the fp32
   // gradient of that loss (layout.total floats; gaps 0) and, when logits is not null, the logits
   // before the classifier replaced them ((batch · seq, padded_vocab) floats; on CUDA the bf16
   // values, exactly). Waits for the device.
@@ -83,9 +107,12 @@ class Backend {
   virtual int64_t memory_bytes() const = 0;
 };
 
-// The fp32 CPU backend over cpu::CpuModel for (batch, seq) micro-batches.
+// The fp32 CPU backend over cpu::CpuModel for (batch, seq) micro-batches; data parallel over
+// options.comm (a CPU communicator) when it is set.
 Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
                         std::unique_ptr<Backend>* out);
+Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
+                        const BackendOptions& options, std::unique_ptr<Backend>* out);
 
 // The CUDA backend over the GPU model (model/gpu_model.h). It first compares
 // estimate_training_memory() with the device's free memory and returns out_of_memory, with the

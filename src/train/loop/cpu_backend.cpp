@@ -1,13 +1,21 @@
 // cpu_backend.cpp — the training step on the CPU in fp32: cpu::CpuModel for the forward and
-// backward, core/adamw.h for the optimizer. The model reads the fp32 master weights directly (no
-// bf16 copy), so this is plain fp32 training: the reference the CUDA backend's numbers are judged
-// against, and the backend CI trains with.
+// backward, core/adamw.h for the optimizer. The model reads fp32 weights directly (no bf16 copy),
+// so this is plain fp32 training: the reference the CUDA backend's numbers are judged against,
+// and the backend CI trains with.
+//
+// Data parallel over an in-process communicator (backend.h): the same step as on CUDA without the
+// overlap — the backward runs to the end, then each bucket is reduce-scattered in plan order, the
+// shard's gradient norm is agreed, AdamW runs on the shard and the updated fp32 weights are
+// all-gathered. One rank keeps its shard (master, m, v) beside the full weights the model reads;
+// with one rank the shard is the whole buffer and the model reads the master weights themselves.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "core/message.h"
 #include "train/cpu/model.h"
+#include "train/dist/dp_host.h"
+#include "train/dist/dp_plan.h"
 #include "train/loop/backend.h"
 
 namespace flare::train {
@@ -17,13 +25,23 @@ size_t sz(int64_t n) { return static_cast<size_t>(n); }
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(std::unique_ptr<cpu::CpuModel> model, const TrainConfig& train)
-      : model_(std::move(model)), batch_(train.batch), seq_(train.seq) {
-    const int64_t n = model_->layout().total;
-    master_.assign(sz(n), 0.0f);
-    m_.assign(sz(n), 0.0f);
-    v_.assign(sz(n), 0.0f);
-    grads_.assign(sz(n), 0.0f);
+  CpuBackend(std::unique_ptr<cpu::CpuModel> model, const TrainConfig& train, dist::Communicator* comm,
+             dp::DpPlan plan)
+      : model_(std::move(model)), batch_(train.batch), seq_(train.seq), comm_(comm),
+        plan_(std::move(plan)) {
+    rank_ = comm_ ? comm_->rank() : 0;
+    const ParameterLayout& layout = model_->layout();
+    shard_layout_ = dp::shard_layout(layout, plan_, rank_);
+    const int64_t shard = plan_.shard_size(rank_);
+    master_.assign(sz(shard), 0.0f);
+    m_.assign(sz(shard), 0.0f);
+    v_.assign(sz(shard), 0.0f);
+    grads_.assign(sz(layout.total), 0.0f);
+    if (world() > 1) {
+      weights_.assign(sz(layout.total), 0.0f);
+      shard_grads_.assign(sz(shard), 0.0f);
+      staging_.assign(sz((world() - 1) * plan_.max_slice), 0.0f);
+    }
   }
 
   DeviceKind kind() const override { return DeviceKind::kCpu; }
@@ -31,17 +49,17 @@ class CpuBackend final : public Backend {
 
   Status set_state(const float* master, const float* m, const float* v) override {
     if (!master) return invalid("set_state: master must not be null");
-    std::copy(master, master + master_.size(), master_.begin());
-    copy_or_zero(m, &m_);
-    copy_or_zero(v, &v_);
+    take_shard(master, &master_);
+    take_shard(m, &m_);
+    take_shard(v, &v_);
+    if (world() > 1) std::copy(master, master + weights_.size(), weights_.begin());
     return Status::ok_status();
   }
 
   Status get_state(float* master, float* m, float* v) override {
-    if (master) std::copy(master_.begin(), master_.end(), master);
-    if (m) std::copy(m_.begin(), m_.end(), m);
-    if (v) std::copy(v_.begin(), v_.end(), v);
-    return Status::ok_status();
+    FLARE_RETURN_IF_ERROR(put_shard(master_, master));
+    FLARE_RETURN_IF_ERROR(put_shard(m_, m));
+    return put_shard(v_, v);
   }
 
   Status step_begin(std::span<const int32_t> inputs, std::span<const int32_t> targets,
@@ -51,46 +69,52 @@ class CpuBackend final : public Backend {
     pending_ = {};
 
     // Each micro-batch's backward adds the gradient of its own mean loss; the step's gradient is
-    // their average when every micro-batch has the same number of valid targets (the loader's
-    // full windows always do). Unequal counts would need a weight per micro-batch, which an
-    // in-place accumulation cannot apply, so they are rejected.
-    int64_t valid_total = 0;
+    // their average when every micro-batch of every rank has the same number of valid targets
+    // (the loader's full windows always do). Unequal counts would need a weight per micro-batch,
+    // which an in-place accumulation cannot apply, so they are rejected — on every rank alike,
+    // since the ranks compare the counts of all of them.
     std::vector<int64_t> valid(sz(micro_batches));
     for (int64_t i = 0; i < micro_batches; ++i) {
       valid[sz(i)] = std::count_if(targets.begin() + i * tokens, targets.begin() + (i + 1) * tokens,
                                    [](int32_t t) { return t != -1; });
-      valid_total += valid[sz(i)];
     }
-    for (int64_t i = 1; i < micro_batches; ++i) {
-      if (valid[sz(i)] != valid[0]) {
-        return invalid("targets: micro-batch ", i, " has ", valid[sz(i)], " valid targets, micro-batch 0 has ",
-                       valid[0], "; the CPU backend accumulates equal-weight micro-batches only");
+    std::vector<int64_t> all_valid = valid;
+    if (world() > 1) FLARE_RETURN_IF_ERROR(dp::gather_values(*comm_, valid, &all_valid));
+    int64_t valid_total = 0;
+    for (size_t i = 0; i < all_valid.size(); ++i) {
+      valid_total += all_valid[i];
+      if (all_valid[i] != all_valid[0]) {
+        const int64_t mb = static_cast<int64_t>(i) % micro_batches;
+        return invalid("targets: micro-batch ", mb, world() > 1 ? cat(" of rank ", static_cast<int64_t>(i) / micro_batches) : "",
+                       " has ", all_valid[i], " valid targets, micro-batch 0 has ", all_valid[0],
+                       "; the CPU backend accumulates equal-weight micro-batches only");
       }
     }
 
+    // The micro-batches, with no communication between them.
     std::fill(grads_.begin(), grads_.end(), 0.0f);
     double loss_sum = 0.0;
     for (int64_t i = 0; i < micro_batches; ++i) {
       cpu::ClassifierResult r;
-      FLARE_RETURN_IF_ERROR(model_->forward(master_.data(), inputs.data() + i * tokens,
+      FLARE_RETURN_IF_ERROR(model_->forward(model_weights(), inputs.data() + i * tokens,
                                             targets.data() + i * tokens, &r));
-      FLARE_RETURN_IF_ERROR(model_->backward(master_.data(), grads_.data()));
+      FLARE_RETURN_IF_ERROR(model_->backward(model_weights(), grads_.data()));
       loss_sum += r.mean_loss * static_cast<double>(r.n_valid);
     }
-    if (micro_batches > 1) {
-      const float w = static_cast<float>(1.0 / static_cast<double>(micro_batches));
-      for (float& g : grads_) g *= w;
-    }
 
-    const ParameterLayout& layout = model_->layout();
-    pending_.loss = valid_total > 0 ? loss_sum / static_cast<double>(valid_total) : 0.0;
-    pending_.grad_norm = gradient_norm(layout, grads_.data());
+    // The step's mean gradient, this rank's shard of it: Σ over ranks, then / (ranks · micro-batches).
+    FLARE_RETURN_IF_ERROR(reduce_scatter_gradients(static_cast<int64_t>(all_valid.size())));
+    std::vector<double> loss_sums{loss_sum};
+    if (world() > 1) FLARE_RETURN_IF_ERROR(dp::gather_values(*comm_, std::vector<double>{loss_sum}, &loss_sums));
+    pending_.loss = valid_total > 0 ? dp::sum_in_order(loss_sums) / static_cast<double>(valid_total) : 0.0;
+    FLARE_RETURN_IF_ERROR(global_gradient_norm(&pending_.grad_norm));
     if (!std::isfinite(pending_.grad_norm)) return Status::ok_status();  // skip: the trainer stops
 
     AdamWStep s = step;
     s.grad_scale = step.grad_scale * clip_scale(pending_.grad_norm, grad_clip);
-    FLARE_RETURN_IF_ERROR(adamw_step(layout, s, grads_.data(), master_.data(), m_.data(), v_.data(),
-                                     nullptr));
+    FLARE_RETURN_IF_ERROR(adamw_step(shard_layout_, s, shard_grads(), master_.data(), m_.data(),
+                                     v_.data(), nullptr));
+    FLARE_RETURN_IF_ERROR(all_gather_weights());
     pending_.updated = true;
     return Status::ok_status();
   }
@@ -104,7 +128,7 @@ class CpuBackend final : public Backend {
                   double* loss_sum, int64_t* valid) override {
     FLARE_RETURN_IF_ERROR(check_batch(inputs, targets, 1));
     cpu::ClassifierResult r;
-    FLARE_RETURN_IF_ERROR(model_->forward(master_.data(), inputs.data(), targets.data(), &r));
+    FLARE_RETURN_IF_ERROR(model_->forward(model_weights(), inputs.data(), targets.data(), &r));
     *loss_sum = r.mean_loss * static_cast<double>(r.n_valid);
     *valid = r.n_valid;
     return Status::ok_status();
@@ -114,31 +138,115 @@ class CpuBackend final : public Backend {
                         double* loss, float* grads, float* logits) override {
     FLARE_RETURN_IF_ERROR(check_batch(inputs, targets, 1));
     if (logits) {
-      FLARE_RETURN_IF_ERROR(model_->forward(master_.data(), inputs.data(), nullptr, nullptr));
+      FLARE_RETURN_IF_ERROR(model_->forward(model_weights(), inputs.data(), nullptr, nullptr));
       std::copy(model_->logits().begin(), model_->logits().end(), logits);
     }
     cpu::ClassifierResult r;
-    FLARE_RETURN_IF_ERROR(model_->forward(master_.data(), inputs.data(), targets.data(), &r));
+    FLARE_RETURN_IF_ERROR(model_->forward(model_weights(), inputs.data(), targets.data(), &r));
     std::fill(grads_.begin(), grads_.end(), 0.0f);
-    FLARE_RETURN_IF_ERROR(model_->backward(master_.data(), grads_.data()));
+    FLARE_RETURN_IF_ERROR(model_->backward(model_weights(), grads_.data()));
     std::copy(grads_.begin(), grads_.end(), grads);
     *loss = r.mean_loss;
     return Status::ok_status();
   }
 
   int64_t memory_bytes() const override {
-    // The four state buffers; the model's activations are of the same order for tiny models and
-    // are not counted.
-    return static_cast<int64_t>(4 * master_.size() * sizeof(float));
+    // The state and gradient buffers; the model's activations are of the same order for tiny
+    // models and are not counted.
+    const size_t floats = master_.size() + m_.size() + v_.size() + grads_.size() + weights_.size() +
+                          shard_grads_.size() + staging_.size();
+    return static_cast<int64_t>(floats * sizeof(float));
   }
 
  private:
-  static void copy_or_zero(const float* src, std::vector<float>* dst) {
-    if (src) {
-      std::copy(src, src + dst->size(), dst->begin());
+  int world() const { return plan_.world; }
+
+  // One rank: the model reads the master weights (the shard is the whole buffer).
+  const float* model_weights() const { return world() > 1 ? weights_.data() : master_.data(); }
+  const float* shard_grads() const { return world() > 1 ? shard_grads_.data() : grads_.data(); }
+
+  // This rank's shard of a full state tensor (zeros for null).
+  void take_shard(const float* full, std::vector<float>* shard) const {
+    if (full) {
+      dp::full_to_shard(plan_, rank_, full, shard->data(), sizeof(float));
     } else {
-      std::fill(dst->begin(), dst->end(), 0.0f);
+      std::fill(shard->begin(), shard->end(), 0.0f);
     }
+  }
+
+  // A shard back into a full tensor: itself with one rank, a gather to rank 0 with several.
+  Status put_shard(const std::vector<float>& shard, float* full) {
+    if (world() == 1) {
+      if (full) std::copy(shard.begin(), shard.end(), full);
+      return Status::ok_status();
+    }
+    // Every rank takes part whatever it passed; rank 0 gathers into a scratch buffer for null.
+    std::vector<float> unused;
+    if (!full && rank_ == 0) {
+      unused.resize(sz(plan_.total));
+      full = unused.data();
+    }
+    const dp::CopyToHost copy = [](void* dst, const void* src, int64_t bytes) {
+      std::copy_n(static_cast<const unsigned char*>(src), bytes, static_cast<unsigned char*>(dst));
+      return Status::ok_status();
+    };
+    return dp::gather_shards_to_rank0(*comm_, plan_, shard.data(), staging_.data(), sizeof(float),
+                                      full, copy);
+  }
+
+  // Sums every rank's gradient over this rank's slices, bucket by bucket in plan order, in rank
+  // order, and divides by the number of equal-weight micro-batches of the step (all ranks').
+  Status reduce_scatter_gradients(int64_t step_micro_batches) {
+    const float mean = static_cast<float>(1.0 / static_cast<double>(step_micro_batches));
+    if (world() == 1) {
+      if (step_micro_batches > 1) {
+        for (float& g : grads_) g *= mean;
+      }
+      return Status::ok_status();
+    }
+    for (const dp::Bucket& b : plan_.buckets) {
+      const std::vector<dist::Transfer> t =
+          dp::reduce_scatter_transfers(plan_, b, rank_, grads_.data(), staging_.data(), sizeof(float));
+      if (!t.empty()) FLARE_RETURN_IF_ERROR(comm_->exchange(t.data(), static_cast<int>(t.size())));
+      const int64_t n = b.slice_size(rank_);
+      const float* own = grads_.data() + b.slice_begin[sz(rank_)];
+      float* out = shard_grads_.data() + b.shard_offset[sz(rank_)];
+      for (int64_t i = 0; i < n; ++i) {
+        float acc = 0.0f;
+        for (int q = 0; q < world(); ++q) {
+          acc += q == rank_ ? own[i] : staging_[sz(dp::staging_slot(q, rank_) * plan_.max_slice + i)];
+        }
+        out[i] = acc * mean;
+      }
+    }
+    return Status::ok_status();
+  }
+
+  // ‖gradient‖₂ over every rank's shard: squares summed in double over this shard's pieces (for
+  // one rank, core's gradient_norm order exactly), the ranks' sums added in rank order.
+  Status global_gradient_norm(double* norm) {
+    const float* g = shard_grads();
+    double sum = 0.0;
+    for (const ParamSpec& p : shard_layout_.params) {
+      for (int64_t i = p.offset; i < p.offset + p.numel; ++i) sum += static_cast<double>(g[i]) * g[i];
+    }
+    std::vector<double> sums{sum};
+    if (world() > 1) FLARE_RETURN_IF_ERROR(dp::gather_values(*comm_, std::vector<double>{sum}, &sums));
+    *norm = std::sqrt(dp::sum_in_order(sums));
+    return Status::ok_status();
+  }
+
+  // Every rank's updated slices into every rank's full weights.
+  Status all_gather_weights() {
+    if (world() == 1) return Status::ok_status();
+    for (const dp::Bucket& b : plan_.buckets) {
+      std::copy_n(master_.data() + b.shard_offset[sz(rank_)], b.slice_size(rank_),
+                  weights_.data() + b.slice_begin[sz(rank_)]);
+      const std::vector<dist::Transfer> t =
+          dp::all_gather_transfers(plan_, b, rank_, master_.data(), weights_.data(), sizeof(float));
+      if (!t.empty()) FLARE_RETURN_IF_ERROR(comm_->exchange(t.data(), static_cast<int>(t.size())));
+    }
+    return Status::ok_status();
   }
 
   Status check_batch(std::span<const int32_t> inputs, std::span<const int32_t> targets,
@@ -154,7 +262,15 @@ class CpuBackend final : public Backend {
 
   std::unique_ptr<cpu::CpuModel> model_;
   int64_t batch_, seq_;
-  std::vector<float> master_, m_, v_, grads_;
+  dist::Communicator* comm_;  // null: one rank
+  dp::DpPlan plan_;
+  int rank_ = 0;
+  ParameterLayout shard_layout_;
+  std::vector<float> master_, m_, v_;  // this rank's shard
+  std::vector<float> grads_;           // the full gradient this rank's micro-batches add into
+  std::vector<float> weights_;         // several ranks: the full weights the model reads
+  std::vector<float> shard_grads_;     // several ranks: the reduced gradient of the shard
+  std::vector<float> staging_;         // several ranks: the other ranks' slices of one bucket
   StepResult pending_;
 };
 
@@ -164,9 +280,22 @@ const char* device_kind_name(DeviceKind kind) { return kind == DeviceKind::kCpu 
 
 Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
                         std::unique_ptr<Backend>* out) {
+  return make_cpu_backend(model, train, BackendOptions{}, out);
+}
+
+Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
+                        const BackendOptions& options, std::unique_ptr<Backend>* out) {
+  dist::Communicator* comm = options.comm;
+  if (comm && comm->device() != DeviceType::kCPU) {
+    return invalid("comm: the CPU backend needs a communicator over host memory (in-process), got ",
+                   comm->kind());
+  }
   std::unique_ptr<cpu::CpuModel> m;
   FLARE_RETURN_IF_ERROR(cpu::CpuModel::create(model, train.batch, train.seq, &m));
-  *out = std::make_unique<CpuBackend>(std::move(m), train);
+  dp::DpPlan plan;
+  FLARE_RETURN_IF_ERROR(dp::make_dp_plan(m->layout(), model.n_layer, comm ? comm->size() : 1,
+                                         options.bucket_bytes, &plan));
+  *out = std::make_unique<CpuBackend>(std::move(m), train, comm, std::move(plan));
   return Status::ok_status();
 }
 

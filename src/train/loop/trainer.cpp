@@ -12,6 +12,7 @@
 #include "core/message.h"
 #include "train/core/checkpoint.h"
 #include "train/core/schedule.h"
+#include "train/dist/dp_host.h"
 #include "train/loop/init.h"
 
 namespace flare::train {
@@ -20,8 +21,10 @@ namespace {
 size_t sz(int64_t n) { return static_cast<size_t>(n); }
 
 Status open_loader(const std::string& field, const std::string& pattern, const ModelConfig& model,
-                   const TrainConfig& train, bool shuffle, DataLoader* loader) {
+                   const TrainConfig& train, bool shuffle, int rank, int world, DataLoader* loader) {
   DataLoaderConfig c;
+  c.rank = rank;
+  c.world_size = world;
   Status s = expand_shard_pattern(pattern, &c.shards);
   if (!s.ok()) return invalid(field, ": ", s.message());
   c.batch_size = train.batch;
@@ -33,7 +36,8 @@ Status open_loader(const std::string& field, const std::string& pattern, const M
   if (!s.ok()) return Status(s.code(), cat(field, ": ", s.message()));
   if (loader->batches_per_epoch() < 1) {
     return invalid(field, ": '", pattern, "' holds ", loader->total_windows(), " windows of seq ",
-                   train.seq, " + 1 tokens, fewer than one batch of ", train.batch);
+                   train.seq, " + 1 tokens, fewer than one batch of ", train.batch, " x ", world,
+                   " ranks");
   }
   return Status::ok_status();
 }
@@ -175,10 +179,15 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
   std::unique_ptr<Trainer> t(new Trainer());
   t->options_ = options;
   t->layout_ = parameter_layout(model);
-  FLARE_RETURN_IF_ERROR(open_loader("train_data", train.train_data, model, train, true,
-                                    &t->train_loader_));
-  if (train.eval_every > 0) {
-    FLARE_RETURN_IF_ERROR(open_loader("val_data", train.val_data, model, train, false,
+  if (dist::Communicator* comm = options.backend.comm) {
+    t->rank_ = comm->rank();
+    t->world_ = comm->size();
+  }
+  FLARE_RETURN_IF_ERROR(open_loader("train_data", train.train_data, model, train, true, t->rank_,
+                                    t->world_, &t->train_loader_));
+  // Validation runs on rank 0 alone, over the same batches whatever the world size.
+  if (train.eval_every > 0 && t->rank_ == 0) {
+    FLARE_RETURN_IF_ERROR(open_loader("val_data", train.val_data, model, train, false, 0, 1,
                                       &t->val_loader_));
     t->have_val_ = true;
     t->val_batches_ = std::min(options.eval_batches, t->val_loader_.batches_per_epoch());
@@ -212,7 +221,7 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
   t->loader_position_ = t->train_loader_.save_position();
 
   if (options.device == DeviceKind::kCpu) {
-    FLARE_RETURN_IF_ERROR(make_cpu_backend(model, train, &t->backend_));
+    FLARE_RETURN_IF_ERROR(make_cpu_backend(model, train, options.backend, &t->backend_));
   } else {
     FLARE_RETURN_IF_ERROR(make_cuda_backend(model, train, options.backend, &t->backend_));
   }
@@ -222,7 +231,7 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
   t->flops_per_token_ = model_flops_per_token(model, train.seq);
   t->peak_flops_ = options.peak_flops > 0 ? options.peak_flops
                                           : peak_bf16_flops(t->backend_->device_name());
-  if (!options.log_path.empty()) {
+  if (!options.log_path.empty() && t->rank_ == 0) {
     t->log_ = std::fopen(options.log_path.c_str(), "a");
     if (!t->log_) return invalid("log_path: cannot open '", options.log_path, "' for appending");
   }
@@ -256,7 +265,7 @@ Status Trainer::run(int64_t until_step, const std::function<void(const StepRepor
   }
   if (step_ == until_step) return Status::ok_status();
   using Clock = std::chrono::steady_clock;
-  const double step_tokens = static_cast<double>(c.grad_accum * c.batch * c.seq);
+  const double step_tokens = static_cast<double>(world_ * c.grad_accum * c.batch * c.seq);
 
   std::vector<int32_t> inputs, targets, next_inputs, next_targets;
   std::vector<uint8_t> position, next_position;
@@ -295,8 +304,9 @@ Status Trainer::run(int64_t until_step, const std::function<void(const StepRepor
     r.grad_norm = result.grad_norm;
     r.step_ms = std::chrono::duration<double, std::milli>(now - last_report).count();
     r.tokens_per_s = r.step_ms > 0 ? step_tokens / (r.step_ms * 1e-3) : 0.0;
-    r.mfu = peak_flops_ > 0 ? flops_per_token_ * r.tokens_per_s / peak_flops_ : 0.0;
+    r.mfu = peak_flops_ > 0 ? flops_per_token_ * r.tokens_per_s / (peak_flops_ * world_) : 0.0;
     r.memory_bytes = backend_->memory_bytes();
+    r.world = world_;
     const bool last = step_ == c.steps;
     if (have_val_ && (step_ % c.eval_every == 0 || last)) {
       FLARE_RETURN_IF_ERROR(evaluate(&r.val_loss));
@@ -356,8 +366,25 @@ std::string Trainer::checkpoint_path(int64_t step) const {
 
 Status Trainer::save_checkpoint(const std::string& path) {
   const int64_t n = layout_.total;
-  std::vector<float> master(sz(n)), m(sz(n)), v(sz(n));
+  // Rank 0 gathers the whole state; the others only send their shards.
+  const int64_t held = rank_ == 0 ? n : 0;
+  std::vector<float> master(sz(held)), m(sz(held)), v(sz(held));
   FLARE_RETURN_IF_ERROR(backend_->get_state(master.data(), m.data(), v.data()));
+  Status written = rank_ == 0 ? write_checkpoint(path, master, m, v) : Status::ok_status();
+  if (world_ == 1) return written;
+  // The ranks wait for rank 0's write and learn its outcome (a dead peer fails the wait at the
+  // communicator's timeout; an unwritten checkpoint leaves the previous one whole).
+  std::vector<int64_t> outcome;
+  FLARE_RETURN_IF_ERROR(dp::gather_values(*options_.backend.comm,
+                                          std::vector<int64_t>{written.ok() ? 1 : 0}, &outcome));
+  if (!written.ok()) return written;
+  if (outcome[0] != 1) return Status::internal(cat("checkpoint '", path, "': rank 0 failed to write it"));
+  return Status::ok_status();
+}
+
+Status Trainer::write_checkpoint(const std::string& path, const std::vector<float>& master,
+                                 const std::vector<float>& m, const std::vector<float>& v) const {
+  const int64_t n = layout_.total;
   CheckpointMeta meta;
   meta.model = options_.model;
   meta.train = options_.train;

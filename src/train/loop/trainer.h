@@ -20,6 +20,17 @@
 // function of (config, step), so N steps + checkpoint + resume + N steps gives the same bits as
 // 2N steps straight (tested on the CPU backend).
 //
+// Data parallel (options.backend.comm, backend.h): every rank runs its own Trainer with the same
+// options; the training loader gives each rank its share of every batch (loader.h), so a step's
+// global batch is world · grad_accum · batch sequences, the same windows as one rank with
+// batch · world. Every rank gets the same reports (loss and norm are global). Only rank 0
+// evaluates, writes the log and writes checkpoints: saving is collective (rank 0 gathers the
+// shards, writes the usual single-file format, and the ranks then agree on the outcome, bounded
+// by the communicator's timeout, so a dead peer is an error and the last checkpoint stays
+// whole). Any world size resumes any checkpoint: each rank takes its shard of the saved state
+// and the loader's position is converted to the new batch · world (it must fall on a batch
+// boundary, which it does when the global batch is unchanged).
+//
 // The trainer never prints: reports go to the caller's callback, formatted by format_step() and
 // step_json() when the caller wants the standard line and log object.
 #pragma once
@@ -47,7 +58,7 @@ struct TrainerOptions {
   std::string resume_from;   // a checkpoint to continue from; empty: a fresh run from train.seed
   std::string init_weights;  // a fresh run's initial master weights: a raw little-endian fp32 file
                              // of parameter_layout(model).total values; empty: init.h from seed
-  std::string log_path;      // JSON lines, one object per step (appended); empty: no log
+  std::string log_path;      // JSON lines, one object per step (appended; rank 0); empty: no log
   int64_t eval_batches = 8;  // validation micro-batches per evaluation (at most one epoch)
   double peak_flops = 0.0;   // the device's dense bf16 peak in FLOP/s; 0: peak_bf16_flops(name)
 };
@@ -59,8 +70,9 @@ struct StepReport {
   double lr = 0.0;            // the learning rate the step used
   double grad_norm = 0.0;     // before clipping
   double step_ms = 0.0;       // wall time since the previous report
-  double tokens_per_s = 0.0;  // tokens of the step (grad_accum · batch · seq) / step time
-  double mfu = 0.0;           // model FLOP/s over the peak; 0 when the peak is unknown
+  double tokens_per_s = 0.0;  // tokens of the step (world · grad_accum · batch · seq) / step time
+  double mfu = 0.0;           // model FLOP/s over the peak of all ranks; 0 when it is unknown
+  int world = 1;              // data-parallel ranks
   int64_t memory_bytes = 0;   // Backend::memory_bytes()
   bool has_val = false;
   double val_loss = 0.0;      // when has_val: mean loss over the validation batches
@@ -93,7 +105,8 @@ class Trainer {
   // Mean loss over the validation batches (from the first validation batch each time).
   Status evaluate(double* val_loss);
 
-  // Writes a checkpoint of the current state (after step()) to `path`.
+  // Writes a checkpoint of the current state (after step()) to `path`. Data parallel: collective
+  // (rank 0 writes; every rank returns its outcome).
   Status save_checkpoint(const std::string& path);
   // <checkpoint_dir>/step_NNNNNN.ckpt
   std::string checkpoint_path(int64_t step) const;
@@ -103,6 +116,8 @@ class Trainer {
   Status next_batch(std::vector<int32_t>* inputs, std::vector<int32_t>* targets);
 
   int64_t step() const { return step_; }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
   double peak_flops() const { return peak_flops_; }
   double flops_per_token() const { return flops_per_token_; }
   Backend& backend() { return *backend_; }
@@ -110,6 +125,8 @@ class Trainer {
 
  private:
   Trainer() = default;
+  Status write_checkpoint(const std::string& path, const std::vector<float>& master,
+                          const std::vector<float>& m, const std::vector<float>& v) const;
   Status load_step_batches(std::vector<int32_t>* inputs, std::vector<int32_t>* targets,
                            std::vector<uint8_t>* position_after);
   Status append_log(const StepReport& report);
@@ -122,6 +139,7 @@ class Trainer {
   bool have_val_ = false;
   int64_t val_batches_ = 0;
   int64_t step_ = 0;
+  int rank_ = 0, world_ = 1;
   std::vector<uint8_t> loader_position_;  // the training loader's position after step_ steps
   double peak_flops_ = 0.0;
   double flops_per_token_ = 0.0;
