@@ -7,7 +7,8 @@
 //      hang). Two implementations: in-process (threads sharing host memory; the whole algorithm
 //      runs and is tested on the CPU) and NCCL (GPUs; built when CUDA and NCCL are found).
 //   2. Sequence layout: which global rows each rank holds (contiguous chunks, or the zigzag layout
-//      that balances causal work), as pure index functions, plus shard / unshard copies.
+//      that balances causal work; a packed variable-length batch cut sequence by sequence), as
+//      pure index functions, plus shard / unshard copies (host or CUDA tensors).
 //   3. ContextParallelAttention: forward and backward over a communicator. Ring and zigzag: K/V
 //      blocks travel around the ring while each rank attends its queries to the block it holds;
 //      partial (O, LSE) pairs are merged in fp32; the backward sends dK/dV back to their owners,

@@ -7,10 +7,12 @@
 //   2. the next block's transfer starts on the communication stream: send the held block to r+1,
 //      receive r−1's (the block of src − 1) into the other receive buffer — once step i−1's
 //      computation, which read that buffer, is done; skipped at the last step;
-//   3. attend, on the caller's stream, while 2 runs: one attention_forward call per task of
-//      ring_step_tasks (layout.h) on this rank's queries and the held block, each call's
-//      (O, LSE) merged into fp32 accumulators (merge.h).
-// Then O and LSE are rounded into the outputs, once.
+//   3. attend, on the caller's stream, while 2 runs: one attention_forward call per task of the
+//      step's plan (layout.h: ring_step_tasks, or varlen_step_tasks for a packed batch; each call
+//      with the window its global rows see, none for blocks the mask hides) on this rank's
+//      queries and the held block, each call's (O, LSE) merged into fp32 accumulators (merge.h).
+// Then O and LSE are rounded into the outputs, once. A packed batch runs as a batch of one over
+// its pack; its calls are varlen calls whose cu_seqlens the plan uploaded at create.
 //
 // Backward, the same ring, with the forward's final O and LSE. Why blocks give exact gradients:
 // with the full row's LSE, P_ij = exp(s_ij − LSE_i) is the final probability, and the flash
