@@ -223,6 +223,11 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
   if (options.device == DeviceKind::kCpu) {
     FLARE_RETURN_IF_ERROR(make_cpu_backend(model, train, options.backend, &t->backend_));
   } else {
+    // Never a silent single-GPU run under a multi-rank communicator.
+    if (t->world_ > 1) {
+      return Status::unsupported("device: data parallel on the CUDA backend is not built yet; "
+                                 "several ranks train on the CPU backend only");
+    }
     FLARE_RETURN_IF_ERROR(make_cuda_backend(model, train, options.backend, &t->backend_));
   }
   FLARE_RETURN_IF_ERROR(t->backend_->set_state(master.data(), m.empty() ? nullptr : m.data(),
