@@ -439,10 +439,11 @@ nb::list sequence_shard(int strategy, int64_t seqlen, int size, int rank) {
 // A context-parallel plan on one rank's communicator.
 struct Plan {
   flare_cp* handle = nullptr;
-  nb::object comm;  // keeps the communicator alive; its open_plans counts this plan
+  nb::object comm;       // keeps the communicator alive
+  Comm* owner = nullptr;  // the same object, whose open_plans counts this plan
 
-  Plan(flare_cp* h, nb::object c) : handle(h), comm(std::move(c)) {
-    nb::cast<Comm&>(comm).open_plans += 1;
+  Plan(flare_cp* h, nb::object c) : handle(h), comm(std::move(c)), owner(&nb::cast<Comm&>(comm)) {
+    owner->open_plans += 1;
   }
   ~Plan() { close(); }
   Plan(const Plan&) = delete;
@@ -456,7 +457,7 @@ struct Plan {
     if (handle == nullptr) return;
     flare_cp_destroy(handle);
     handle = nullptr;
-    nb::cast<Comm&>(comm).open_plans -= 1;
+    owner->open_plans -= 1;
   }
   nb::list shard() const {
     flare_sequence_shard s;
