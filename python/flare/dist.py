@@ -454,16 +454,18 @@ class RingFlashAttention:
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                         deterministic=False, return_attn_probs=False, group=None, *,
-                         strategy="zigzag", seqlen=None):
+                         window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                         return_attn_probs=False, group=None, *, strategy="zigzag",
+                         seqlen=None, softcap=0.0):
     """Context-parallel attention over rank-local torch tensors, with autograd.
 
     q (batch, s_local, nheads, headdim), k / v (batch, s_local, nheads_k, headdim): this rank's
     rows of one global sequence, in `strategy`'s layout ("zigzag": zigzag_shard's; "ring" and
     "a2a": shard_sequence(..., strategy="ring")'s). `seqlen` is the global length: by default
     s_local · world_size (pass it when the length is not a multiple of the ranks, so that ranks
-    hold different numbers of rows). Returns this rank's rows of out, or (out, softmax_lse, None)
+    hold different numbers of rows). The positional arguments are ring-flash-attn's, in its
+    order; strategy, seqlen and softcap are keyword-only. Returns this rank's rows of out, or
+    (out, softmax_lse, None)
     with return_attn_probs; softmax_lse is float32 (batch, nheads, s_local).
 
     `group`: a torch.distributed ProcessGroup (None: the default group; CUDA tensors) or a
@@ -509,13 +511,13 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                deterministic=False, return_attn_probs=False, group=None, *,
-                                seqlen=None):
+                                window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                return_attn_probs=False, group=None, *, seqlen=None,
+                                softcap=0.0):
     """ring_flash_attn_func with strategy="zigzag" (ring-flash-attn's name for it)."""
-    return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+    return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
                                 alibi_slopes, deterministic, return_attn_probs, group,
-                                strategy="zigzag", seqlen=seqlen)
+                                strategy="zigzag", seqlen=seqlen, softcap=softcap)
 
 
 # ---- sequence layout for torch and NumPy arrays ------------------------------------------------
