@@ -73,6 +73,7 @@ def _worker(rank, world, port, env_port, strategy, causal, results):
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}",
                                          rank=rank, world_size=world)
+    env_comm = None
     try:
         dev = torch.device("cuda", rank)
         gen = torch.Generator().manual_seed(1234)  # every rank makes the same global problem
@@ -91,7 +92,8 @@ def _worker(rank, world, port, env_port, strategy, causal, results):
         # launch environment with no torch.distributed involved (its own rendezvous port).
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(env_port))
-        roads = {"process group": None, "from_env": fd.Communicator.from_env(timeout=120)}
+        env_comm = fd.Communicator.from_env(timeout=120)
+        roads = {"process group": None, "from_env": env_comm}
         for road, group in roads.items():
             got = grads(lambda *x: fd.ring_flash_attn_func(*x, causal=causal, group=group,
                                                            strategy=strategy, seqlen=s),
@@ -105,6 +107,8 @@ def _worker(rank, world, port, env_port, strategy, causal, results):
     except BaseException as e:  # noqa: BLE001 — reported by the parent
         results[rank] = f"{type(e).__name__}: {e}"
     finally:
+        if env_comm is not None:
+            env_comm.close()
         fd.release_process_group_communicators()
         torch.distributed.destroy_process_group()
 
