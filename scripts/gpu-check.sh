@@ -21,7 +21,9 @@
 #    .json and .png); 7. training throughput, flare-train against bench/train_torch.py
 #    (torch.compile + SDPA cuDNN) for GPT-2 124M and GPT-3 2.7B; 8. with two or more GPUs,
 #    bench/ring_bench (ring, zigzag, all-to-all against one GPU; the context-parallel tests run
-#    in step 2 on every visible GPU); 9. ctest -L cpu. After the GPU tests, compute-sanitizer memcheck and
+#    in step 2 on every visible GPU), then `flare bench-dist` one process per GPU under mpirun
+#    (DIR/bench_dist_<N>gpu.json; with four or more, a 1M-token causal run) and once under a
+#    torchrun-style environment; 9. ctest -L cpu. After the GPU tests, compute-sanitizer memcheck and
 #    racecheck run on a small subset. Logs go to DIR. The Python benchmarks record the commit from
 #    $FLARE_COMMIT when set (a copy of the tree without .git), else from git.
 # Needs no network: GoogleTest is taken from the system, else built from a source tree given in
@@ -225,6 +227,46 @@ if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$build/ring_benc
     --strategies ring,zigzag,a2a --json "$out/ring_bench.json" > "$out/ring_bench.log" 2>&1 ||
     { status=1; log "ring_bench FAILED"; }
   tail -14 "$out/ring_bench.log" | tee -a "$out/summary.log"
+fi
+
+# Several GPUs, one process per GPU as users launch it: flare bench-dist under mpirun (ring,
+# zigzag, all-to-all against rank 0's single-GPU run; a 1M-token causal fwd+bwd without the
+# single-GPU run) and once under a torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK,
+# MASTER_ADDR/PORT set by hand, so torchrun itself is not needed).
+mpi=(mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0 -x FLARE_COMMIT)
+if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$build/apps/flare/flare" ]] &&
+   command -v mpirun > /dev/null; then
+  log "flare bench-dist under mpirun -np $gpus (ring, zigzag, a2a; 32k-512k tokens, causal)"
+  if timeout 900 "${mpi[@]}" -np "$gpus" "$build/apps/flare/flare" bench-dist \
+       --s 32768,131072,524288 --strategies ring,zigzag,a2a \
+       --json "$out/bench_dist_${gpus}gpu.json" > "$out/bench_dist.log" 2>&1; then
+    grep -E '^(impl|flare-)' "$out/bench_dist.log" | tee -a "$out/summary.log"
+  else
+    status=1; log "bench-dist (mpirun) FAILED"; tail -10 "$out/bench_dist.log" | tee -a "$out/summary.log"
+  fi
+  if [[ $gpus -ge 4 ]]; then
+    log "flare bench-dist: 1M tokens causal (b 1, h 32/8, d 128) on $gpus GPUs"
+    timeout 600 "${mpi[@]}" -np "$gpus" "$build/apps/flare/flare" bench-dist --s 1048576 \
+      --strategies zigzag --no-single --warmup 0 --iters 1 \
+      --json "$out/bench_dist_1m_${gpus}gpu.json" > "$out/bench_dist_1m.log" 2>&1 ||
+      { status=1; log "bench-dist 1M FAILED"; }
+    tail -4 "$out/bench_dist_1m.log" | tee -a "$out/summary.log"
+  fi
+  log "flare bench-dist under a torchrun-style environment ($gpus processes)"
+  pids=()
+  for ((r = 0; r < gpus; r++)); do
+    RANK=$r WORLD_SIZE=$gpus LOCAL_RANK=$r LOCAL_WORLD_SIZE=$gpus MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=29533 NCCL_NVLS_ENABLE=0 timeout 300 "$build/apps/flare/flare" bench-dist \
+      --s 32768 --strategies zigzag --warmup 1 --iters 3 > "$out/bench_dist_env_$r.log" 2>&1 &
+    pids+=($!)
+  done
+  env_ok=1
+  for p in "${pids[@]}"; do wait "$p" || env_ok=0; done
+  if [[ $env_ok -eq 1 ]]; then
+    log "torchrun-style launch: $(grep -E '^flare-zigzag' "$out/bench_dist_env_0.log" | head -1)"
+  else
+    status=1; log "torchrun-style launch FAILED"; tail -5 "$out"/bench_dist_env_*.log | tee -a "$out/summary.log"
+  fi
 fi
 
 [[ $tests -eq 1 ]] && run_ctest cpu
