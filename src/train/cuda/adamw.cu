@@ -52,18 +52,38 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
+// The norm and clip scale from the total sum of squares (core's clip_scale).
+__device__ __forceinline__ void write_norm_and_scale(double sum_of_squares, double max_norm, float* out) {
+  const double norm = sqrt(sum_of_squares);
+  const double scale = max_norm == 0.0 ? 1.0 : fmin(1.0, max_norm / (norm + 1e-6));
+  out[0] = static_cast<float>(norm);
+  out[1] = static_cast<float>(scale);
+}
+
+// Σ partials[0, count) in the block's fixed order: to the norm and scale (out_norm_and_scale), or
+// as the plain sum (out_sum); one of the two is null.
 __global__ void __launch_bounds__(kFinishThreads)
-    norm_finish_kernel(const double* partials, int64_t count, double max_norm, float* out) {
+    norm_finish_kernel(const double* partials, int64_t count, double max_norm,
+                       float* out_norm_and_scale, double* out_sum) {
   __shared__ double shared[32];
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < count; i += kFinishThreads) acc += partials[i];
   acc = block_sum_double(acc, shared);
-  if (threadIdx.x == 0) {
-    const double norm = sqrt(acc);
-    const double scale = max_norm == 0.0 ? 1.0 : fmin(1.0, max_norm / (norm + 1e-6));
-    out[0] = static_cast<float>(norm);
-    out[1] = static_cast<float>(scale);
+  if (threadIdx.x != 0) return;
+  if (out_sum) {
+    *out_sum = acc;
+  } else {
+    write_norm_and_scale(acc, max_norm, out_norm_and_scale);
   }
+}
+
+// Σ sums[i · stride] for i in [0, count), one thread, in index order (ranks' sums: every rank
+// adds them alike).
+__global__ void norm_from_sums_kernel(const double* sums, int64_t count, int64_t stride,
+                                      double max_norm, float* out) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < count; ++i) acc += sums[i * stride];
+  write_norm_and_scale(acc, max_norm, out);
 }
 
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWParams p) {
@@ -135,7 +155,34 @@ Status gradient_norm(const DeviceChunkTable& table, const float* grads, double m
   norm_partials_kernel<<<static_cast<unsigned>(table.count()), kThreads, 0, stream>>>(
       table.chunks(), grads, partials);
   norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, table.count(), max_norm,
-                                                       norm_and_scale);
+                                                       norm_and_scale, nullptr);
+  return launch_status(op);
+}
+
+Status gradient_sum_of_squares(const DeviceChunkTable& table, const float* grads,
+                               double* sum_of_squares, void* scratch, cudaStream_t stream) {
+  const char* op = "gradient_sum_of_squares";
+  if (table.count() == 0) return invalid(op, ": the chunk table is not initialised");
+  if (grads == nullptr || sum_of_squares == nullptr || scratch == nullptr)
+    return invalid(op, ": grads, sum_of_squares and scratch must not be null");
+  auto* partials = static_cast<double*>(scratch);
+  norm_partials_kernel<<<static_cast<unsigned>(table.count()), kThreads, 0, stream>>>(
+      table.chunks(), grads, partials);
+  norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, table.count(), 0.0, nullptr,
+                                                       sum_of_squares);
+  return launch_status(op);
+}
+
+Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double max_norm,
+                      float* norm_and_scale, cudaStream_t stream) {
+  const char* op = "norm_from_sums";
+  if (count < 1 || stride < 1)
+    return invalid(op, ": count = ", count, " and stride = ", stride, " must be >= 1");
+  if (!std::isfinite(max_norm) || max_norm < 0)
+    return invalid(op, ": max_norm = ", max_norm, " must be finite and >= 0");
+  if (sums == nullptr || norm_and_scale == nullptr)
+    return invalid(op, ": sums and norm_and_scale must not be null");
+  norm_from_sums_kernel<<<1, 1, 0, stream>>>(sums, count, stride, max_norm, norm_and_scale);
   return launch_status(op);
 }
 

@@ -67,6 +67,17 @@ int64_t gradient_norm_scratch_bytes(const DeviceChunkTable& table);
 Status gradient_norm(const DeviceChunkTable& table, const float* grads, double max_norm,
                      float* norm_and_scale, void* scratch, cudaStream_t stream);
 
+// The two halves of gradient_norm for a gradient spread over ranks (data parallel, ZeRO shards):
+// each rank writes the sum of squares of its part (*sum_of_squares, device, double; the same
+// chunk order and bits as gradient_norm's), the ranks exchange them, and every rank turns the
+// `count` sums (sums[0], sums[stride], …: one per rank) into the norm and clip scale by adding them
+// in index order, so every rank holds the same bits. With one sum, norm_from_sums gives
+// gradient_norm's result exactly.
+Status gradient_sum_of_squares(const DeviceChunkTable& table, const float* grads,
+                               double* sum_of_squares, void* scratch, cudaStream_t stream);
+Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double max_norm,
+                      float* norm_and_scale, cudaStream_t stream);
+
 // One AdamW step. The gradient scale is step.grad_scale × *grad_scale_device (e.g. &norm_and_scale[1]
 // of gradient_norm), or step.grad_scale alone when grad_scale_device is null. master, m, v updated;
 // weights (bf16) written, or null.

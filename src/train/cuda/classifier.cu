@@ -22,6 +22,7 @@ struct ClassifierParams {
   float* losses;           // (rows) or null
   int64_t rows, vocab, padded_vocab;
   float dloss_scale;
+  const float* dloss_scale_device;  // multiplies dloss_scale, or null
   bool write_dlogits;
 };
 
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(const ClassifierPa
   }
   if (!p.write_dlogits) return;
 
+  const float scale = p.dloss_scale_device ? p.dloss_scale * *p.dloss_scale_device : p.dloss_scale;
   for (int64_t c = threadIdx.x * kVec; c < p.padded_vocab; c += kThreads * kVec) {
     float v[kVec];
     load_floats<kVec>(x + c, v);
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(const ClassifierPa
       if (bad) {
         d = __int_as_float(0x7fc00000);
       } else if (!ignored && j < p.vocab) {
-        d = (expf(v[i] - lse) - (j == target ? 1.0f : 0.0f)) * p.dloss_scale;
+        d = (expf(v[i] - lse) - (j == target ? 1.0f : 0.0f)) * scale;
       }
       v[i] = d;
     }
@@ -106,7 +108,8 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(const ClassifierPa
 
 Status classifier_forward_backward(bf16* logits, const int32_t* targets, float* losses,
                                    int64_t rows, int64_t vocab_size, int64_t padded_vocab,
-                                   float dloss_scale, bool write_dlogits, cudaStream_t stream) {
+                                   float dloss_scale, bool write_dlogits, cudaStream_t stream,
+                                   const float* dloss_scale_device) {
   const char* op = "classifier_forward_backward";
   if (rows < 1 || rows > INT_MAX) return invalid(op, ": rows = ", rows, " must be in [1, 2^31)");
   if (vocab_size < 1 || vocab_size > padded_vocab)
@@ -116,7 +119,7 @@ Status classifier_forward_backward(bf16* logits, const int32_t* targets, float* 
     return invalid(op, ": dloss_scale = ", dloss_scale, " must be finite");
   if (logits == nullptr || targets == nullptr) return invalid(op, ": logits and targets must not be null");
   const ClassifierParams p{logits, targets, losses, rows, vocab_size, padded_vocab, dloss_scale,
-                           write_dlogits};
+                           dloss_scale_device, write_dlogits};
   if (padded_vocab % 8 == 0 && aligned16(logits))
     classifier_kernel<8><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p);
   else

@@ -11,7 +11,10 @@
 //   dlogit_j = (exp(logit_j − lse) − [j = target]) · dloss_scale  for j < vocab_size,
 //   dlogit_j = 0                                                  on padding columns.
 // dloss_scale is d(mean loss)/d(row loss): 1 / (valid targets of the whole optimizer step, over
-// every micro-batch), a value the host knows from the targets it loaded. A target of −1 is
+// every micro-batch), a value the host knows from the targets it loaded; under data parallelism
+// the count is every rank's, which the ranks agree on on the device, so the factor can also come
+// from device memory (dloss_scale_device, multiplied into dloss_scale: pass 1 and the factor to
+// get the factor's bits exactly). A target of −1 is
 // ignored: loss 0 and a zero row (torch's ignore_index). A target outside [0, vocab_size) and not
 // −1 gives a NaN loss and a NaN row (the host cannot be told without a wait; the CPU reference
 // rejects it with a Status).
@@ -24,9 +27,10 @@
 namespace flare::train::cuda {
 
 // logits (rows, padded_vocab) bf16: read, and with write_dlogits overwritten by dlogits (bf16);
-// targets (rows) int32; losses (rows) fp32 written, or null.
+// targets (rows) int32; losses (rows) fp32 written, or null; dloss_scale_device (1 fp32) or null.
 Status classifier_forward_backward(bf16* logits, const int32_t* targets, float* losses,
                                    int64_t rows, int64_t vocab_size, int64_t padded_vocab,
-                                   float dloss_scale, bool write_dlogits, cudaStream_t stream);
+                                   float dloss_scale, bool write_dlogits, cudaStream_t stream,
+                                   const float* dloss_scale_device = nullptr);
 
 }  // namespace flare::train::cuda

@@ -502,7 +502,7 @@ Status recompute_layer(const Step& st, size_t i) {
 // ---- The step -------------------------------------------------------------------------------------
 
 Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dloss_scale,
-                         bool write_dlogits, double* loss_sum_out) {
+                         bool write_dlogits, double* loss_sum_out, const float* dloss_scale_device) {
   if (tokens == nullptr) return invalid("forward: tokens must not be null");
   if (targets && loss_sum_out == nullptr) return invalid("forward: loss_sum must not be null with targets");
   if (write_dlogits && targets == nullptr) return invalid("forward: write_dlogits needs targets");
@@ -536,13 +536,14 @@ Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dl
 
   // Loss per token, summed on the device; dlogits over the logits in place.
   FLARE_RETURN_IF_ERROR(classifier_forward_backward(logits_, targets, m.losses, st.N, c.vocab_size,
-                                                    c.padded_vocab, dloss_scale, write_dlogits, stream_));
+                                                    c.padded_vocab, dloss_scale, write_dlogits, stream_,
+                                                    dloss_scale_device));
   FLARE_RETURN_IF_ERROR(loss_sum(m.losses, st.N, loss_sum_out, stream_));
   m.have_dlogits = write_dlogits;
   return Status::ok_status();
 }
 
-Status GpuModel::backward(const int32_t* tokens) {
+Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
   Impl& m = *impl_;
   if (!m.have_dlogits) {
     return invalid("backward: needs a forward with targets and write_dlogits first");
@@ -550,6 +551,8 @@ Status GpuModel::backward(const int32_t* tokens) {
   if (tokens == nullptr) return invalid("backward: tokens must not be null");
   const ModelConfig& c = config_;
   const Step st{c, m, weights_, grads_, batch_, seq_, batch_ * seq_, stream_};
+  auto stage_done = [&](int64_t stage) { return after_stage ? after_stage(stage) : Status::ok_status(); };
+  const int64_t n_layer = static_cast<int64_t>(m.layers.size());
 
   // dlogits (N, padded_vocab) → d final_norm (N, d) → d_resid (N, d), the last layer's output.
   FLARE_RETURN_IF_ERROR(matmul_backward_input(m.matmul, logits_, st.W(m.head), nullptr, m.d_norm, st.N,
@@ -558,19 +561,21 @@ Status GpuModel::backward(const int32_t* tokens) {
                                                st.N, c.d_model, c.padded_vocab, true, stream_));
   FLARE_RETURN_IF_ERROR(norm_backward(st, m.final_norm, m.d_norm, m.final_in, m.final_mean,
                                       m.final_rstd, nullptr, m.d_resid));
+  FLARE_RETURN_IF_ERROR(stage_done(0));
 
   for (size_t i = m.layers.size(); i-- > 0;) {
     // With recompute the shared set still holds the last layer from the forward.
     if (m.options.recompute && i + 1 < m.layers.size()) FLARE_RETURN_IF_ERROR(recompute_layer(st, i));
     FLARE_RETURN_IF_ERROR(mlp_block_backward(st, m.layer_offsets[i], m.layers[i]));
     FLARE_RETURN_IF_ERROR(attention_block_backward(st, m.layer_offsets[i], m.layers[i]));
+    FLARE_RETURN_IF_ERROR(stage_done(1 + (n_layer - 1 - static_cast<int64_t>(i))));
   }
 
   // d_resid is now the gradient of the embedding output.
   FLARE_RETURN_IF_ERROR(embedding_backward(m.d_resid, tokens, st.G(m.embed), st.G(m.pos_embed), st.N,
                                            seq_, c.vocab_size, c.d_model, m.embed_scratch, stream_));
   m.have_dlogits = false;
-  return Status::ok_status();
+  return stage_done(n_layer + 1);
 }
 
 }  // namespace flare::train::cuda

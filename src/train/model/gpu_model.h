@@ -28,6 +28,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "flare/status.h"
@@ -64,13 +65,24 @@ class GpuModel {
   // and added to *loss_sum (device), and with write_dlogits the logits are overwritten by the
   // gradient of the loss times dloss_scale (1 / valid targets of the whole optimizer step) for
   // backward(). Tokens must lie in [0, vocab_size) (the data loader checks them; an invalid one
-  // gives NaN rows, see embedding.h).
+  // gives NaN rows, see embedding.h). dloss_scale_device (1 fp32, device, or null) multiplies
+  // dloss_scale: data parallelism agrees on the step's count of valid targets on the device
+  // (classifier.h).
   Status forward(const int32_t* tokens, const int32_t* targets, float dloss_scale,
-                 bool write_dlogits, double* loss_sum);
+                 bool write_dlogits, double* loss_sum, const float* dloss_scale_device = nullptr);
+
+  // Called by backward() on the host right after it has enqueued each backward stage, in order,
+  // with the stage's number (train/dist/dp_plan.h's backward_stage): 0 after the output head and
+  // the final norm, 1 + (n_layer − 1 − i) after layer i, n_layer + 1 after the embeddings. Once the
+  // stream reaches that point, the stage's gradients are final for this backward, so the hook may
+  // record an event there for another stream to wait on (data parallelism reduces each gradient
+  // bucket while the backward goes on). The hook must not synchronise; an error it returns stops
+  // the backward and is returned.
+  using StageHook = std::function<Status(int64_t stage)>;
 
   // Backward of the last forward with write_dlogits, for the same tokens: accumulates (+=) every
-  // parameter's gradient into grads().
-  Status backward(const int32_t* tokens);
+  // parameter's gradient into grads(); after_stage (may be empty) as above.
+  Status backward(const int32_t* tokens, const StageHook& after_stage = {});
 
   // grads() = 0 (enqueued).
   Status zero_grads();
