@@ -1,7 +1,9 @@
 // train_config.cpp — the rules of a training run and its memory estimate.
 #include "train/core/train_config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "core/message.h"
 
@@ -73,24 +75,35 @@ Status validate_train_config(const TrainConfig& t, const ModelConfig& m) {
   return Status::ok_status();
 }
 
-MemoryEstimate estimate_training_memory(const TrainConfig& t, const ModelConfig& m) {
-  const int64_t n = parameter_layout(m).total;
+MemoryEstimate estimate_training_memory(const TrainConfig& t, const ModelConfig& m, int dp_world) {
+  const ParameterLayout layout = parameter_layout(m);
+  const int64_t n = layout.total;
+  const int64_t world = std::max(dp_world, 1);
+  const int64_t shard = (n + world - 1) / world;
   const int64_t tokens = t.batch * t.seq;
   const int64_t layer_bytes = tokens * layer_activations(m).bytes();
   const int64_t layer_input_bytes = tokens * m.d_model * 2;
 
   MemoryEstimate e;
   e.weights = 2 * n;
-  e.master = 4 * n;
-  e.adam = 8 * n;
+  e.master = 4 * shard;
+  e.adam = 8 * shard;
   e.grads = 4 * n;
+  if (world > 1) {
+    // A bucket holds at least one whole tensor: the largest sets the staging when it exceeds the
+    // 25 MiB bucket target (train/dist/dp_plan.h).
+    int64_t bucket = int64_t{25} << 20 >> 2;
+    for (const ParamSpec& p : layout.params) bucket = std::max(bucket, p.numel);
+    e.dp_buffers = 6 * shard + 4 * (world - 1) * ((bucket + world - 1) / world);
+  }
   // Every layer keeps its full set, or only its input while one layer at a time is recomputed.
   e.activations = t.recompute ? m.n_layer * layer_input_bytes + layer_bytes : m.n_layer * layer_bytes;
   // The final norm's input and output, then the logits.
   e.activations += 2 * layer_input_bytes;
   e.logits = tokens * m.padded_vocab * 2;
   e.workspace = layer_bytes;
-  e.total = e.weights + e.master + e.adam + e.grads + e.activations + e.logits + e.workspace;
+  e.total = e.weights + e.master + e.adam + e.grads + e.dp_buffers + e.activations + e.logits +
+            e.workspace;
   return e;
 }
 
@@ -101,7 +114,8 @@ Status check_fits(const MemoryEstimate& e, int64_t device_bytes) {
   return Status::out_of_memory(cat(
       "training needs about ", gib(e.total), " GiB but the device has ", gib(device_bytes),
       " GiB (weights ", gib(e.weights), ", master ", gib(e.master), ", adam ", gib(e.adam),
-      ", grads ", gib(e.grads), ", activations ", gib(e.activations), ", logits ", gib(e.logits),
+      ", grads ", gib(e.grads), e.dp_buffers > 0 ? cat(", data-parallel buffers ", gib(e.dp_buffers)) : std::string(),
+      ", activations ", gib(e.activations), ", logits ", gib(e.logits),
       ", workspace ", gib(e.workspace), "); lower batch or seq, or turn on recompute"));
 }
 

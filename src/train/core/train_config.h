@@ -39,13 +39,19 @@ struct TrainConfig {
 // a feature needs them.
 Status validate_train_config(const TrainConfig& train, const ModelConfig& model);
 
-// Bytes one device holds for a run without sharding. The state is exact; activations count the
-// tensors the backward reads, per layer, in their stored precision (bf16 activations, fp32
-// softmax LSE and norm statistics), which is the floor of what any implementation keeps.
+// Bytes one device holds for a run, alone or as one of dp_world data-parallel ranks (ZeRO-1:
+// master weights, m and v sharded, so 12 of the 18 bytes of state per parameter shrink to
+// 12 / dp_world; weights and gradients stay whole on every rank). The state is exact up to the
+// shards' 64-element rounding; activations count the tensors the backward reads, per layer, in
+// their stored precision (bf16 activations, fp32 softmax LSE and norm statistics), which is the
+// floor of what any implementation keeps.
 //   weights      bf16 copy of the flat buffer the forward reads
-//   master       fp32 master weights
-//   adam         fp32 m and v
+//   master       fp32 master weights (of the shard: ⌈n / dp_world⌉)
+//   adam         fp32 m and v (of the shard)
 //   grads        fp32 gradients (accumulated over micro-batches in fp32)
+//   dp_buffers   data parallel only: the shard's reduced fp32 gradient and its bf16 update, and
+//                the staging of one bucket's incoming slices ((dp_world − 1) slices of the
+//                largest of a 25 MiB bucket and the largest tensor)
 //   activations  saved per layer for one micro-batch (only the layer inputs with recompute,
 //                plus one layer's full set, live while that layer runs backward)
 //   logits       bf16 (tokens, padded_vocab) of one micro-batch, reused for their gradient
@@ -55,14 +61,16 @@ struct MemoryEstimate {
   int64_t master = 0;
   int64_t adam = 0;
   int64_t grads = 0;
+  int64_t dp_buffers = 0;
   int64_t activations = 0;
   int64_t logits = 0;
   int64_t workspace = 0;
   int64_t total = 0;
 };
 
-// The estimate for a valid (train, model) pair.
-MemoryEstimate estimate_training_memory(const TrainConfig& train, const ModelConfig& model);
+// The estimate for a valid (train, model) pair on one of dp_world ranks (>= 1).
+MemoryEstimate estimate_training_memory(const TrainConfig& train, const ModelConfig& model,
+                                        int dp_world = 1);
 
 // OK when the estimate fits in `device_bytes`; otherwise out_of_memory with the breakdown.
 Status check_fits(const MemoryEstimate& estimate, int64_t device_bytes);

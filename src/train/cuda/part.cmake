@@ -1,6 +1,6 @@
 # src/train/cuda — the trainer's CUDA operators: cuBLASLt matmuls, norms, RoPE, SwiGLU,
-# embeddings, the fused classifier, AdamW and the gradient norm. Built only with CUDA; a CPU-only
-# build adds nothing from here.
+# embeddings, the fused classifier, AdamW and the gradient norm, and the step's event timer.
+# Built only with CUDA; a CPU-only build adds nothing from here.
 if(FLARE_WITH_CUDA)
   set(flare_train_cuda_dir ${CMAKE_CURRENT_LIST_DIR})
   target_sources(flare_train PRIVATE
@@ -12,7 +12,8 @@ if(FLARE_WITH_CUDA)
     ${flare_train_cuda_dir}/swiglu.cu
     ${flare_train_cuda_dir}/embedding.cu
     ${flare_train_cuda_dir}/classifier.cu
-    ${flare_train_cuda_dir}/adamw.cu)
+    ${flare_train_cuda_dir}/adamw.cu
+    ${flare_train_cuda_dir}/event_timer.cpp)
   target_link_libraries(flare_train PUBLIC CUDA::cudart PRIVATE CUDA::cublasLt)
   option(FLARE_TRAIN_PTXAS_VERBOSE "Print ptxas register/spill reports for the trainer's kernels" OFF)
   target_compile_options(flare_train PRIVATE

@@ -104,8 +104,14 @@ void shard_to_full(const DpPlan& plan, int rank, const void* shard, void* full, 
 std::vector<dist::Transfer> reduce_scatter_transfers(const DpPlan& plan, const Bucket& bucket,
                                                      int rank, const void* grads, void* staging,
                                                      int64_t elem_bytes);
-// Slot of rank q's contribution in the staging buffer of reduce_scatter_transfers (q != rank).
-inline int64_t staging_slot(int q, int rank) { return q < rank ? q : q - 1; }
+// Slot of rank q's contribution in the staging buffer of reduce_scatter_transfers (q != rank);
+// also called by the CUDA kernel that sums the slots (dp_cuda.cu).
+#if defined(__CUDACC__)
+#define FLARE_DP_HOST_DEVICE __host__ __device__
+#else
+#define FLARE_DP_HOST_DEVICE
+#endif
+inline FLARE_DP_HOST_DEVICE int64_t staging_slot(int q, int rank) { return q < rank ? q : q - 1; }
 
 // The transfers of one bucket's all-gather on rank `rank`: this rank's updated slice, at
 // `shard` + shard_offset (elements of elem_bytes), goes to every other rank, and every other

@@ -12,9 +12,11 @@
 //     communication); then each bucket of the flat gradient (train/dist/dp_plan.h) is
 //     reduce-scattered, every rank keeping the sum of its slices (on CUDA on a communication
 //     stream, each bucket as soon as the backward has finished its layers);
-//   - the loss is the mean over the valid targets of every rank's micro-batches: the ranks agree
-//     on the step's valid-target count before the first forward, so each gradient is scaled by
-//     1 / (global count) and the reduction is a plain sum;
+//   - the loss is the mean over the valid targets of every rank's micro-batches. CUDA: the ranks
+//     all-gather their counts on the device before the first forward, and the classifier scales
+//     each logit gradient by 1 / (global count), so the reduction is a plain sum. CPU: each
+//     micro-batch's gradient is that of its own mean, the reduction averages them, and the ranks
+//     check that every micro-batch has the same count (the loader's windows always do);
 //   - ZeRO-1: master weights, m and v exist only for this rank's shard; the gradient norm is the
 //     square root of the ranks' shard sums of squares (gathered and added in rank order, so every
 //     rank clips alike), AdamW runs on the shard, and the updated weights (bf16 on CUDA, fp32 on
@@ -46,10 +48,28 @@ enum class DeviceKind { kCpu, kCuda };
 // "cpu" or "cuda", for flags and messages.
 const char* device_kind_name(DeviceKind kind);
 
+// Where a CUDA step's time went, from CUDA events read with the step's loss (no extra wait).
+// Times are device time per stream, summed over the step: fwd_ms and bwd_ms over every
+// micro-batch; comm_ms the communication stream's collectives (the valid-count and norm
+// agreements, every bucket's reduce-scatter, the weights' all-gather), most of it overlapped with
+// the backward; comm_exposed_ms the time the compute stream stood waiting for the communication
+// stream (communication not hidden behind compute); optimizer_ms the gradient norm, clip and
+// AdamW. comm_bytes: what this rank sent in the step's collectives.
+struct StepTiming {
+  bool measured = false;  // false on the CPU backend
+  double fwd_ms = 0.0;
+  double bwd_ms = 0.0;
+  double comm_ms = 0.0;
+  double comm_exposed_ms = 0.0;
+  double optimizer_ms = 0.0;
+  int64_t comm_bytes = 0;
+};
+
 struct StepResult {
   double loss = 0.0;        // mean cross-entropy over the step's valid targets (every micro-batch)
   double grad_norm = 0.0;   // global L2 norm of the step's gradient, before clipping
   bool updated = false;     // false when the norm was not finite and the CPU skipped the update
+  StepTiming timing;
 };
 
 struct BackendOptions {
@@ -105,6 +125,10 @@ class Backend {
   // Device memory in use (CUDA: total − free as the driver reports it) or the bytes of the
   // backend's own buffers (CPU).
   virtual int64_t memory_bytes() const = 0;
+  // The most memory in use so far on this rank's device: CUDA, memory_bytes() at the step reads
+  // plus the high-water mark of stream-ordered allocations (attention's scratch, freed within a
+  // step); CPU, memory_bytes().
+  virtual int64_t peak_memory_bytes() { return memory_bytes(); }
 };
 
 // The fp32 CPU backend over cpu::CpuModel for (batch, seq) micro-batches; data parallel over

@@ -4,8 +4,22 @@
 //
 // A step is enqueued on one stream with no host wait: the micro-batches' tokens go up from pinned
 // memory, the losses are summed on the device, the clip factor is read by the optimizer from
-// device memory, and the step ends with one 16-byte copy of (loss sum, norm, clip) back to pinned
-// memory and an event; step_end() waits on that event only.
+// device memory, and the step ends with one small copy of (loss sum, valid count, norm, clip)
+// back to pinned memory and an event; step_end() waits on that event only, then reads the step's
+// CUDA events for its profile (StepTiming).
+//
+// Data parallel (backend.h; NCCL communicator of several ranks): ZeRO-1, so master, m and v hold
+// this rank's shard only (dp_plan.h) and the collectives run on a second stream
+// (train/dist/dp_cuda.h). The step, in order:
+//   1. the ranks agree on the step's valid-target count (device all-gather) before the first
+//      forward, whose classifier reads 1 / count from device memory;
+//   2. micro-batches forward and backward with no communication, gradients accumulating locally;
+//   3. during the last backward, each bucket is reduce-scattered into the shard gradient as soon
+//      as the backward has passed its stage (GpuModel's stage hook records the event);
+//   4. the shard's Σ g² and the loss sum are agreed (rank order), the norm and clip follow, AdamW
+//      updates the shard and writes its bf16 weights, which are all-gathered into every rank's
+//      model weights before the step ends.
+// With one rank (no communicator, or one of size 1) the step is the single-device step.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -15,7 +29,10 @@
 #include "core/message.h"
 #include "core/numeric.h"
 #include "train/cuda/adamw.h"
+#include "train/cuda/event_timer.h"
 #include "train/cuda/matmul.h"
+#include "train/dist/dp_cuda.h"
+#include "train/dist/dp_plan.h"
 #include "train/loop/backend.h"
 #include "train/model/gpu_model.h"
 
@@ -24,10 +41,14 @@ namespace {
 
 using cuda::bf16;
 using cuda::cuda_status;
+using cuda::EventTimer;
 
-// What the host reads back per step (pinned).
+size_t sz(int64_t n) { return static_cast<size_t>(n); }
+
+// What the host reads back per step (pinned): the step's loss sum and valid count (every rank's
+// under data parallelism), the gradient norm and clip scale.
 struct StepReadback {
-  double loss_sum;
+  dp::DeviceTotals totals;
   float norm_and_scale[2];
 };
 
@@ -37,6 +58,7 @@ class CudaBackend final : public Backend {
  public:
   ~CudaBackend() override {
     if (stream_) cudaStreamSynchronize(stream_);
+    dp_.reset();
     cudaFree(state_);
     cudaFreeHost(host_);
     if (done_) cudaEventDestroy(done_);
@@ -59,24 +81,42 @@ class CudaBackend final : public Backend {
       return invalid("device_index: ", options.device_index, " must be below the ", devices,
                      " CUDA devices present");
     }
+    dist::Communicator* comm = options.comm;
+    const int world = comm ? comm->size() : 1;
+    if (comm && world > 1) {
+      if (comm->device() != DeviceType::kCUDA) {
+        return invalid("comm: the CUDA backend needs a communicator over CUDA memory (NCCL), got ", comm->kind());
+      }
+      if (comm->device_index() != options.device_index) {
+        return invalid("device_index: ", options.device_index, " is not the communicator's device ",
+                       comm->device_index());
+      }
+    }
+    rank_ = comm ? comm->rank() : 0;
+    FLARE_RETURN_IF_ERROR(dp::make_dp_plan(layout_, config.n_layer, world, options.bucket_bytes, &plan_));
+    shard_layout_ = dp::shard_layout(layout_, plan_, rank_);
     FLARE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(options.device_index), "cudaSetDevice"));
     cudaDeviceProp prop{};
     FLARE_RETURN_IF_ERROR(cuda_status(cudaGetDeviceProperties(&prop, options.device_index), "device properties"));
     name_ = prop.name;
+    device_index_ = options.device_index;
 
     // Will it fit? The configuration's estimate (the floor any implementation needs) and this
     // implementation's own buffers, against the free memory, before allocating anything.
     size_t free_bytes = 0, total_bytes = 0;
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
     const int64_t free_now = static_cast<int64_t>(free_bytes);
-    FLARE_RETURN_IF_ERROR(check_fits(estimate_training_memory(train, config), free_now));
+    FLARE_RETURN_IF_ERROR(check_fits(estimate_training_memory(train, config, world), free_now));
     const int64_t tokens = train.grad_accum * train.batch * train.seq;
-    const int64_t state_bytes = 3 * layout_.total * int64_t{sizeof(float)} + 2 * tokens * int64_t{sizeof(int32_t)} + 256;
+    const int64_t shard = plan_.shard_size(rank_);
+    const int64_t state_bytes = 3 * shard * int64_t{sizeof(float)} + 2 * tokens * int64_t{sizeof(int32_t)} + 256;
+    const int64_t dp_bytes = world > 1 ? dp::CudaDataParallel::buffer_bytes(plan_, rank_) : 0;
     const int64_t need = cuda::GpuModel::buffer_bytes(config, train.batch, train.seq, train.recompute) +
-                         state_bytes + cuda::MatmulContext::kWorkspaceBytes;
+                         state_bytes + dp_bytes + cuda::MatmulContext::kWorkspaceBytes;
     if (need > free_now) {
       return Status::out_of_memory(cat("the run needs ", gib(need), " on ", name_, " (model buffers ",
-                                       gib(need - state_bytes), ", optimizer state ", gib(state_bytes),
+                                       gib(need - state_bytes - dp_bytes), ", optimizer state ", gib(state_bytes),
+                                       world > 1 ? cat(" of a 1/", world, " shard, data-parallel buffers ", gib(dp_bytes)) : "",
                                        "), ", gib(free_now), " are free; try --recompute, a smaller "
                                        "--batch with --grad-accum, or a shorter --seq"));
     }
@@ -88,20 +128,21 @@ class CudaBackend final : public Backend {
     mo.deterministic_attention = options.deterministic_attention;
     mo.device_index = options.device_index;
     FLARE_RETURN_IF_ERROR(cuda::GpuModel::create(config, train.batch, train.seq, mo, stream_, &model_));
-    FLARE_RETURN_IF_ERROR(table_.init(layout_));
+    // The optimizer's chunks walk the shard (for one rank: the whole buffer, the same chunks).
+    FLARE_RETURN_IF_ERROR(table_.init(shard_layout_));
+    if (world > 1) FLARE_RETURN_IF_ERROR(dp::CudaDataParallel::create(comm, plan_, stream_, &timer_, &dp_));
 
-    // master, m, v (fp32, n each); the step's tokens and targets; the loss sum and the norm pair;
-    // the norm's scratch. One allocation, 256-byte aligned pieces.
-    const int64_t n = layout_.total;
+    // master, m, v (fp32, the shard each); the step's tokens and targets; the loss sum and the
+    // norm pair; the norm's scratch. One allocation, 256-byte aligned pieces.
     const int64_t norm_scratch = cuda::gradient_norm_scratch_bytes(table_);
     auto piece = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-    const int64_t bytes = 3 * piece(n * 4) + 2 * piece(tokens * 4) + piece(8) + piece(8) + piece(norm_scratch);
+    const int64_t bytes = 3 * piece(shard * 4) + 2 * piece(tokens * 4) + piece(8) + piece(8) + piece(norm_scratch);
     char* p = nullptr;
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&p), static_cast<size_t>(bytes)), "optimizer state"));
     state_ = p;
-    master_ = reinterpret_cast<float*>(p);          p += piece(n * 4);
-    m_ = reinterpret_cast<float*>(p);               p += piece(n * 4);
-    v_ = reinterpret_cast<float*>(p);               p += piece(n * 4);
+    master_ = reinterpret_cast<float*>(p);          p += piece(shard * 4);
+    m_ = reinterpret_cast<float*>(p);               p += piece(shard * 4);
+    v_ = reinterpret_cast<float*>(p);               p += piece(shard * 4);
     tokens_ = reinterpret_cast<int32_t*>(p);        p += piece(tokens * 4);
     targets_ = reinterpret_cast<int32_t*>(p);       p += piece(tokens * 4);
     loss_sum_ = reinterpret_cast<double*>(p);       p += piece(8);
@@ -109,11 +150,11 @@ class CudaBackend final : public Backend {
     norm_scratch_ = p;
 
     // Pinned staging: the step's tokens and targets, and the readback.
-    const size_t host_bytes = static_cast<size_t>(2 * tokens) * sizeof(int32_t) + sizeof(StepReadback);
+    const size_t host_bytes = sizeof(StepReadback) + static_cast<size_t>(2 * tokens) * sizeof(int32_t);
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMallocHost(&host_, host_bytes), "pinned staging"));
-    host_tokens_ = static_cast<int32_t*>(host_);
+    readback_ = static_cast<StepReadback*>(host_);
+    host_tokens_ = reinterpret_cast<int32_t*>(readback_ + 1);
     host_targets_ = host_tokens_ + tokens;
-    readback_ = reinterpret_cast<StepReadback*>(host_targets_ + tokens);
     return cuda_status(cudaStreamSynchronize(stream_), "setup");
   }
 
@@ -123,12 +164,13 @@ class CudaBackend final : public Backend {
   Status set_state(const float* master, const float* m, const float* v) override {
     if (!master) return invalid("set_state: master must not be null");
     FLARE_RETURN_IF_ERROR(wait_idle());
+    // This rank's shard of each tensor (the whole buffer for one rank).
+    FLARE_RETURN_IF_ERROR(upload_shard(master, master_));
+    FLARE_RETURN_IF_ERROR(upload_shard(m, m_));
+    FLARE_RETURN_IF_ERROR(upload_shard(v, v_));
+    // The bf16 weights the model reads, all of them on every rank: master rounded to nearest even
+    // (as AdamW writes them).
     const int64_t n = layout_.total;
-    const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(master_, master, bytes, cudaMemcpyHostToDevice), "set_state"));
-    FLARE_RETURN_IF_ERROR(copy_or_zero(m, m_, bytes));
-    FLARE_RETURN_IF_ERROR(copy_or_zero(v, v_, bytes));
-    // The bf16 weights the model reads: master rounded to nearest even (as AdamW writes them).
     std::vector<uint16_t> weights(static_cast<size_t>(n));
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) weights[static_cast<size_t>(i)] = float_to_bf16(master[i]);
@@ -138,6 +180,19 @@ class CudaBackend final : public Backend {
 
   Status get_state(float* master, float* m, float* v) override {
     FLARE_RETURN_IF_ERROR(wait_idle());
+    if (dp_) {
+      // Collective: every rank takes part for each tensor; rank 0 gathers into a scratch buffer
+      // for a null one.
+      std::vector<float> unused;
+      for (auto [shard, full] : {std::pair{master_, master}, {m_, m}, {v_, v}}) {
+        if (!full && rank_ == 0) {
+          unused.resize(sz(plan_.total));
+          full = unused.data();
+        }
+        FLARE_RETURN_IF_ERROR(dp_->gather_to_rank0(shard, full));
+      }
+      return Status::ok_status();
+    }
     const size_t bytes = static_cast<size_t>(layout_.total) * sizeof(float);
     if (master) FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(master, master_, bytes, cudaMemcpyDeviceToHost), "get_state"));
     if (m) FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(m, m_, bytes, cudaMemcpyDeviceToHost), "get_state"));
@@ -147,25 +202,43 @@ class CudaBackend final : public Backend {
 
   Status step_begin(std::span<const int32_t> inputs, std::span<const int32_t> targets,
                     int64_t micro_batches, const AdamWStep& step, double grad_clip) override {
-    if (pending_) return invalid("step_begin: the previous step was not ended (step_end)");
+    if (pending_) return invalid("step_begin: the previous step was not ended (step_end first)");
     FLARE_RETURN_IF_ERROR(stage(inputs, targets, micro_batches));
     const int64_t tokens = batch_ * seq_;
     valid_ = std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -1; });
-    // The gradient of the mean over the whole step's valid targets.
-    const float dloss_scale = valid_ > 0 ? static_cast<float>(1.0 / static_cast<double>(valid_)) : 0.0f;
+    timer_.reset();
 
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_), "loss"));
+    // The gradient of the mean over the whole step's valid targets: this rank's count alone, or
+    // every rank's, agreed on the device (the classifier then reads the factor from there).
+    float dloss_scale = valid_ > 0 ? static_cast<float>(1.0 / static_cast<double>(valid_)) : 0.0f;
+    const float* dloss_scale_device = nullptr;
+    double* loss_sum = loss_sum_;
+    if (dp_) {
+      FLARE_RETURN_IF_ERROR(dp_->agree_valid_count(valid_));
+      dloss_scale = 1.0f;
+      dloss_scale_device = dp_->dloss_scale();
+      loss_sum = dp_->rank_sums() + 1;
+    }
+
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum, 0, sizeof(double), stream_), "loss"));
     FLARE_RETURN_IF_ERROR(model_->zero_grads());
     for (int64_t i = 0; i < micro_batches; ++i) {
-      FLARE_RETURN_IF_ERROR(model_->forward(tokens_ + i * tokens, targets_ + i * tokens, dloss_scale, true, loss_sum_));
-      FLARE_RETURN_IF_ERROR(model_->backward(tokens_ + i * tokens));
+      // The last backward hands each finished stage's buckets to the communication stream.
+      cuda::GpuModel::StageHook reduce;
+      if (dp_ && i + 1 == micro_batches) {
+        reduce = [this](int64_t stage) { return dp_->reduce_ready_buckets(stage, model_->grads()); };
+      }
+      cudaEvent_t fwd_begin = nullptr, bwd_begin = nullptr, bwd_end = nullptr;
+      FLARE_RETURN_IF_ERROR(timer_.record(stream_, &fwd_begin));
+      FLARE_RETURN_IF_ERROR(model_->forward(tokens_ + i * tokens, targets_ + i * tokens, dloss_scale, true,
+                                            loss_sum, dloss_scale_device));
+      FLARE_RETURN_IF_ERROR(timer_.record(stream_, &bwd_begin));
+      FLARE_RETURN_IF_ERROR(model_->backward(tokens_ + i * tokens, reduce));
+      FLARE_RETURN_IF_ERROR(timer_.record(stream_, &bwd_end));
+      timer_.span(EventTimer::kForward, fwd_begin, bwd_begin);
+      timer_.span(EventTimer::kBackward, bwd_begin, bwd_end);
     }
-    FLARE_RETURN_IF_ERROR(cuda::gradient_norm(table_, model_->grads(), grad_clip, norm_and_scale_,
-                                              norm_scratch_, stream_));
-    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, model_->grads(), master_,
-                                             m_, v_, model_->weights(), stream_));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->loss_sum, loss_sum_, sizeof(double),
-                                                      cudaMemcpyDeviceToHost, stream_), "loss readback"));
+    FLARE_RETURN_IF_ERROR(dp_ ? sharded_update(step, grad_clip) : update(step, grad_clip));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(readback_->norm_and_scale, norm_and_scale_, 2 * sizeof(float),
                                                       cudaMemcpyDeviceToHost, stream_), "norm readback"));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(done_, stream_), "step event"));
@@ -177,9 +250,22 @@ class CudaBackend final : public Backend {
     if (!pending_) return invalid("step_end: no step was begun");
     pending_ = false;
     FLARE_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(done_), "training step"));
-    result->loss = valid_ > 0 ? readback_->loss_sum / static_cast<double>(valid_) : 0.0;
+    if (dp_) FLARE_RETURN_IF_ERROR(dp_->health());
+    const dp::DeviceTotals& totals = readback_->totals;
+    result->loss = totals.valid > 0 ? totals.loss_sum / static_cast<double>(totals.valid) : 0.0;
     result->grad_norm = readback_->norm_and_scale[0];
     result->updated = true;  // a non-finite norm reaches the weights on the GPU; the trainer stops
+    EventTimer::Totals ms;
+    FLARE_RETURN_IF_ERROR(timer_.read(&ms));
+    StepTiming& t = result->timing;
+    t.measured = true;
+    t.fwd_ms = ms[EventTimer::kForward];
+    t.bwd_ms = ms[EventTimer::kBackward];
+    t.comm_ms = ms[EventTimer::kComm];
+    t.comm_exposed_ms = ms[EventTimer::kCommExposed];
+    t.optimizer_ms = ms[EventTimer::kOptimizer];
+    t.comm_bytes = dp_ ? dp_->bytes_per_step() : 0;
+    sample_peak_memory();
     return Status::ok_status();
   }
 
@@ -189,10 +275,10 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_), "loss"));
     FLARE_RETURN_IF_ERROR(model_->forward(tokens_, targets_, 0.0f, false, loss_sum_));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->loss_sum, loss_sum_, sizeof(double),
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
                                                       cudaMemcpyDeviceToHost, stream_), "loss readback"));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "evaluation"));
-    *loss_sum = readback_->loss_sum;
+    *loss_sum = readback_->totals.loss_sum;
     *valid = std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -1; });
     return Status::ok_status();
   }
@@ -216,12 +302,12 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(model_->zero_grads());
     FLARE_RETURN_IF_ERROR(model_->forward(tokens_, targets_, dloss_scale, true, loss_sum_));
     FLARE_RETURN_IF_ERROR(model_->backward(tokens_));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->loss_sum, loss_sum_, sizeof(double),
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
                                                       cudaMemcpyDeviceToHost, stream_), "loss readback"));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(grads, model_->grads(), static_cast<size_t>(layout_.total) * sizeof(float),
                                                       cudaMemcpyDeviceToHost, stream_), "gradients"));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "step_gradients"));
-    *loss = valid > 0 ? readback_->loss_sum / static_cast<double>(valid) : 0.0;
+    *loss = valid > 0 ? readback_->totals.loss_sum / static_cast<double>(valid) : 0.0;
     return Status::ok_status();
   }
 
@@ -231,7 +317,49 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(total_bytes - free_bytes);
   }
 
+  int64_t peak_memory_bytes() override {
+    sample_peak_memory();
+    return peak_memory_;
+  }
+
  private:
+  // One device: the norm of the whole gradient, the clip, AdamW writing the model's bf16 weights;
+  // the loss sum and this rank's count go to the readback.
+  Status update(const AdamWStep& step, double grad_clip) {
+    cudaEvent_t begin = nullptr, end = nullptr;
+    FLARE_RETURN_IF_ERROR(timer_.record(stream_, &begin));
+    FLARE_RETURN_IF_ERROR(cuda::gradient_norm(table_, model_->grads(), grad_clip, norm_and_scale_,
+                                              norm_scratch_, stream_));
+    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, model_->grads(), master_,
+                                             m_, v_, model_->weights(), stream_));
+    FLARE_RETURN_IF_ERROR(timer_.record(stream_, &end));
+    timer_.span(EventTimer::kOptimizer, begin, end);
+    readback_->totals.valid = valid_;
+    return cuda_status(cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
+                                       cudaMemcpyDeviceToHost, stream_), "loss readback");
+  }
+
+  // Data parallel (ZeRO-1): wait for the buckets' reduction, agree on the norm and the loss, AdamW
+  // on the shard, all-gather the updated weights; the agreed totals go to the readback.
+  Status sharded_update(const AdamWStep& step, double grad_clip) {
+    FLARE_RETURN_IF_ERROR(dp_->wait_for_reduction());
+    cudaEvent_t norm_begin = nullptr, norm_end = nullptr, adam_begin = nullptr, adam_end = nullptr;
+    FLARE_RETURN_IF_ERROR(timer_.record(stream_, &norm_begin));
+    FLARE_RETURN_IF_ERROR(cuda::gradient_sum_of_squares(table_, dp_->shard_grads(), dp_->rank_sums(),
+                                                        norm_scratch_, stream_));
+    FLARE_RETURN_IF_ERROR(timer_.record(stream_, &norm_end));
+    timer_.span(EventTimer::kOptimizer, norm_begin, norm_end);
+    FLARE_RETURN_IF_ERROR(dp_->agree_norm_and_loss(grad_clip, norm_and_scale_));
+    FLARE_RETURN_IF_ERROR(timer_.record(stream_, &adam_begin));
+    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, dp_->shard_grads(), master_,
+                                             m_, v_, dp_->shard_weights(), stream_));
+    FLARE_RETURN_IF_ERROR(timer_.record(stream_, &adam_end));
+    timer_.span(EventTimer::kOptimizer, adam_begin, adam_end);
+    FLARE_RETURN_IF_ERROR(dp_->all_gather_weights(model_->weights()));
+    return cuda_status(cudaMemcpyAsync(&readback_->totals, dp_->totals(), sizeof(dp::DeviceTotals),
+                                       cudaMemcpyDeviceToHost, stream_), "totals readback");
+  }
+
   // The batch into pinned memory and up to the device (enqueued).
   Status stage(std::span<const int32_t> inputs, std::span<const int32_t> targets, int64_t micro_batches) {
     const int64_t want = micro_batches * batch_ * seq_;
@@ -249,23 +377,53 @@ class CudaBackend final : public Backend {
     return cuda_status(cudaMemcpyAsync(targets_, host_targets_, bytes, cudaMemcpyHostToDevice, stream_), "targets");
   }
 
-  Status copy_or_zero(const float* src, float* dst, size_t bytes) {
-    if (src) return cuda_status(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "set_state");
-    return cuda_status(cudaMemset(dst, 0, bytes), "set_state");
+  // A full host tensor's shard (or zeros for null) into device memory.
+  Status upload_shard(const float* full, float* shard) {
+    const int64_t n = plan_.shard_size(rank_);
+    const size_t bytes = sz(n) * sizeof(float);
+    if (!full) return cuda_status(cudaMemset(shard, 0, bytes), "set_state");
+    if (plan_.world == 1) return cuda_status(cudaMemcpy(shard, full, bytes, cudaMemcpyHostToDevice), "set_state");
+    std::vector<float> host(sz(n));
+    dp::full_to_shard(plan_, rank_, full, host.data(), sizeof(float));
+    return cuda_status(cudaMemcpy(shard, host.data(), bytes, cudaMemcpyHostToDevice), "set_state");
   }
 
   Status wait_idle() {
     if (pending_) return invalid("a step is in flight (step_end first)");
+    if (dp_) FLARE_RETURN_IF_ERROR(dp_->synchronize());
     return cuda_status(cudaStreamSynchronize(stream_), "device");
+  }
+
+  // memory_bytes() now plus the stream-ordered allocations' high-water mark (freed memory of the
+  // default pool goes back to the device at synchronisation, so memory_bytes() misses it).
+  void sample_peak_memory() {
+    uint64_t pool_high = 0;
+    cudaMemPool_t pool = nullptr;
+    if (cudaDeviceGetDefaultMemPool(&pool, device_index_) == cudaSuccess) {
+      uint64_t reserved = 0;
+      if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &pool_high) != cudaSuccess ||
+          cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) != cudaSuccess) {
+        pool_high = 0;
+      } else {
+        pool_high = pool_high > reserved ? pool_high - reserved : 0;  // what memory_bytes() cannot see
+      }
+    }
+    peak_memory_ = std::max(peak_memory_, memory_bytes() + static_cast<int64_t>(pool_high));
   }
 
   int64_t batch_ = 0, seq_ = 0, max_micro_batches_ = 1;
   ParameterLayout layout_;
+  dp::DpPlan plan_;              // one rank: a single shard, the whole buffer
+  ParameterLayout shard_layout_;
+  int rank_ = 0;
   std::string name_;
+  int device_index_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t done_ = nullptr;
+  EventTimer timer_;
   std::unique_ptr<cuda::GpuModel> model_;
-  cuda::DeviceChunkTable table_;
+  std::unique_ptr<dp::CudaDataParallel> dp_;  // several ranks only
+  cuda::DeviceChunkTable table_;  // over the shard
   void* state_ = nullptr;
   float *master_ = nullptr, *m_ = nullptr, *v_ = nullptr, *norm_and_scale_ = nullptr;
   int32_t *tokens_ = nullptr, *targets_ = nullptr;
@@ -276,6 +434,7 @@ class CudaBackend final : public Backend {
   StepReadback* readback_ = nullptr;
   bool pending_ = false;
   int64_t valid_ = 0;
+  int64_t peak_memory_ = 0;
 };
 
 }  // namespace

@@ -136,6 +136,10 @@ std::string format_step(const StepReport& r) {
   }
   std::snprintf(buf, sizeof buf, " | mem %.2f GiB", static_cast<double>(r.memory_bytes) / (1 << 30));
   line += buf;
+  if (r.world > 1 && r.timing.measured) {
+    std::snprintf(buf, sizeof buf, " | comm %.1f ms, %.1f exposed", r.timing.comm_ms, r.timing.comm_exposed_ms);
+    line += buf;
+  }
   if (r.has_val) {
     std::snprintf(buf, sizeof buf, " | val %.4f", r.val_loss);
     line += buf;
@@ -151,6 +155,15 @@ std::string step_json(const StepReport& r) {
     << ", \"step_ms\": " << json_number(r.step_ms)
     << ", \"tokens_per_s\": " << json_number(r.tokens_per_s) << ", \"mfu\": " << json_number(r.mfu)
     << ", \"memory_bytes\": " << r.memory_bytes;
+  if (r.timing.measured) {
+    const StepTiming& t = r.timing;
+    const double gbps = t.comm_ms > 0 ? static_cast<double>(t.comm_bytes) / (t.comm_ms * 1e6) : 0.0;
+    s << ", \"dp\": " << r.world << ", \"fwd_ms\": " << json_number(t.fwd_ms)
+      << ", \"bwd_ms\": " << json_number(t.bwd_ms) << ", \"comm_ms\": " << json_number(t.comm_ms)
+      << ", \"comm_exposed_ms\": " << json_number(t.comm_exposed_ms)
+      << ", \"optimizer_ms\": " << json_number(t.optimizer_ms) << ", \"comm_bytes\": " << t.comm_bytes
+      << ", \"comm_gbps\": " << json_number(gbps) << ", \"peak_memory_bytes\": " << r.peak_memory_bytes;
+  }
   if (r.has_val) s << ", \"val_loss\": " << json_number(r.val_loss);
   if (!r.checkpoint.empty()) s << ", \"checkpoint\": " << json_string(r.checkpoint);
   s << "}";
@@ -223,11 +236,6 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
   if (options.device == DeviceKind::kCpu) {
     FLARE_RETURN_IF_ERROR(make_cpu_backend(model, train, options.backend, &t->backend_));
   } else {
-    // Never a silent single-GPU run under a multi-rank communicator.
-    if (t->world_ > 1) {
-      return Status::unsupported("device: data parallel on the CUDA backend is not built yet; "
-                                 "several ranks train on the CPU backend only");
-    }
     FLARE_RETURN_IF_ERROR(make_cuda_backend(model, train, options.backend, &t->backend_));
   }
   FLARE_RETURN_IF_ERROR(t->backend_->set_state(master.data(), m.empty() ? nullptr : m.data(),
@@ -311,6 +319,8 @@ Status Trainer::run(int64_t until_step, const std::function<void(const StepRepor
     r.tokens_per_s = r.step_ms > 0 ? step_tokens / (r.step_ms * 1e-3) : 0.0;
     r.mfu = peak_flops_ > 0 ? flops_per_token_ * r.tokens_per_s / (peak_flops_ * world_) : 0.0;
     r.memory_bytes = backend_->memory_bytes();
+    r.peak_memory_bytes = backend_->peak_memory_bytes();
+    r.timing = result.timing;
     r.world = world_;
     const bool last = step_ == c.steps;
     if (have_val_ && (step_ % c.eval_every == 0 || last)) {

@@ -74,6 +74,8 @@ struct StepReport {
   double mfu = 0.0;           // model FLOP/s over the peak of all ranks; 0 when it is unknown
   int world = 1;              // data-parallel ranks
   int64_t memory_bytes = 0;   // Backend::memory_bytes()
+  int64_t peak_memory_bytes = 0;  // Backend::peak_memory_bytes(): this rank's device, so far
+  StepTiming timing;          // CUDA: where the step's device time went (backend.h)
   bool has_val = false;
   double val_loss = 0.0;      // when has_val: mean loss over the validation batches
   std::string checkpoint;     // the checkpoint written after this step, or empty
@@ -85,9 +87,12 @@ struct StepReport {
 double peak_bf16_flops(const std::string& device_name);
 
 // "step   12/1000 | loss 7.1234 | lr 6.00e-04 | norm 1.234 | 123.4 ms | 132,000 tok/s |
-//  MFU 41.2% | mem 12.3 GiB" (+ "| val 7.0012", "| saved PATH").
+//  MFU 41.2% | mem 12.3 GiB" (+ "| comm 12.3 ms, 1.2 exposed" with several ranks, "| val 7.0012",
+//  "| saved PATH").
 std::string format_step(const StepReport& report);
-// The report as one JSON object on one line (no newline).
+// The report as one JSON object on one line (no newline); with a measured timing also "dp",
+// "fwd_ms", "bwd_ms", "comm_ms", "comm_exposed_ms", "optimizer_ms", "comm_bytes", "comm_gbps"
+// (bytes sent over comm_ms) and "peak_memory_bytes".
 std::string step_json(const StepReport& report);
 
 class Trainer {

@@ -1,0 +1,276 @@
+// dp_cuda.cu — the data-parallel collectives of dp_cuda.h: kernels (the rank-ordered sums), then
+// the host side (buffers, the step's protocol over the communicator).
+#include "train/dist/dp_cuda.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/message.h"
+#include "train/cuda/adamw.h"
+#include "train/cuda/common.h"
+#include "train/dist/dp_host.h"
+
+namespace flare::train::dp {
+namespace {
+
+using cuda::cuda_status;
+using cuda::launch_status;
+
+constexpr int kThreads = 256;
+constexpr int64_t kAlignment = 256;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+size_t sz(int64_t n) { return static_cast<size_t>(n); }
+
+// ---- Kernels ------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads)
+    sum_slices_kernel(const float* __restrict__ own, const float* __restrict__ staging,
+                      int64_t stride, int world, int rank, int64_t n, float* __restrict__ out) {
+  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * kThreads) {
+    float acc = 0.0f;
+    for (int q = 0; q < world; ++q) {
+      acc += q == rank ? own[i] : staging[staging_slot(q, rank) * stride + i];
+    }
+    out[i] = acc;
+  }
+}
+
+// The step's count of valid targets: every rank's, added in rank order; the loss gradient's
+// factor as the host computes it for one device (fp32 of the double quotient).
+__global__ void agree_count_kernel(const int64_t* counts, int world, float* dloss_scale,
+                                   DeviceTotals* totals) {
+  int64_t total = 0;
+  for (int q = 0; q < world; ++q) total += counts[q];
+  totals->valid = total;
+  *dloss_scale = total > 0 ? static_cast<float>(1.0 / static_cast<double>(total)) : 0.0f;
+}
+
+// The ranks' loss sums (sums[2q + 1]) in rank order.
+__global__ void agree_loss_kernel(const double* sums, int world, DeviceTotals* totals) {
+  double loss = 0.0;
+  for (int q = 0; q < world; ++q) loss += sums[2 * q + 1];
+  totals->loss_sum = loss;
+}
+
+// Where create() carves each buffer from one allocation.
+struct Layout {
+  int64_t shard_grads, shard_weights, staging, counts_send, counts_recv, sums_send, sums_recv,
+      dloss_scale, totals, total;
+};
+
+Layout buffer_layout(const DpPlan& plan, int rank) {
+  const int64_t shard = plan.shard_size(rank), world = plan.world;
+  Layout l{};
+  int64_t at = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t here = at;
+    at += round_up(bytes > 0 ? bytes : 1, kAlignment);
+    return here;
+  };
+  l.shard_grads = take(shard * 4);
+  l.shard_weights = take(shard * 2);
+  l.staging = take((world - 1) * plan.max_slice * 4);
+  l.counts_send = take(8);
+  l.counts_recv = take(8 * world);
+  l.sums_send = take(16);
+  l.sums_recv = take(16 * world);
+  l.dloss_scale = take(4);
+  l.totals = take(static_cast<int64_t>(sizeof(DeviceTotals)));
+  l.total = at;
+  return l;
+}
+
+}  // namespace
+
+Status sum_slices_in_rank_order(const float* own, const float* staging, int64_t stride, int world,
+                                int rank, int64_t n, float* out, cudaStream_t stream) {
+  const char* op = "sum_slices_in_rank_order";
+  if (world < 1 || rank < 0 || rank >= world)
+    return invalid(op, ": rank ", rank, " must be in [0, world = ", world, ")");
+  if (n < 0 || stride < n) return invalid(op, ": n = ", n, " must be in [0, stride = ", stride, "]");
+  if (n == 0) return Status::ok_status();
+  if (own == nullptr || out == nullptr || (world > 1 && staging == nullptr))
+    return invalid(op, ": own, staging and out must not be null");
+  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 4096);
+  sum_slices_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(own, staging, stride,
+                                                                              world, rank, n, out);
+  return launch_status(op);
+}
+
+// ---- Setup --------------------------------------------------------------------------------------
+
+int64_t CudaDataParallel::buffer_bytes(const DpPlan& plan, int rank) {
+  return buffer_layout(plan, rank).total;
+}
+
+Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cudaStream_t compute,
+                                cuda::EventTimer* timer, std::unique_ptr<CudaDataParallel>* out) {
+  if (comm == nullptr || timer == nullptr) return invalid("CudaDataParallel: comm and timer must not be null");
+  if (comm->device() != DeviceType::kCUDA) {
+    return invalid("comm: the CUDA backend needs a communicator over CUDA memory (NCCL), got ", comm->kind());
+  }
+  if (comm->size() != plan.world || plan.world < 2) {
+    return invalid("comm: ", comm->size(), " ranks, the data-parallel plan has ", plan.world,
+                   " (and needs at least 2)");
+  }
+  std::unique_ptr<CudaDataParallel> d(new CudaDataParallel());
+  d->comm_ = comm;
+  d->plan_ = &plan;
+  d->rank_ = comm->rank();
+  d->compute_ = compute;
+  d->timer_ = timer;
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&d->stream_, cudaStreamNonBlocking),
+                                    "data-parallel stream"));
+  const Layout l = buffer_layout(plan, d->rank_);
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&d->buffers_, sz(l.total)), "data-parallel buffers"));
+  char* base = static_cast<char*>(d->buffers_);
+  d->shard_grads_ = reinterpret_cast<float*>(base + l.shard_grads);
+  d->shard_weights_ = reinterpret_cast<__nv_bfloat16*>(base + l.shard_weights);
+  d->staging_ = reinterpret_cast<float*>(base + l.staging);
+  d->counts_send_ = reinterpret_cast<int64_t*>(base + l.counts_send);
+  d->counts_recv_ = reinterpret_cast<int64_t*>(base + l.counts_recv);
+  d->sums_send_ = reinterpret_cast<double*>(base + l.sums_send);
+  d->sums_recv_ = reinterpret_cast<double*>(base + l.sums_recv);
+  d->dloss_scale_ = reinterpret_cast<float*>(base + l.dloss_scale);
+  d->totals_ = reinterpret_cast<DeviceTotals*>(base + l.totals);
+  // Zero everything once: the shard buffers' alignment gaps are never written by a kernel.
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(d->buffers_, 0, sz(l.total), d->stream_), "data-parallel buffers"));
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMallocHost(reinterpret_cast<void**>(&d->host_count_), sizeof(int64_t)),
+                                    "data-parallel pinned count"));
+
+  // What this rank sends per step: its share of the agreement all-gathers, every other rank's
+  // slice of each bucket (fp32), and its own slice of each bucket to every other rank (bf16).
+  const int64_t peers = plan.world - 1;
+  int64_t bytes = peers * (8 + 16);
+  for (const Bucket& b : plan.buckets) {
+    bytes += (b.end - b.begin - b.slice_size(d->rank_)) * 4;
+    bytes += peers * b.slice_size(d->rank_) * 2;
+  }
+  d->bytes_per_step_ = bytes;
+  FLARE_RETURN_IF_ERROR(d->synchronize());
+  *out = std::move(d);
+  return Status::ok_status();
+}
+
+CudaDataParallel::~CudaDataParallel() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  cudaFree(buffers_);
+  cudaFreeHost(host_count_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+Status CudaDataParallel::synchronize() {
+  return cuda_status(cudaStreamSynchronize(stream_), "data-parallel stream");
+}
+
+// ---- Stream hand-offs ---------------------------------------------------------------------------
+
+Status CudaDataParallel::comm_after_compute() {
+  cudaEvent_t ready = nullptr;
+  FLARE_RETURN_IF_ERROR(timer_->record(compute_, &ready));
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(stream_, ready, 0), "data-parallel wait"));
+  return timer_->record(stream_, &run_begin_);
+}
+
+Status CudaDataParallel::end_comm_run() {
+  FLARE_RETURN_IF_ERROR(timer_->record(stream_, &run_end_));
+  timer_->span(cuda::EventTimer::kComm, run_begin_, run_end_);
+  return Status::ok_status();
+}
+
+Status CudaDataParallel::compute_after_comm() {
+  FLARE_RETURN_IF_ERROR(end_comm_run());
+  cudaEvent_t before = nullptr, after = nullptr;
+  FLARE_RETURN_IF_ERROR(timer_->record(compute_, &before));
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(compute_, run_end_, 0), "data-parallel wait"));
+  FLARE_RETURN_IF_ERROR(timer_->record(compute_, &after));
+  timer_->span(cuda::EventTimer::kCommExposed, before, after);
+  return Status::ok_status();
+}
+
+// ---- The step -----------------------------------------------------------------------------------
+
+Status CudaDataParallel::agree_valid_count(int64_t local_valid) {
+  next_bucket_ = 0;
+  *host_count_ = local_valid;  // the previous step's copy has completed: its end was waited for
+  FLARE_RETURN_IF_ERROR(comm_after_compute());
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(counts_send_, host_count_, sizeof(int64_t),
+                                                    cudaMemcpyHostToDevice, stream_), "valid count"));
+  // valid-target count: one int64 per rank
+  FLARE_RETURN_IF_ERROR(comm_->all_gather(counts_send_, counts_recv_, sizeof(int64_t), stream_));
+  agree_count_kernel<<<1, 1, 0, stream_>>>(counts_recv_, plan_->world, dloss_scale_, totals_);
+  FLARE_RETURN_IF_ERROR(launch_status("agree_count_kernel"));
+  return compute_after_comm();
+}
+
+Status CudaDataParallel::reduce_ready_buckets(int64_t stage, const float* grads) {
+  const std::vector<Bucket>& buckets = plan_->buckets;
+  if (next_bucket_ >= buckets.size() || buckets[next_bucket_].ready_stage != stage) {
+    return Status::ok_status();  // no bucket completes at this stage
+  }
+  FLARE_RETURN_IF_ERROR(comm_after_compute());
+  for (; next_bucket_ < buckets.size() && buckets[next_bucket_].ready_stage == stage; ++next_bucket_) {
+    const Bucket& b = buckets[next_bucket_];
+    // bucket reduce-scatter: every other rank's slice out, this rank's slice in from each
+    const std::vector<dist::Transfer> t = reduce_scatter_transfers(*plan_, b, rank_, grads, staging_, 4);
+    if (!t.empty()) FLARE_RETURN_IF_ERROR(comm_->exchange(t.data(), static_cast<int>(t.size()), stream_));
+    FLARE_RETURN_IF_ERROR(sum_slices_in_rank_order(grads + b.slice_begin[sz(rank_)], staging_, plan_->max_slice,
+                                                   plan_->world, rank_, b.slice_size(rank_),
+                                                   shard_grads_ + b.shard_offset[sz(rank_)], stream_));
+  }
+  return end_comm_run();
+}
+
+Status CudaDataParallel::wait_for_reduction() {
+  if (next_bucket_ != plan_->buckets.size()) {
+    return Status::internal(cat("data parallel: ", plan_->buckets.size() - next_bucket_,
+                                " gradient buckets were not reduced by the backward's stages"));
+  }
+  cudaEvent_t before = nullptr, after = nullptr;
+  FLARE_RETURN_IF_ERROR(timer_->record(compute_, &before));
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(compute_, run_end_, 0), "data-parallel wait"));
+  FLARE_RETURN_IF_ERROR(timer_->record(compute_, &after));
+  timer_->span(cuda::EventTimer::kCommExposed, before, after);
+  return Status::ok_status();
+}
+
+Status CudaDataParallel::agree_norm_and_loss(double max_norm, float* norm_and_scale) {
+  FLARE_RETURN_IF_ERROR(comm_after_compute());
+  // (Σ g² of the shard, loss sum): two doubles per rank
+  FLARE_RETURN_IF_ERROR(comm_->all_gather(sums_send_, sums_recv_, 2 * sizeof(double), stream_));
+  FLARE_RETURN_IF_ERROR(cuda::norm_from_sums(sums_recv_, plan_->world, 2, max_norm, norm_and_scale, stream_));
+  agree_loss_kernel<<<1, 1, 0, stream_>>>(sums_recv_, plan_->world, totals_);
+  FLARE_RETURN_IF_ERROR(launch_status("agree_loss_kernel"));
+  return compute_after_comm();
+}
+
+Status CudaDataParallel::all_gather_weights(__nv_bfloat16* weights) {
+  FLARE_RETURN_IF_ERROR(comm_after_compute());
+  for (const Bucket& b : plan_->buckets) {
+    const int64_t mine = b.slice_size(rank_);
+    if (mine > 0) {
+      FLARE_RETURN_IF_ERROR(cuda_status(
+          cudaMemcpyAsync(weights + b.slice_begin[sz(rank_)], shard_weights_ + b.shard_offset[sz(rank_)],
+                          sz(mine) * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream_),
+          "own weights"));
+    }
+    // bucket all-gather: this rank's updated slice to every other rank, theirs into place
+    const std::vector<dist::Transfer> t = all_gather_transfers(*plan_, b, rank_, shard_weights_, weights, 2);
+    if (!t.empty()) FLARE_RETURN_IF_ERROR(comm_->exchange(t.data(), static_cast<int>(t.size()), stream_));
+  }
+  return compute_after_comm();
+}
+
+Status CudaDataParallel::gather_to_rank0(const float* shard, float* full) {
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(compute_), "device"));
+  const CopyToHost copy = [this](void* dst, const void* src, int64_t bytes) {
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(dst, src, sz(bytes), cudaMemcpyDeviceToHost, stream_),
+                                      "state to host"));
+    return cuda_status(cudaStreamSynchronize(stream_), "state to host");
+  };
+  return gather_shards_to_rank0(*comm_, *plan_, shard, staging_, sizeof(float), full, copy, stream_);
+}
+
+}  // namespace flare::train::dp

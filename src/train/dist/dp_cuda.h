@@ -1,0 +1,127 @@
+// dp_cuda.h — the collectives of a data-parallel step on CUDA devices (backend.h describes the
+// step): what the ranks agree on, the gradient buckets' reduce-scatter overlapped with the
+// backward, and the all-gather of the updated weights, over an NCCL communicator.
+//
+// Two streams. The compute stream (the model's) runs forward, backward and the optimizer; a
+// communication stream of this object's own runs every collective, in the one order every rank
+// issues them. The streams meet only through events, never a host wait:
+//   - agree_valid_count(): the step's count of valid targets goes up from pinned memory on the
+//     communication stream, is all-gathered, and a kernel adds the counts in rank order into the
+//     step's total and dloss_scale = fp32(1 / total) (the bits the host computes for one device);
+//     the compute stream waits before the first forward, whose classifier reads the factor;
+//   - reduce_ready_buckets(stage) runs from the last micro-batch's backward hook
+//     (gpu_model.h): an event on the compute stream after `stage`, the communication stream waits
+//     on it and reduce-scatters every bucket whose ready_stage is `stage` (dp_plan.h): the
+//     transfers of reduce_scatter_transfers() in one exchange, then a kernel that adds this rank's
+//     slice and the received copies in rank order into the shard gradient — the same bits on every
+//     rank whatever the arrival order. The staging buffer is reused bucket after bucket, which the
+//     stream order makes safe;
+//   - wait_for_reduction(): the compute stream waits for the last bucket (exposed time);
+//   - agree_norm_and_loss(): each rank's (Σ g² of its shard, its loss sum) all-gathered, the norm,
+//     clip scale and the global loss sum computed from them in rank order on every rank;
+//   - all_gather_weights(): the bf16 weights AdamW wrote for the shard go to every rank's model
+//     weights, bucket by bucket; the compute stream waits before the step ends.
+// Every collective's time is recorded on an EventTimer (kComm for each run of collectives between
+// waits, kCommExposed for each wait of the compute stream). The NCCL communicator bounds every
+// operation by its timeout, so a dead peer fails the step instead of hanging it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "flare/dist.h"
+#include "flare/status.h"
+#include "train/cuda/event_timer.h"
+#include "train/dist/dp_plan.h"
+
+namespace flare::train::dp {
+
+// What the ranks agree on per step, in device memory.
+struct DeviceTotals {
+  double loss_sum = 0.0;  // Σ every rank's per-token losses (ranks added in rank order)
+  int64_t valid = 0;      // Σ every rank's valid targets
+};
+
+class CudaDataParallel {
+ public:
+  // comm: `plan.world` ranks (> 1), its device the current one; compute: the model's stream;
+  // timer: where the collectives' spans go (outlives this object). Allocates the shard's reduced
+  // gradient and bf16 weights, the staging of one bucket and the agreement buffers.
+  static Status create(dist::Communicator* comm, const DpPlan& plan, cudaStream_t compute,
+                       cuda::EventTimer* timer, std::unique_ptr<CudaDataParallel>* out);
+  ~CudaDataParallel();
+  CudaDataParallel(const CudaDataParallel&) = delete;
+  CudaDataParallel& operator=(const CudaDataParallel&) = delete;
+
+  // Device bytes create() allocates for this plan and rank.
+  static int64_t buffer_bytes(const DpPlan& plan, int rank);
+
+  int rank() const { return rank_; }
+  float* shard_grads() const { return shard_grads_; }          // (shard) fp32, the reduced gradient
+  __nv_bfloat16* shard_weights() const { return shard_weights_; }  // (shard) bf16, AdamW's output
+  const float* dloss_scale() const { return dloss_scale_; }    // (1) fp32: 1 / the step's count
+  // This rank's two numbers for agree_norm_and_loss(): [0] Σ g² of the shard gradient, [1] the
+  // loss sum of its micro-batches (the model adds into it; zero it at the step's start).
+  double* rank_sums() const { return sums_send_; }
+  const DeviceTotals* totals() const { return totals_; }
+  // Bytes this rank sends in one step's collectives.
+  int64_t bytes_per_step() const { return bytes_per_step_; }
+
+  // The step's protocol, in this order (each enqueues and returns).
+  Status agree_valid_count(int64_t local_valid);
+  Status reduce_ready_buckets(int64_t stage, const float* grads);
+  Status wait_for_reduction();
+  Status agree_norm_and_loss(double max_norm, float* norm_and_scale);
+  Status all_gather_weights(__nv_bfloat16* weights);
+
+  // Rank 0 receives every rank's shard of one fp32 state tensor into `full` (host, plan.total
+  // floats); the others send. Host-blocking, collective (checkpoints).
+  Status gather_to_rank0(const float* shard, float* full);
+  // Waits for the communication stream (setup and checkpoints only).
+  Status synchronize();
+  // OK, or the communicator's failure (a collective that timed out or failed after it was
+  // enqueued surfaces here once the step's end has been waited for).
+  Status health() { return comm_->health(); }
+
+ private:
+  CudaDataParallel() = default;
+  // The communication stream waits for the compute stream's work so far; a run of collectives
+  // begins.
+  Status comm_after_compute();
+  // The run of collectives ends; the compute stream waits for it (counted as exposed).
+  Status compute_after_comm();
+  // The run of collectives ends without the compute stream waiting (yet).
+  Status end_comm_run();
+
+  dist::Communicator* comm_ = nullptr;
+  const DpPlan* plan_ = nullptr;
+  int rank_ = 0;
+  cudaStream_t compute_ = nullptr;
+  cudaStream_t stream_ = nullptr;  // communication
+  cuda::EventTimer* timer_ = nullptr;
+  cudaEvent_t run_begin_ = nullptr, run_end_ = nullptr;  // the current run of collectives
+  size_t next_bucket_ = 0;  // reduce_ready_buckets: the first bucket not yet reduced this step
+
+  void* buffers_ = nullptr;
+  float* shard_grads_ = nullptr;
+  __nv_bfloat16* shard_weights_ = nullptr;
+  float* staging_ = nullptr;        // (world − 1) · max_slice fp32
+  int64_t* counts_send_ = nullptr;  // (1)
+  int64_t* counts_recv_ = nullptr;  // (world)
+  double* sums_send_ = nullptr;     // (2)
+  double* sums_recv_ = nullptr;     // (2 · world)
+  float* dloss_scale_ = nullptr;
+  DeviceTotals* totals_ = nullptr;
+  int64_t* host_count_ = nullptr;   // pinned
+  int64_t bytes_per_step_ = 0;
+};
+
+// out[i] = Σ over ranks q in rank order of (q == rank ? own[i] : staging[slot(q) · stride + i]),
+// for i < n (dp_plan.h's staging slots). Exposed for tests.
+Status sum_slices_in_rank_order(const float* own, const float* staging, int64_t stride, int world,
+                                int rank, int64_t n, float* out, cudaStream_t stream);
+
+}  // namespace flare::train::dp
