@@ -252,6 +252,8 @@ if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$build/apps/flar
       { status=1; log "bench-dist 1M FAILED"; }
     tail -4 "$out/bench_dist_1m.log" | tee -a "$out/summary.log"
   fi
+  ls "$out"/bench_dist_*gpu.json > /dev/null 2>&1 && python3 bench/plot_dist.py \
+    --out "$out/bench_dist_efficiency.png" "$out"/bench_dist_*gpu.json >> "$out/bench_dist.log" 2>&1
   log "flare bench-dist under a torchrun-style environment ($gpus processes)"
   pids=()
   for ((r = 0; r < gpus; r++)); do
