@@ -1,12 +1,18 @@
 // main.cpp — flare-train, the command line of the training loop (src/train/loop/trainer.h).
 //
 //   flare-train --model NAME [flags]      train (the `train` command word is optional)
+//   mpirun -np N flare-train train ...    data parallel over N GPUs, one process each (also
+//                                         torchrun-style: RANK, WORLD_SIZE, LOCAL_RANK,
+//                                         MASTER_ADDR, MASTER_PORT in the environment)
 //   flare-train sample --checkpoint PATH  generate a few tokens from a checkpoint
 //   flare-train synth-data --out DIR      random-token shards (benchmarks without a corpus)
 //   flare-train models                    the model presets
 //
 // Every flag and config rule is checked before anything is written: a bad command line exits
-// with status 2 and a message naming the flag; a failed run exits with 1.
+// with status 2 and a message naming the flag; a failed run exits with 1. Under a launch, each
+// process is one rank on CUDA device LOCAL_RANK with an NCCL communicator from the launch
+// environment; only rank 0 prints, logs and writes checkpoints, and any rank reports its own
+// failure on stderr, prefixed with its rank.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -17,6 +23,7 @@
 
 #include "flags.h"
 #include "flare/attention.h"
+#include "flare/dist.h"
 #include "train/core/atomic_file.h"
 #include "train/core/checkpoint.h"
 #include "train/core/model_config.h"
@@ -42,6 +49,9 @@ struct RunError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// "rank 3: " under a launch of several processes (errors say which rank failed), else empty.
+std::string g_rank_prefix;
+
 // Library messages start with the config field they are about ("grad_accum: 0 must be …"); on
 // the command line that field is a flag, so it is named as the flag.
 std::string flag_for_field(const std::string& message) {
@@ -63,6 +73,7 @@ std::string flag_for_field(const std::string& message) {
       {"resume_from", "--resume"},    {"log_path", "--log"},
       {"peak_flops", "--peak-tflops"}, {"eval_batches", "--eval-batches"},
       {"init_weights", "--init-weights"}, {"device_index", "--device-index"},
+      {"bucket_bytes", "--bucket-mb"},
   };
   const size_t colon = message.find(':');
   if (colon == std::string::npos) return message;
@@ -95,7 +106,7 @@ struct TrainFlags {
   std::optional<std::string> model, data, train_data, val_data, device, ckpt_dir, resume, log, prompt,
       init_weights, dump_step;
   std::optional<int64_t> batch, seq, grad_accum, steps, warmup, eval_every, eval_batches, ckpt_every,
-      seed, sample, top_k, device_index;
+      seed, sample, top_k, device_index, dp_timeout_ms, bucket_mb;
   std::optional<int64_t> n_layer, d_model, n_head, n_kv_head, head_dim, ffn_hidden, max_seq, vocab;
   std::optional<double> lr, min_lr, weight_decay, beta1, beta2, eps, grad_clip, peak_tflops,
       norm_eps, rope_theta;
@@ -108,7 +119,13 @@ struct TrainFlags {
     f->add_string("train-data", &train_data, "training shards pattern (default DATA/*_train_*.bin)");
     f->add_string("val-data", &val_data, "validation shards pattern (default DATA/*_val_*.bin)");
     f->add_string("device", &device, "cpu or cuda (default: cuda when built with CUDA)");
-    f->add_int("device-index", &device_index, 0, 1023, "CUDA device ordinal (default 0)");
+    f->add_int("device-index", &device_index, 0, 1023,
+               "CUDA device ordinal (default 0; under a launch: LOCAL_RANK)");
+    f->add_int("dp-timeout-ms", &dp_timeout_ms, 1, int64_t{1} << 30,
+               "launch: a collective or the rendezvous not complete within this fails the run "
+               "(default 600000; NCCL's first operation can be slow)");
+    f->add_int("bucket-mb", &bucket_mb, 1, 1 << 16,
+               "launch: gradient bucket target in MiB for the overlapped reduce-scatter (default 25)");
     f->add_int("batch", &batch, -kBig, kBig, "sequences per micro-batch (default 8)");
     f->add_int("seq", &seq, -kBig, kBig, "tokens per sequence (default min(1024, max_seq))");
     f->add_int("grad-accum", &grad_accum, -kBig, kBig, "micro-batches per optimizer step (default 1)");
@@ -243,12 +260,80 @@ void print_throughput(const std::vector<ft::StepReport>& reports) {
             [](const ft::StepReport& a, const ft::StepReport& b) { return a.step_ms < b.step_ms; });
   const ft::StepReport& median = steady[steady.size() / 2];
   int64_t peak_memory = 0;
-  for (const ft::StepReport& r : reports) peak_memory = std::max(peak_memory, r.memory_bytes);
+  for (const ft::StepReport& r : reports) {
+    peak_memory = std::max({peak_memory, r.memory_bytes, r.peak_memory_bytes});
+  }
   std::printf("throughput: median of steps %lld-%lld: %.1f ms/step, %.0f tokens/s",
               static_cast<long long>(reports[skip].step), static_cast<long long>(reports.back().step),
               median.step_ms, median.tokens_per_s);
   if (median.mfu > 0) std::printf(", MFU %.1f%%", 100.0 * median.mfu);
-  std::printf(", peak device memory in use %s\n", gib(static_cast<double>(peak_memory)).c_str());
+  std::printf(", peak device memory in use %s%s\n", gib(static_cast<double>(peak_memory)).c_str(),
+              median.world > 1 ? " (rank 0's GPU)" : "");
+  const ft::StepTiming& t = median.timing;
+  if (t.measured) {
+    std::printf("profile of that step: forward %.1f ms, backward %.1f ms, optimizer %.1f ms",
+                t.fwd_ms, t.bwd_ms, t.optimizer_ms);
+    if (median.world > 1) {
+      std::printf(", communication %.1f ms (%.1f ms exposed), %.1f MB sent per rank", t.comm_ms,
+                  t.comm_exposed_ms, static_cast<double>(t.comm_bytes) / 1e6);
+    }
+    std::printf("\n");
+  }
+}
+
+// ---- the launch ----------------------------------------------------------------------------------
+
+// This process's place in a launch of several processes (mpirun, or torchrun-style variables) and
+// its NCCL communicator; without a launch (or a launch of one) rank 0 of 1 and no communicator.
+struct Launch {
+  flare::dist::LaunchInfo info;
+  std::unique_ptr<flare::dist::Communicator> comm;
+  bool lead() const { return info.rank == 0; }
+  int world() const { return comm ? info.size : 1; }
+};
+
+// Any variable of a launch set: then the launch must be whole and consistent.
+bool launch_variables_present() {
+  for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK",
+                           "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  return false;
+}
+
+// Joins the launch this process belongs to: reads the environment (a partial or inconsistent one
+// is an error naming the variables), shares rank 0's NCCL id through the rendezvous at
+// MASTER_ADDR:MASTER_PORT and creates the communicator on CUDA device LOCAL_RANK.
+Launch join_launch(const TrainFlags& f, ft::DeviceKind device) {
+  Launch l;
+  if (!launch_variables_present()) return l;
+  const Status read = flare::dist::launch_info_from_env(&l.info);
+  if (!read.ok()) throw UsageError("launch environment: " + read.message());
+  if (l.info.size == 1) return l;  // a launch of one process is a plain run
+  const std::string where = l.info.source + " launch, rank " + std::to_string(l.info.rank) + " of " +
+                            std::to_string(l.info.size) + ", LOCAL_RANK " + std::to_string(l.info.local_rank);
+  g_rank_prefix = "rank " + std::to_string(l.info.rank) + ": ";
+  if (device != ft::DeviceKind::kCuda) {
+    throw UsageError("--device: a launch of " + std::to_string(l.info.size) + " processes trains "
+                     "data parallel on CUDA devices over NCCL; --device cpu runs one process");
+  }
+  if (f.device_index) {
+    throw UsageError("--device-index: under a launch each rank uses CUDA device LOCAL_RANK (" + where +
+                     "); drop the flag (or set CUDA_VISIBLE_DEVICES)");
+  }
+  if (f.dump_step) throw UsageError("--dump-step: runs in one process, not under a launch (" + where + ")");
+  if (!flare::dist::nccl_built()) {
+    throw RunError("launch (" + where + "): this build of flare has no NCCL; data parallel across "
+                   "GPUs needs NCCL at configure time (NCCL_HOME or the CUDA toolkit's)");
+  }
+  flare::dist::CommOptions options;
+  options.timeout_ms = static_cast<int>(f.dp_timeout_ms.value_or(600000));
+  const Status made = flare::dist::make_nccl_communicator_from_env(options, &l.comm);
+  if (!made.ok()) {
+    throw RunError("launch (" + where + ", rendezvous at " + l.info.master_addr + ":" +
+                   std::to_string(l.info.master_port) + "): " + made.to_string());
+  }
+  return l;
 }
 
 // ---- the step dump (bench/train_compare.py reads it) -------------------------------------------
@@ -345,6 +430,43 @@ void dump_first_step(ft::Trainer& trainer, const std::string& dir) {
               loss, dir.c_str());
 }
 
+// The run's description, printed by rank 0 before the first step.
+void print_run(const ft::TrainerOptions& o, const std::string& device, ft::Trainer& trainer,
+               const ft::MemoryEstimate& mem, const Launch& launch, const std::string& train_pattern,
+               size_t shards, bool have_val, const std::string& val_pattern) {
+  const ft::TrainConfig& t = o.train;
+  const int64_t params = ft::parameter_count(o.model);
+  const int world = launch.world();
+  std::printf("model %s (%s): %lld layers, d_model %lld, %lld heads (%lld kv) x %lld, ffn %lld, "
+              "vocab %lld, %.1fM parameters\n",
+              o.model.name.c_str(), ft::family_name(o.model.family),
+              static_cast<long long>(o.model.n_layer), static_cast<long long>(o.model.d_model),
+              static_cast<long long>(o.model.n_head), static_cast<long long>(o.model.n_kv_head),
+              static_cast<long long>(o.model.head_dim), static_cast<long long>(o.model.ffn_hidden),
+              static_cast<long long>(o.model.vocab_size), static_cast<double>(params) / 1e6);
+  std::printf("run: device %s (%s), batch %lld x seq %lld x accum %lld%s = %lld tokens/step, %lld "
+              "steps from step %lld, lr %.2e, recompute %s, estimated memory %s%s\n",
+              device.c_str(), trainer.backend().device_name().c_str(),
+              static_cast<long long>(t.batch), static_cast<long long>(t.seq),
+              static_cast<long long>(t.grad_accum),
+              world > 1 ? (" x " + std::to_string(world) + " GPUs").c_str() : "",
+              static_cast<long long>(t.batch * t.seq * t.grad_accum * world), static_cast<long long>(t.steps),
+              static_cast<long long>(trainer.step()), t.lr, t.recompute ? "on" : "off",
+              gib(static_cast<double>(mem.total)).c_str(), world > 1 ? " per GPU" : "");
+  if (world > 1) {
+    std::printf("data parallel: %d ranks (%s launch), ZeRO-1 (master weights and AdamW state sharded), "
+                "gradient buckets of %lld MiB reduce-scattered during the backward, collectives "
+                "time out after %d ms\n",
+                world, launch.info.source.c_str(),
+                static_cast<long long>(o.backend.bucket_bytes >> 20), launch.comm->timeout_ms());
+  }
+  std::printf("data: %s (%zu shards)%s%s\n", train_pattern.c_str(), shards,
+              have_val ? ", validation " : "", have_val ? val_pattern.c_str() : "");
+  if (trainer.peak_flops() <= 0 && o.device == ft::DeviceKind::kCuda) {
+    std::printf("MFU: peak of '%s' unknown; pass --peak-tflops\n", trainer.backend().device_name().c_str());
+  }
+}
+
 int train_command(int argc, char** argv, int first) {
   Flags flags;
   TrainFlags f;
@@ -354,6 +476,9 @@ int train_command(int argc, char** argv, int first) {
         "usage: flare-train [train] --model NAME [flags]\n\n"
         "Trains a GPT or LLaMA model on token shards (scripts/prepare_data.py) and prints one line\n"
         "per step. With only --model it trains on the Python documentation corpus in data/pydoc.\n"
+        "Several GPUs, one process each: `mpirun -np N flare-train train ...`, or RANK, WORLD_SIZE,\n"
+        "LOCAL_RANK, MASTER_ADDR and MASTER_PORT set per process (torchrun style); see\n"
+        "docs/training.md, \"Several GPUs\".\n"
         "Other commands: flare-train sample --help | synth-data --help | models\n\nflags:\n%s",
         flags.help().c_str());
     return 0;
@@ -430,6 +555,7 @@ int train_command(int argc, char** argv, int first) {
   }
   o.backend.deterministic_attention = !f.nondeterministic;
   o.backend.device_index = static_cast<int>(f.device_index.value_or(0));
+  if (f.bucket_mb) o.backend.bucket_bytes = *f.bucket_mb << 20;
   o.resume_from = f.resume.value_or("");
   o.init_weights = f.init_weights.value_or("");
   o.log_path = f.log.value_or("");
@@ -448,30 +574,20 @@ int train_command(int argc, char** argv, int first) {
     throw UsageError("--resume: no file '" + o.resume_from + "'");
   }
 
+  // Several processes: one rank each, on device LOCAL_RANK, the loader dealing each its share.
+  const Launch launch = join_launch(f, o.device);
+  const bool lead = launch.lead();
+  const int world = launch.world();
+  if (launch.comm) {
+    o.backend.comm = launch.comm.get();
+    o.backend.device_index = launch.info.local_rank;
+  }
+
   std::unique_ptr<ft::Trainer> trainer;
   check_config(ft::Trainer::create(o, &trainer));
 
-  const ft::MemoryEstimate mem = ft::estimate_training_memory(t, o.model);
-  std::printf("model %s (%s): %lld layers, d_model %lld, %lld heads (%lld kv) x %lld, ffn %lld, "
-              "vocab %lld, %.1fM parameters\n",
-              o.model.name.c_str(), ft::family_name(o.model.family),
-              static_cast<long long>(o.model.n_layer), static_cast<long long>(o.model.d_model),
-              static_cast<long long>(o.model.n_head), static_cast<long long>(o.model.n_kv_head),
-              static_cast<long long>(o.model.head_dim), static_cast<long long>(o.model.ffn_hidden),
-              static_cast<long long>(o.model.vocab_size), static_cast<double>(params) / 1e6);
-  std::printf("run: device %s (%s), batch %lld x seq %lld x accum %lld = %lld tokens/step, %lld "
-              "steps from step %lld, lr %.2e, recompute %s, estimated memory %s\n",
-              device.c_str(), trainer->backend().device_name().c_str(),
-              static_cast<long long>(t.batch), static_cast<long long>(t.seq),
-              static_cast<long long>(t.grad_accum),
-              static_cast<long long>(t.batch * t.seq * t.grad_accum), static_cast<long long>(t.steps),
-              static_cast<long long>(trainer->step()), t.lr, t.recompute ? "on" : "off",
-              gib(static_cast<double>(mem.total)).c_str());
-  std::printf("data: %s (%zu shards)%s%s\n", train_pattern.c_str(), shards.size(),
-              have_val ? ", validation " : "", have_val ? val_pattern.c_str() : "");
-  if (trainer->peak_flops() <= 0 && o.device == ft::DeviceKind::kCuda) {
-    std::printf("MFU: peak of '%s' unknown; pass --peak-tflops\n", trainer->backend().device_name().c_str());
-  }
+  const ft::MemoryEstimate mem = ft::estimate_training_memory(t, o.model, world);
+  if (lead) print_run(o, device, *trainer, mem, launch, train_pattern, shards.size(), have_val, val_pattern);
   std::fflush(stdout);
   if (f.dump_step) {
     dump_first_step(*trainer, *f.dump_step);
@@ -480,20 +596,22 @@ int train_command(int argc, char** argv, int first) {
 
   std::vector<ft::StepReport> reports;
   check_run(trainer->run(t.steps, [&](const ft::StepReport& r) {
+    if (!lead) return;
     std::printf("%s\n", ft::format_step(r).c_str());
     std::fflush(stdout);
     reports.push_back(r);
   }));
-  print_throughput(reports);
+  if (lead) print_throughput(reports);
 
   if (sample > 0) {
-    std::vector<float> master(static_cast<size_t>(ft::parameter_layout(o.model).total));
-    check_run(trainer->backend().get_state(master.data(), nullptr, nullptr));
+    // Collective under a launch: every rank sends its shard, rank 0 samples.
+    std::vector<float> master(lead ? static_cast<size_t>(ft::parameter_layout(o.model).total) : 0);
+    check_run(trainer->backend().get_state(lead ? master.data() : nullptr, nullptr, nullptr));
     ft::SampleOptions so;
     so.tokens = sample;
     so.top_k = top_k;
     so.seed = t.seed;
-    print_sample(o.model, master, tokenizer.get(), f.prompt.value_or(""), so);
+    if (lead) print_sample(o.model, master, tokenizer.get(), f.prompt.value_or(""), so);
   }
   return 0;
 }
@@ -607,10 +725,10 @@ int main(int argc, char** argv) {
     if (command == "train") return train_command(argc, argv, 2);
     return train_command(argc, argv, 1);
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "flare-train: %s\n", e.what());
+    std::fprintf(stderr, "flare-train: %s%s\n", g_rank_prefix.c_str(), e.what());
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "flare-train: %s\n", e.what());
+    std::fprintf(stderr, "flare-train: %s%s\n", g_rank_prefix.c_str(), e.what());
     return 1;
   }
 }

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "test_cpu_trainer_util.h"
@@ -130,6 +131,38 @@ TEST_F(TrainerCli, BadFlagsAndConfigsNameTheFlagAndWriteNothing) {
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\nexpected: " << c.expected
                                                             << "\ngot: " << r.output;
     EXPECT_EQ(r.output.find("step  "), std::string::npos) << "no step may run: " << c.args;
+    expect_nothing_written();
+  }
+}
+
+// A launch environment that is partial, inconsistent or asks for what a launch cannot do is a
+// usage error naming the variable or flag, before any rendezvous (so nothing waits for peers).
+TEST_F(TrainerCli, BadLaunchEnvironmentsNameTheProblemAndWriteNothing) {
+  struct Case {
+    std::vector<std::pair<const char*, const char*>> env;
+    std::string args;
+    std::string expected;
+  };
+  const std::string b = base();
+  const std::string cuda = "--device cuda --data '" + dir_.path().string() + "' --model gpt-tiny";
+  const std::vector<Case> cases = {
+      {{{"RANK", "1"}}, b + "--model gpt-tiny", "launch environment: "},
+      {{{"LOCAL_RANK", "0"}}, b + "--model gpt-tiny", "set RANK and WORLD_SIZE"},
+      {{{"RANK", "2"}, {"WORLD_SIZE", "2"}}, b + "--model gpt-tiny", "rank 2 must be below the world size 2"},
+      {{{"RANK", "x"}, {"WORLD_SIZE", "2"}}, b + "--model gpt-tiny", "RANK=\"x\" is not a non-negative integer"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, b + "--model gpt-tiny", "--device: a launch of 2 processes"},
+      {{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, b + "--model gpt-tiny",
+       "--device: a launch of 2 processes"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, cuda + " --device-index 1", "--device-index: under a launch"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, cuda + " --dump-step out", "--dump-step: runs in one process"},
+  };
+  for (const Case& c : cases) {
+    for (const auto& [name, value] : c.env) setenv(name, value, 1);
+    const Result r = run(c.args, work_);
+    for (const auto& [name, value] : c.env) unsetenv(name);
+    EXPECT_EQ(r.status, 2) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\nexpected: " << c.expected
+                                                            << "\ngot: " << r.output;
     expect_nothing_written();
   }
 }
