@@ -4,14 +4,8 @@
 // state, resumed at the same world size (bit for bit) and at another one; and a dead peer during a
 // checkpoint.
 //
-// Tolerance (DESIGN.md's rule, max|fast − ref| ≤ 2·max|naive − ref| + floor): the reference is
-// one rank with batch B·N, one micro-batch; the data-parallel run (N ranks of batch B) computes
-// the same mean gradient of the same windows with its fp32 sums grouped and ordered otherwise
-// (per rank, then across ranks). The naive run is that same regrouping on one rank, in the same
-// precision: batch B with N times the micro-batches (the loader deals the same windows to a step
-// whatever the split, loader.h). Its distance to the reference is the reordering noise of fp32 at
-// this problem; the floor is fp32 rounding at the reference's magnitude (2·2⁻²³·max|ref|).
-// Two naive regroupings (B with N times the micro-batches, and one sequence per micro-batch) and
+// Tolerance: dp_test_util.h (DESIGN.md's rule against one-rank regroupings of the same global
+// batch, the floor fp32 rounding at the reference's magnitude). Two naive regroupings (B with N times the micro-batches, and one sequence per micro-batch) and
 // sequences of 40 tokens: with 32, a batch split in halves fell on the CPU kernels' own split of
 // the rows, the naive sums came out bit for bit the reference's and the noise estimate was
 // degenerate (one element differed where the ranks' strided split changed 65k). AdamW's eps is
@@ -31,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "dp_test_util.h"
 #include "flare/dist.h"
 #include "test_cpu_trainer_util.h"
 #include "train/core/checkpoint.h"
@@ -39,17 +34,11 @@
 namespace flare::train {
 namespace {
 
+using test::RunResult;
 using test::ScratchDir;
 namespace fs = std::filesystem;
 
 size_t sz(int64_t n) { return static_cast<size_t>(n); }
-
-// What a run leaves: the loss of every step and rank 0's final state.
-struct RunResult {
-  std::vector<double> losses;
-  std::vector<double> norms;
-  std::vector<float> master, m, v;
-};
 
 // Runs fn(rank, comm) on `world` threads over one in-process group (comm null when world is 0:
 // a run without a communicator) and returns the statuses.
@@ -81,74 +70,12 @@ RunResult train(TrainerOptions o, int world, int64_t until) {
   const auto status = run_ranks(world, 60000, [&](int rank, dist::Communicator* comm) {
     TrainerOptions mine = o;
     mine.backend.comm = comm;
-    std::unique_ptr<Trainer> t;
-    FLARE_RETURN_IF_ERROR(Trainer::create(mine, &t));
-    FLARE_RETURN_IF_ERROR(t->run(until, [&](const StepReport& r) {
-      losses[sz(rank)].push_back(r.loss);
-      if (rank == 0) out.norms.push_back(r.grad_norm);
-    }));
-    const int64_t n = rank == 0 ? parameter_layout(o.model).total : 0;
-    std::vector<float> master(sz(n)), m(sz(n)), v(sz(n));
-    FLARE_RETURN_IF_ERROR(t->backend().get_state(master.data(), m.data(), v.data()));
-    if (rank == 0) {
-      out.master = std::move(master);
-      out.m = std::move(m);
-      out.v = std::move(v);
-    }
-    return Status::ok_status();
+    return test::train_rank(mine, rank, until, &losses[sz(rank)], &out);
   });
   expect_all_ok(status);
   out.losses = losses[0];
   for (size_t r = 1; r < losses.size(); ++r) EXPECT_EQ(losses[r], losses[0]) << "rank " << r << "'s losses";
   return out;
-}
-
-double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double d = 0.0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, std::fabs(double(a[i]) - b[i]));
-  return d;
-}
-
-double max_abs(const std::vector<float>& a) {
-  double m = 0.0;
-  for (float x : a) m = std::max(m, std::fabs(double(x)));
-  return m;
-}
-
-constexpr double kFp32Eps = 1.0 / (1 << 23);
-
-// fast within 2·max|naive − ref| + floor of ref, the max over the naive runs: every step's loss
-// and the final weights, m and v.
-void expect_within_reordering_noise(const RunResult& fast, const RunResult& ref,
-                                    const std::vector<RunResult>& naives) {
-  ASSERT_EQ(fast.losses.size(), ref.losses.size());
-  for (const RunResult& naive : naives) ASSERT_EQ(naive.losses.size(), ref.losses.size());
-  auto worst = [&](const std::function<double(const RunResult&)>& distance) {
-    double d = 0.0;
-    for (const RunResult& naive : naives) d = std::max(d, distance(naive));
-    return d;
-  };
-  for (size_t s = 0; s < ref.losses.size(); ++s) {
-    const double noise = worst([&](const RunResult& n) { return std::fabs(n.losses[s] - ref.losses[s]); });
-    const double bound = 2 * noise + 2 * kFp32Eps * std::fabs(ref.losses[s]);
-    EXPECT_LE(std::fabs(fast.losses[s] - ref.losses[s]), bound)
-        << "step " << s + 1 << ": fast " << fast.losses[s] << ", ref " << ref.losses[s]
-        << ", reordering noise " << noise;
-  }
-  for (size_t s = 0; s < ref.norms.size(); ++s) {
-    const double noise = worst([&](const RunResult& n) { return std::fabs(n.norms[s] - ref.norms[s]); });
-    EXPECT_LE(std::fabs(fast.norms[s] - ref.norms[s]), 2 * noise + 2 * kFp32Eps * ref.norms[s])
-        << "gradient norm, step " << s + 1;
-  }
-  const std::pair<const char*, std::vector<float> RunResult::*> tensors[] = {
-      {"master", &RunResult::master}, {"m", &RunResult::m}, {"v", &RunResult::v}};
-  for (const auto& [name, field] : tensors) {
-    const double noise = worst([&](const RunResult& n) { return max_abs_diff(n.*field, ref.*field); });
-    const double bound = 2 * noise + 2 * kFp32Eps * max_abs(ref.*field);
-    const double diff = max_abs_diff(fast.*field, ref.*field);
-    EXPECT_LE(diff, bound) << name << ": max|fast - ref| " << diff << ", max|naive - ref| " << noise;
-  }
 }
 
 TrainerOptions run_options(const ScratchDir& dir, int64_t batch, int64_t accum, int64_t steps) {
@@ -195,7 +122,7 @@ TEST_P(DataParallelMatchesOneRank, LossesAndStateWithinReorderingNoise) {
   const std::vector<RunResult> naives = {train(options(B, c.accum * c.world), 0, steps),
                                          train(options(1, c.accum * c.world * B), 0, steps)};
   const RunResult fast = train(options(B, c.accum), c.world, steps);
-  expect_within_reordering_noise(fast, ref, naives);
+  test::expect_within_reordering_noise(fast, ref, naives);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, DataParallelMatchesOneRank,
@@ -270,7 +197,7 @@ TEST(DataParallel, ResumesAtAnotherWorldSize) {
   RunResult fast = train(second, 3, steps);
   fast.losses.insert(fast.losses.begin(), head.losses.begin(), head.losses.end());
   fast.norms.insert(fast.norms.begin(), head.norms.begin(), head.norms.end());
-  expect_within_reordering_noise(fast, ref, naives);
+  test::expect_within_reordering_noise(fast, ref, naives);
 }
 
 // A resumed world size whose batch split cannot continue at the saved data position is refused,

@@ -1,0 +1,255 @@
+// test_gpu_dp.cpp — data parallel on the CUDA backend: one thread per GPU, each with its own NCCL
+// communicator made from one unique id, one Trainer per rank; against one GPU on the same global
+// batch (2 GPUs, and every visible GPU when there are more), with gradient accumulation, for a
+// small GPT and a small LLaMA; a checkpoint written by 2 GPUs resumed on 1 against a straight
+// run; a one-rank communicator against none (bit for bit); the step's profile; the rank-ordered
+// slice sum against the host.
+//
+// Tolerance: dp_test_util.h. The naive runs are one-GPU regroupings of the same global batch (batch
+// B with N times the micro-batches; one sequence per micro-batch), so their distance to the
+// reference is the reordering noise of bf16 activations and fp32 gradient sums at this problem;
+// the data-parallel run differs from the reference by such regroupings only (each rank's
+// micro-batches of B sequences, the ranks' sums added in rank order). As in the CPU tests, no
+// clipping (a last-bit flip of the clip factor scales every gradient) and AdamW's eps is 1 (with
+// 1e-8 an element whose gradient is near zero turns a last-bit difference into up to lr of
+// weight).
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dp_test_util.h"
+#include "flare/dist.h"
+#include "test_cpu_trainer_util.h"
+#include "train/core/checkpoint.h"
+#include "train/dist/dp_cuda.h"
+#include "train/loop/trainer.h"
+#include "train_gpu_test.h"
+
+namespace flare::train {
+namespace {
+
+using test::RunResult;
+using test::ScratchDir;
+
+size_t sz(int64_t n) { return static_cast<size_t>(n); }
+
+int visible_gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+#define SKIP_WITHOUT_GPUS(count)                                                               \
+  do {                                                                                         \
+    if (!::flare::dist::nccl_built()) GTEST_SKIP() << "this build of flare has no NCCL";       \
+    if (visible_gpus() < (count))                                                              \
+      GTEST_SKIP() << "needs " << (count) << " CUDA devices, found " << visible_gpus();        \
+  } while (0)
+
+// Runs `fn(rank, comm)` on `world` threads, thread r on CUDA device r with an NCCL communicator of
+// the group (one unique id); world 0: one thread on device 0 without a communicator.
+std::vector<Status> run_ranks(int world, const std::function<Status(int, dist::Communicator*)>& fn) {
+  if (world == 0) {
+    cudaSetDevice(0);
+    return {fn(0, nullptr)};
+  }
+  dist::NcclId id;
+  const Status made = dist::nccl_unique_id(&id);
+  if (!made.ok()) return {made};
+  std::vector<Status> status(sz(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      cudaSetDevice(r);
+      dist::CommOptions co;
+      co.timeout_ms = 120000;
+      std::unique_ptr<dist::Communicator> comm;
+      status[sz(r)] = dist::make_nccl_communicator(id, r, world, r, co, &comm);
+      if (status[sz(r)].ok()) status[sz(r)] = fn(r, comm.get());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return status;
+}
+
+// Trains `o` to `until` steps on `world` GPUs (0: one GPU, no communicator); every rank's losses
+// must agree; rank 0's results come back.
+RunResult train(TrainerOptions o, int world, int64_t until) {
+  RunResult out;
+  std::vector<std::vector<double>> losses(sz(std::max(world, 1)));
+  const auto status = run_ranks(world, [&](int rank, dist::Communicator* comm) {
+    TrainerOptions mine = o;
+    mine.backend.comm = comm;
+    mine.backend.device_index = rank;
+    return test::train_rank(mine, rank, until, &losses[sz(rank)], &out);
+  });
+  for (size_t r = 0; r < status.size(); ++r) EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r].to_string();
+  out.losses = losses[0];
+  for (size_t r = 1; r < losses.size(); ++r) EXPECT_EQ(losses[r], losses[0]) << "rank " << r << "'s losses";
+  return out;
+}
+
+TrainerOptions run_options(const ScratchDir& dir, const char* preset, int64_t batch, int64_t accum,
+                           int64_t steps) {
+  TrainerOptions o = test::tiny_run(dir, preset, steps);
+  o.device = DeviceKind::kCuda;
+  o.train.batch = batch;
+  o.train.seq = 40;
+  o.train.eps = 1.0;        // see the file's comment
+  o.train.grad_clip = 0.0;  // see the file's comment
+  o.train.grad_accum = accum;
+  o.train.eval_every = 0;
+  o.backend.bucket_bytes = 16 << 10;  // several buckets (and stages without one) even for tiny models
+  return o;
+}
+
+// ---- N GPUs against one on the same global batch ------------------------------------------------
+
+struct DpCase {
+  const char* preset;
+  int world;  // 0: every visible GPU (run only when there are more than 2)
+};
+
+class GpuDataParallel : public ::testing::TestWithParam<DpCase> {};
+
+TEST_P(GpuDataParallel, MatchesOneGpuWithinReorderingNoise) {
+  const DpCase c = GetParam();
+  SKIP_WITHOUT_GPUS(2);
+  const int world = c.world > 0 ? c.world : visible_gpus();
+  if (c.world == 0 && world <= 2) GTEST_SKIP() << "every visible GPU: " << world << ", covered by the 2-GPU case";
+  ScratchDir dir;
+  test::write_cycle_shards(dir, 300, 8192);
+  const int64_t B = 2, accum = 2, steps = 3;
+  const RunResult ref = train(run_options(dir, c.preset, B * world, accum, steps), 0, steps);
+  const std::vector<RunResult> naives = {train(run_options(dir, c.preset, B, accum * world, steps), 0, steps),
+                                         train(run_options(dir, c.preset, 1, accum * world * B, steps), 0, steps)};
+  const RunResult fast = train(run_options(dir, c.preset, B, accum, steps), world, steps);
+  test::expect_within_reordering_noise(fast, ref, naives);
+
+  // The step's profile: every part measured, communication counted.
+  ASSERT_EQ(fast.reports.size(), sz(steps));
+  for (const StepReport& r : fast.reports) {
+    EXPECT_TRUE(r.timing.measured);
+    EXPECT_EQ(r.world, world);
+    EXPECT_GT(r.timing.fwd_ms, 0.0);
+    EXPECT_GT(r.timing.bwd_ms, 0.0);
+    EXPECT_GT(r.timing.comm_ms, 0.0);
+    EXPECT_GE(r.timing.comm_exposed_ms, 0.0);
+    EXPECT_GT(r.timing.optimizer_ms, 0.0);
+    EXPECT_GT(r.timing.comm_bytes, 0);
+    EXPECT_GE(r.peak_memory_bytes, r.memory_bytes);
+    EXPECT_NE(step_json(r).find("\"comm_exposed_ms\": "), std::string::npos) << step_json(r);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, GpuDataParallel,
+                         ::testing::Values(DpCase{"gpt-tiny", 2}, DpCase{"llama-tiny", 2},
+                                           DpCase{"gpt-tiny", 0}, DpCase{"llama-tiny", 0}),
+                         [](const ::testing::TestParamInfo<DpCase>& param_info) {
+                           std::string name = std::string(param_info.param.preset) + "_" +
+                                              (param_info.param.world > 0 ? std::to_string(param_info.param.world) + "gpus"
+                                                                    : std::string("all_gpus"));
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// ---- Checkpoints --------------------------------------------------------------------------------
+
+// 2 GPUs of batch B for two steps, checkpoint (rank 0 writes it from the gathered shards), then
+// 1 GPU of batch 2B (the same global batch) for two more: within the reordering noise of a
+// straight one-GPU run of batch 2B.
+TEST(GpuDataParallelCheckpoint, SavedOnTwoGpusResumesOnOne) {
+  SKIP_WITHOUT_GPUS(2);
+  for (const char* preset : {"gpt-tiny", "llama-tiny"}) {
+    SCOPED_TRACE(preset);
+    ScratchDir dir;
+    test::write_cycle_shards(dir, 300, 8192);
+    const int64_t B = 2, accum = 2, steps = 4;
+    const RunResult ref = train(run_options(dir, preset, 2 * B, accum, steps), 0, steps);
+    const std::vector<RunResult> naives = {train(run_options(dir, preset, B, 2 * accum, steps), 0, steps),
+                                           train(run_options(dir, preset, 1, 2 * accum * B, steps), 0, steps)};
+    TrainerOptions first = run_options(dir, preset, B, accum, steps);
+    first.train.checkpoint_dir = dir.file("ckpt");
+    first.train.ckpt_every = 2;
+    const RunResult head = train(first, 2, 2);
+    const std::string saved = dir.file("ckpt/step_000002.ckpt");
+    CheckpointMeta meta;
+    ASSERT_OK(read_checkpoint_meta(saved, &meta));
+    EXPECT_EQ(meta.step, 2);
+    TrainerOptions second = run_options(dir, preset, 2 * B, accum, steps);
+    second.resume_from = saved;
+    RunResult fast = train(second, 0, steps);
+    ASSERT_EQ(fast.losses.size(), 2u);
+    fast.losses.insert(fast.losses.begin(), head.losses.begin(), head.losses.end());
+    fast.norms.insert(fast.norms.begin(), head.norms.begin(), head.norms.end());
+    test::expect_within_reordering_noise(fast, ref, naives);
+  }
+}
+
+// ---- One rank ---------------------------------------------------------------------------------
+
+// A one-rank communicator takes no data-parallel path: the single-GPU step, bit for bit.
+TEST(GpuDataParallelOneRank, IsTheSingleGpuStepBitForBit) {
+  SKIP_WITHOUT_GPUS(1);
+  ScratchDir dir;
+  test::write_cycle_shards(dir, 300);
+  const TrainerOptions o = run_options(dir, "llama-tiny", 2, 2, 3);
+  const RunResult alone = train(o, 0, 3);
+  const RunResult one = train(o, 1, 3);
+  EXPECT_EQ(one.losses, alone.losses);
+  ASSERT_EQ(one.master.size(), alone.master.size());
+  EXPECT_EQ(0, std::memcmp(one.master.data(), alone.master.data(), one.master.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(one.v.data(), alone.v.data(), one.v.size() * sizeof(float)));
+}
+
+// ---- The rank-ordered sum -----------------------------------------------------------------------
+
+// The kernel's sums are the host's, bit for bit, in rank order (the staging slots skip the rank's
+// own), for every rank of 3 and a length that is no multiple of the block.
+TEST(GpuDataParallelKernels, SlicesAddInRankOrder) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const int world = 3;
+  const int64_t n = 1000, stride = 1024;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> draw(0.0f, 1e3f);
+  std::vector<float> own(sz(n)), staging(sz((world - 1) * stride));
+  for (float& x : own) x = draw(rng);
+  for (float& x : staging) x = draw(rng);
+  float *d_own = nullptr, *d_staging = nullptr, *d_out = nullptr;
+  ASSERT_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_own), own.size() * 4));
+  ASSERT_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_staging), staging.size() * 4));
+  ASSERT_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_out), own.size() * 4));
+  ASSERT_CUDA(cudaMemcpy(d_own, own.data(), own.size() * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_staging, staging.data(), staging.size() * 4, cudaMemcpyHostToDevice));
+  for (int rank = 0; rank < world; ++rank) {
+    ASSERT_CUDA(cudaMemset(d_out, 0xff, own.size() * 4));  // NaN: every element must be written
+    ASSERT_OK(dp::sum_slices_in_rank_order(d_own, d_staging, stride, world, rank, n, d_out, nullptr));
+    std::vector<float> got(own.size());
+    ASSERT_CUDA(cudaMemcpy(got.data(), d_out, got.size() * 4, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < n; ++i) {
+      float want = 0.0f;
+      for (int q = 0; q < world; ++q) {
+        want += q == rank ? own[sz(i)] : staging[sz(dp::staging_slot(q, rank) * stride + i)];
+      }
+      ASSERT_EQ(std::memcmp(&got[sz(i)], &want, 4), 0) << "rank " << rank << ", element " << i;
+    }
+  }
+  EXPECT_EQ(dp::sum_slices_in_rank_order(d_own, d_staging, stride, world, 3, n, d_out, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  cudaFree(d_own);
+  cudaFree(d_staging);
+  cudaFree(d_out);
+}
+
+}  // namespace
+}  // namespace flare::train
