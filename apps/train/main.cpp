@@ -308,7 +308,11 @@ Launch join_launch(const TrainFlags& f, ft::DeviceKind device) {
   Launch l;
   if (!launch_variables_present()) return l;
   const Status read = flare::dist::launch_info_from_env(&l.info);
-  if (!read.ok()) throw UsageError("launch environment: " + read.message());
+  if (!read.ok()) {
+    // The library's message starts with "environment: ".
+    const std::string& why = read.message();
+    throw UsageError("launch " + (why.rfind("environment: ", 0) == 0 ? why : "environment: " + why));
+  }
   if (l.info.size == 1) return l;  // a launch of one process is a plain run
   const std::string where = l.info.source + " launch, rank " + std::to_string(l.info.rank) + " of " +
                             std::to_string(l.info.size) + ", LOCAL_RANK " + std::to_string(l.info.local_rank);
