@@ -143,7 +143,9 @@ def model_preset(name):
 
 def config_from_json(obj):
     """A ModelConfig from a dict with ModelConfig's field names (what a C++ --print-config would
-    print): a "preset" or "name" naming a preset is the base, other fields override it."""
+    print): a "preset" or "name" naming a preset is the base, other fields override it. A
+    vocab_size without a padded_vocab gets padded_vocab_size(vocab_size), as flare-train's --vocab
+    does, so a preset with another vocabulary is one field."""
     base = obj.get("preset", obj.get("name"))
     config = model_preset(base) if base in PRESETS else ModelConfig()
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -154,6 +156,8 @@ def config_from_json(obj):
             setattr(config, key, value)
         elif key != "preset":
             raise ValueError(f"config: unknown field '{key}' (ModelConfig has {sorted(fields)})")
+    if "vocab_size" in obj and "padded_vocab" not in obj:
+        config.padded_vocab = padded_vocab_size(config.vocab_size)
     validate_config(config)
     return config
 

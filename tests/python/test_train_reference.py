@@ -296,6 +296,14 @@ def test_export_names_follow_nanogpt_and_hugging_face():
     assert len(gpt) == 2 + 2 * 12 + 2
 
 
+def test_config_json_vocab_pads_like_the_cli():
+    # flare-train --vocab 50257 on a LLaMA preset pads to 50304 rows; the JSON config must agree.
+    config = tm.config_from_json({"preset": "llama-tiny", "vocab_size": 50257})
+    assert (config.vocab_size, config.padded_vocab) == (50257, 50304)
+    given = tm.config_from_json({"preset": "llama-tiny", "vocab_size": 300, "padded_vocab": 512})
+    assert given.padded_vocab == 512
+
+
 def test_flat_buffer_round_trip(tmp_path):
     # d_model 40: 40-element norms and biases leave gaps before the next 64-aligned tensor.
     config = tm.config_from_json({"preset": "gpt-tiny", "d_model": 40, "n_head": 5, "n_kv_head": 5,
