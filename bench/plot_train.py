@@ -11,7 +11,9 @@ label is --label, else the log's "impl", else the file name.
 
 Agreement (printed, and written with --json): for each log after the first, the largest distance
 between its trailing mean over --window steps and the first log's, over the steps both have, and
-the distance of the last --window steps' means. With --noise A B (two more logs, e.g. the torch
+the distance of the last --window steps' means; besides, the largest relative difference of the
+raw losses, |b - a| / |a|, over the last --last common steps, and the validation losses' difference
+at the last step both evaluated. With --noise A B (two more logs, e.g. the torch
 run in bf16 and in fp32, or two seeds of data order held fixed), the bound is
     --factor · (the same distance between A and B) + --floor
 fixed in advance, as gpt_loss.py does; the exit status is 1 when a curve is farther than that.
@@ -97,6 +99,19 @@ def distance(a_steps, b_steps, window):
     return curve, final, len(common)
 
 
+def recent_differences(a_steps, b_steps, last):
+    """(max |b - a| / |a| of the raw losses over the last `last` common steps, and the validation
+    losses (step, a, b) at the last step where both evaluated, or None)."""
+    a = {s["step"]: s["loss"] for s in a_steps if "loss" in s}
+    b = {s["step"]: s["loss"] for s in b_steps if "loss" in s}
+    common = sorted(set(a) & set(b))[-last:]
+    rel = max(abs(b[k] - a[k]) / abs(a[k]) for k in common)
+    va = {s["step"]: s["val_loss"] for s in a_steps if "val_loss" in s}
+    vb = {s["step"]: s["val_loss"] for s in b_steps if "val_loss" in s}
+    both = sorted(set(va) & set(vb))
+    return rel, ((both[-1], va[both[-1]], vb[both[-1]]) if both else None)
+
+
 def label_of(meta, path, given):
     return given or meta.get("impl") or os.path.splitext(os.path.basename(path))[0]
 
@@ -145,18 +160,23 @@ def main(argv=None):
                    help="two logs whose distance is the noise the bound is built from")
     p.add_argument("--factor", type=float, default=3.0)
     p.add_argument("--floor", type=float, default=0.02, help="nats")
-    p.add_argument("--json", help="write the distances as JSON here")
+    p.add_argument("--last", type=int, default=20,
+                   help="steps at the end over which the relative difference is taken")
+    p.add_argument("--json", help="write the distances and the curves as JSON here")
     args = p.parse_args(argv)
     if args.label and len(args.label) != len(args.logs):
         p.error(f"--label: {len(args.label)} labels for {len(args.logs)} logs")
     if args.window < 1:
         p.error(f"--window: {args.window} must be >= 1")
+    if args.last < 1:
+        p.error(f"--last: {args.last} must be >= 1")
 
     logs = [read_log(path) for path in args.logs]
     labels = [label_of(m, path, args.label[i] if args.label else None)
               for i, ((m, _), path) in enumerate(zip(logs, args.logs))]
     bound = None
-    report = {"window": args.window, "pairs": []}
+    report = {"window": args.window, "last": args.last, "factor": args.factor,
+              "floor": args.floor, "pairs": []}
     if args.noise:
         noise_curve, noise_final, _ = distance(read_log(args.noise[0])[1],
                                                read_log(args.noise[1])[1], args.window)
@@ -168,17 +188,24 @@ def main(argv=None):
     failed = False
     for (meta, steps), label in zip(logs[1:], labels[1:]):
         curve, final, n = distance(logs[0][1], steps, args.window)
+        rel, val = recent_differences(logs[0][1], steps, args.last)
         ok = bound is None or (curve <= bound["curve"] and final <= bound["final"])
         failed |= not ok
-        report["pairs"].append({"a": labels[0], "b": label, "steps": n, "curve": curve,
-                                "final": final, "pass": ok if bound else None})
+        pair = {"a": labels[0], "b": label, "steps": n, "curve": curve, "final": final,
+                "max_rel_diff_last": rel, "pass": ok if bound else None}
+        if val:
+            pair["val"] = {"step": val[0], "a": val[1], "b": val[2], "diff": val[2] - val[1]}
+        report["pairs"].append(pair)
         verdict = "" if bound is None else (
             f"  (bound {bound['curve']:.4f} / {bound['final']:.4f}: {'ok' if ok else 'FAIL'})")
+        val_text = f", val at step {val[0]} {val[1]:.4f} vs {val[2]:.4f}" if val else ""
         print(f"{label} vs {labels[0]} over {n} steps: max smoothed distance {curve:.4f}, "
-              f"final {final:.4f} nats{verdict}")
+              f"final {final:.4f} nats, max relative difference over the last {args.last} steps "
+              f"{rel:.2%}{val_text}{verdict}")
     if args.out:
         plot(logs, labels, args.out, args.title)
     if args.json:
+        report["curves"] = {label: steps for (_, steps), label in zip(logs, labels)}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 1 if failed else 0
