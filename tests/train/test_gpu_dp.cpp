@@ -53,7 +53,7 @@ int visible_gpus() {
   do {                                                                                         \
     if (!::flare::dist::nccl_built()) GTEST_SKIP() << "this build of flare has no NCCL";       \
     if (visible_gpus() < (count))                                                              \
-      GTEST_SKIP() << "needs " << (count) << " CUDA devices, found " << visible_gpus();        \
+      GTEST_SKIP() << "needs " << (count) << " CUDA device(s), found " << visible_gpus();     \
   } while (0)
 
 // Runs `fn(rank, comm)` on `world` threads, thread r on CUDA device r with an NCCL communicator of
