@@ -94,5 +94,28 @@ TEST(TrainConfig, LlamaSevenBDoesNotFitOneH100WithoutSharding) {
   EXPECT_TRUE(check_fits(estimate_training_memory(TrainConfig{}, preset("gpt2")), int64_t{80} << 30).ok());
 }
 
+// ZeRO-1 on N ranks: master, m and v of a 1/N shard; weights and gradients whole; the shard's
+// reduced gradient and bf16 update (6 bytes per parameter / N) and one bucket's staging added.
+TEST(TrainConfig, DataParallelShardsTheOptimizerState) {
+  TrainConfig t;
+  t.batch = 1;
+  t.seq = 1024;
+  const ModelConfig m = preset("llama2-7b");
+  const int64_t n = parameter_layout(m).total, shard = (n + 3) / 4;
+  const MemoryEstimate one = estimate_training_memory(t, m);
+  const MemoryEstimate four = estimate_training_memory(t, m, 4);
+  EXPECT_EQ(one.dp_buffers, 0);
+  EXPECT_EQ(four.weights, 2 * n);
+  EXPECT_EQ(four.grads, 4 * n);
+  EXPECT_EQ(four.master, 4 * shard);
+  EXPECT_EQ(four.adam, 8 * shard);
+  EXPECT_GT(four.dp_buffers, 6 * shard);  // and the staging
+  EXPECT_EQ(four.activations, one.activations);
+  // 6 + 18/4 bytes of state per parameter: about 66 GiB for 7B, against 113 GiB alone.
+  EXPECT_LT(four.weights + four.master + four.adam + four.grads + four.dp_buffers, int64_t{67} << 30);
+  EXPECT_GT(one.weights + one.master + one.adam + one.grads, int64_t{112} << 30);
+  EXPECT_NE(check_fits(four, 1).message().find("data-parallel buffers"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace flare::train
