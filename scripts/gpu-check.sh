@@ -271,6 +271,27 @@ if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$build/apps/flar
   fi
 fi
 
+# Data-parallel training on every GPU: the launch smoke test (mpirun and torchrun-style), then
+# GPT-3 2.7B (batch 4 x 1024 per GPU) on one GPU and on all of them under mpirun, for the scaling
+# efficiency (tokens/s on N GPUs / (N x tokens/s on one)).
+ft="$build/apps/train/flare-train"
+if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$ft" ]] && command -v mpirun > /dev/null; then
+  log "data-parallel training: scripts/dp-smoke.sh on $gpus GPUs"
+  scripts/dp-smoke.sh --build "$build" --out "$out/dp_smoke" --gpus "$gpus" > /dev/null 2>&1 ||
+    status=1
+  cat "$out/dp_smoke/dp_smoke.log" 2>/dev/null | tail -8 | tee -a "$out/summary.log"
+  log "data-parallel training: GPT-3 2.7B b4 s1024 on 1 and $gpus GPUs (mpirun)"
+  "$ft" synth-data --out "$out/synth" > /dev/null 2>&1
+  for n in 1 "$gpus"; do
+    timeout 600 "${mpi[@]}" -np "$n" "$ft" --model gpt3-2.7b --data "$out/synth" --batch 4 \
+      --seq 1024 --steps 30 --warmup 5 --sample 0 --no-checkpoint --nondeterministic \
+      --log "$out/train_dp_gpt3_${n}gpu.jsonl" > "$out/train_dp_gpt3_${n}gpu.log" 2>&1 ||
+      { status=1; log "flare-train on $n GPUs FAILED"; tail -5 "$out/train_dp_gpt3_${n}gpu.log"; }
+    log "flare-train gpt3-2.7b x$n: $(grep -E '^throughput' "$out/train_dp_gpt3_${n}gpu.log")"
+  done
+  rm -rf "$out/synth"
+fi
+
 [[ $tests -eq 1 ]] && run_ctest cpu
 log "done (status $status)"
 exit $status
