@@ -399,5 +399,11 @@ fi
 rm -rf "$work/synth" "$work/synth_small" "$work"/torch_* "$work/curve_config.json"
 rmdir "$work" 2>/dev/null  # kept where it holds a corpus prepared here
 
+# The per-command logs go into one archive, so that DIR keeps a handful of files (the results, the
+# chart, summary.log): machines that hand back only a few files lose nothing that matters.
+(cd "$out" && find . -maxdepth 1 -type f \( -name '*.log' ! -name summary.log -o -name '*.jsonl' \) \
+   -printf '%f\n' | tar czf logs.tgz -T - && find . -maxdepth 1 -type f \
+   \( -name '*.log' ! -name summary.log -o -name '*.jsonl' \) -delete)
+
 log "done in $SECONDS s (status $status)"
 exit $status
