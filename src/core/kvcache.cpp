@@ -1,0 +1,481 @@
+// kvcache.cpp — attention_with_kvcache (flare/kvcache.h): validate, append, gather, attend.
+//
+// Decoding is attention of q over each sequence's first n_i cache positions, so the CPU path
+// reduces it to the varlen attention every backend already implements instead of repeating its
+// mathematics: the new keys and values are written into the cache (rotated if asked), the rows
+// each sequence uses are gathered from the cache — contiguous or paged, it makes no difference
+// after this step, which is why the two layouts agree bit for bit — into one packed (total_k,
+// h_kv, d) buffer with cu_seqlens_k, and the CPU reference or flash backend runs on it. Its
+// bottom-right mask alignment is the right-aligned causal mask of decoding. The price is one copy
+// of the used cache per call, small next to the attention that reads it anyway.
+//
+// Order of work: every argument is checked first — q, o, lse and the options by the same function
+// that validates attention_forward, the cache arguments here, the packed call's params built — and
+// only then is anything written (the cache append, then o and lse). CUDA tensors stop after the
+// shape checks with kUnsupported: their integer tensors live on the device, and there are no
+// decoding kernels yet.
+#include "flare/kvcache.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/backends.h"
+#include "core/message.h"
+#include "core/numeric.h"
+#include "core/params.h"
+
+namespace flare {
+namespace {
+
+bool has_elements(const TensorView& t) {
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] == 0) return false;
+  return t.ndim > 0;
+}
+
+const char* device_name(DeviceType d) { return d == DeviceType::kCUDA ? "cuda" : "cpu"; }
+
+// Rank, non-negative sizes and strides, offsets within int64, a known device, the device of q,
+// and a non-null aligned pointer: what any tensor argument needs before it is indexed.
+Status check_tensor(const TensorView& t, const char* name, int ndim, const char* layout,
+                    const TensorView& q) {
+  if (!t.defined()) return invalid(name, ": tensor is required");
+  if (t.ndim != ndim)
+    return invalid(name, ": expected ", ndim, " dimensions ", layout, ", got ", t.ndim);
+  int64_t reach = 0;
+  for (int i = 0; i < ndim; ++i) {
+    if (t.shape[i] < 0) return invalid(name, ": shape[", i, "] = ", t.shape[i], " is negative");
+    if (t.stride[i] < 0) return invalid(name, ": stride[", i, "] = ", t.stride[i], " is negative");
+    if (t.shape[i] > 1) {
+      if (t.stride[i] > (INT64_MAX - reach) / (t.shape[i] - 1))
+        return invalid(name, ": strides reach element offsets beyond int64");
+      reach += t.stride[i] * (t.shape[i] - 1);
+    }
+  }
+  if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16 &&
+      t.dtype != DType::kInt32)
+    return invalid(name, ": dtype ", static_cast<int>(t.dtype), " is not a known dtype");
+  if (t.device != q.device || (t.device == DeviceType::kCUDA && t.device_index != q.device_index))
+    return invalid(name, ": on ", device_name(t.device), ":", t.device_index, " but q is on ",
+                   device_name(q.device), ":", q.device_index,
+                   "; all tensors must share one device");
+  if (has_elements(t)) {
+    if (t.data == nullptr) return invalid(name, ": data pointer is null");
+    if (reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
+      return invalid(name, ": data pointer is not aligned to its ", dtype_size(t.dtype),
+                     "-byte elements");
+  }
+  return {};
+}
+
+// Cache-shaped tensors: q's dtype, unit head_dim stride.
+Status check_kv(const TensorView& t, const char* name, const char* layout, const TensorView& q) {
+  FLARE_RETURN_IF_ERROR(check_tensor(t, name, 4, layout, q));
+  if (t.dtype != q.dtype)
+    return invalid(name, ": dtype ", dtype_name(t.dtype), " differs from q's dtype ",
+                   dtype_name(q.dtype));
+  if (has_elements(t) && t.shape[3] > 1 && t.stride[3] != 1)
+    return invalid(name, ": last (head_dim) stride must be 1, got ", t.stride[3]);
+  return {};
+}
+
+Status check_int32(const TensorView& t, const char* name, int ndim, const char* layout,
+                   const TensorView& q) {
+  FLARE_RETURN_IF_ERROR(check_tensor(t, name, ndim, layout, q));
+  if (t.dtype != DType::kInt32) return invalid(name, ": dtype must be int32, got ", dtype_name(t.dtype));
+  return {};
+}
+
+// Byte ranges [lo, hi) of a view; empty views have none. Outputs and the written caches are
+// checked on these ranges, a conservative test (two interleaved views of one buffer count as
+// overlapping) that needs no knowledge of the layouts.
+struct ByteRange {
+  std::uintptr_t lo = 0, hi = 0;
+};
+ByteRange byte_range(const TensorView& t) {
+  if (!has_elements(t)) return {};
+  int64_t reach = 0;
+  for (int i = 0; i < t.ndim; ++i) reach += t.stride[i] * (t.shape[i] - 1);
+  const auto lo = reinterpret_cast<std::uintptr_t>(t.data);
+  return {lo, lo + static_cast<std::uintptr_t>((reach + 1) * static_cast<int64_t>(dtype_size(t.dtype)))};
+}
+bool ranges_meet(const TensorView& a, const TensorView& b) {
+  const ByteRange ra = byte_range(a), rb = byte_range(b);
+  return ra.lo < ra.hi && rb.lo < rb.hi && ra.lo < rb.hi && rb.lo < ra.hi;
+}
+
+struct Named {
+  const TensorView* view;
+  const char* name;
+};
+
+Status check_written_disjoint(const Named& out, std::initializer_list<Named> others) {
+  for (const Named& in : others)
+    if (in.view != out.view && ranges_meet(*out.view, *in.view))
+      return invalid(out.name, ": shares memory with ", in.name,
+                     "; a tensor flare writes must not overlap any other argument");
+  return {};
+}
+
+int32_t int_at(const TensorView& t, int64_t i) {
+  return static_cast<const int32_t*>(t.data)[i * t.stride[0]];
+}
+int32_t int_at(const TensorView& t, int64_t i, int64_t j) {
+  return static_cast<const int32_t*>(t.data)[i * t.stride[0] + j * t.stride[1]];
+}
+
+// Everything the execution needs, filled by validate().
+struct Plan {
+  int64_t batch = 0, seqlen_q = 0, heads_q = 0, heads_kv = 0, head_dim = 0, seqlen_new = 0;
+  bool paged = false;
+  int64_t block_size = 0;  // paged only
+  int64_t capacity = 0;    // positions a sequence can hold
+  bool rotary = false;
+  int64_t rotary_half = 0;  // d_rot / 2
+  bool rotate_q_per_row = false;
+  std::vector<int64_t> len_before;  // per sequence (CPU only)
+  std::vector<int64_t> cache_row;   // contiguous cache: the cache batch row of each sequence
+};
+
+// Shapes and dtypes of the cache arguments; needs q's shape checked.
+Status validate_shapes(const TensorView& q, const KVCacheArgs& c, const AttentionOptions& opt,
+                       Plan* plan) {
+  const int64_t b = q.shape[0], hq = q.shape[2], d = q.shape[3];
+  plan->batch = b;
+  plan->seqlen_q = q.shape[1];
+  plan->heads_q = hq;
+  plan->head_dim = d;
+  plan->paged = c.block_table.defined();
+  const char* cache_layout = plan->paged ? "(num_blocks, block_size, heads_kv, head_dim)"
+                                         : "(batch_cache, seqlen_cache, heads_kv, head_dim)";
+  FLARE_RETURN_IF_ERROR(check_kv(c.k_cache, "k_cache", cache_layout, q));
+  FLARE_RETURN_IF_ERROR(check_kv(c.v_cache, "v_cache", cache_layout, q));
+  const TensorView& kc = c.k_cache;
+  for (int i = 0; i < 4; ++i)
+    if (c.v_cache.shape[i] != kc.shape[i])
+      return invalid("v_cache: shape[", i, "] = ", c.v_cache.shape[i], " must equal k_cache's ",
+                     kc.shape[i]);
+  const int64_t hkv = kc.shape[2];
+  plan->heads_kv = hkv;
+  if (kc.shape[3] != d)
+    return invalid("k_cache: head_dim = ", kc.shape[3], " must equal q's head_dim = ", d);
+  if (hkv == 0 || hq % hkv != 0)
+    return invalid("k_cache: heads = ", hkv, " must divide q's heads = ", hq, " (GQA/MQA)");
+
+  if (plan->paged) {
+    FLARE_RETURN_IF_ERROR(check_int32(c.block_table, "block_table", 2,
+                                      "(batch, max_blocks_per_sequence)", q));
+    if (c.block_table.shape[0] != b)
+      return invalid("block_table: batch = ", c.block_table.shape[0], " must equal q's batch = ", b);
+    if (c.cache_batch_idx.defined())
+      return invalid("cache_batch_idx: not supported with a paged cache (block_table already maps "
+                     "each sequence to its blocks)");
+    plan->block_size = kc.shape[1];
+    if (plan->block_size < 1)
+      return invalid("k_cache: block_size (shape[1]) = ", plan->block_size, " must be >= 1");
+    plan->capacity = c.block_table.shape[1] * plan->block_size;
+  } else {
+    plan->capacity = kc.shape[1];
+    if (c.cache_batch_idx.defined()) {
+      FLARE_RETURN_IF_ERROR(check_int32(c.cache_batch_idx, "cache_batch_idx", 1, "(batch)", q));
+      if (c.cache_batch_idx.shape[0] != b)
+        return invalid("cache_batch_idx: length ", c.cache_batch_idx.shape[0],
+                       " must equal q's batch = ", b);
+    } else if (kc.shape[0] < b) {
+      return invalid("k_cache: batch_cache = ", kc.shape[0], " must be >= q's batch = ", b,
+                     " (or pass cache_batch_idx)");
+    }
+  }
+
+  if (c.cache_seqlens.defined()) {
+    FLARE_RETURN_IF_ERROR(check_int32(c.cache_seqlens, "cache_seqlens", 1, "(batch)", q));
+    if (c.cache_seqlens.shape[0] != b)
+      return invalid("cache_seqlens: length ", c.cache_seqlens.shape[0],
+                     " must equal q's batch = ", b);
+  } else if (c.cache_seqlen < 0) {
+    return invalid("cache_seqlen: must be >= 0, got ", c.cache_seqlen);
+  }
+
+  if (c.k_new.defined() != c.v_new.defined())
+    return invalid(c.k_new.defined() ? "v_new" : "k_new", ": k_new and v_new come together");
+  if (c.k_new.defined()) {
+    const char* layout = "(batch, seqlen_new, heads_kv, head_dim)";
+    FLARE_RETURN_IF_ERROR(check_kv(c.k_new, "k_new", layout, q));
+    FLARE_RETURN_IF_ERROR(check_kv(c.v_new, "v_new", layout, q));
+    const int64_t want[4] = {b, c.k_new.shape[1], hkv, d};
+    for (const Named& t : {Named{&c.k_new, "k_new"}, Named{&c.v_new, "v_new"}})
+      for (int i = 0; i < 4; ++i)
+        if (t.view->shape[i] != want[i])
+          return invalid(t.name, ": shape[", i, "] = ", t.view->shape[i], " must be ", want[i],
+                         " (batch and heads_kv of q and the cache, seqlen_new of k_new)");
+    plan->seqlen_new = c.k_new.shape[1];
+  }
+
+  if (c.rotary_cos.defined() != c.rotary_sin.defined())
+    return invalid(c.rotary_cos.defined() ? "rotary_sin" : "rotary_cos",
+                   ": rotary_cos and rotary_sin come together");
+  if (c.rotary_cos.defined()) {
+    if (!c.k_new.defined())
+      return invalid("rotary_cos: needs k_new and v_new (the rotary embedding rotates the new keys "
+                     "and q at their positions)");
+    for (const Named& t : {Named{&c.rotary_cos, "rotary_cos"}, Named{&c.rotary_sin, "rotary_sin"}}) {
+      FLARE_RETURN_IF_ERROR(check_tensor(*t.view, t.name, 2, "(seqlen_rotary, rotary_dim / 2)", q));
+      if (t.view->dtype != DType::kFloat32 && t.view->dtype != q.dtype)
+        return invalid(t.name, ": dtype ", dtype_name(t.view->dtype), " must be float32 or q's ",
+                       dtype_name(q.dtype));
+      if (t.view->shape[0] != c.rotary_cos.shape[0] || t.view->shape[1] != c.rotary_cos.shape[1])
+        return invalid("rotary_sin: shape must equal rotary_cos's");
+    }
+    plan->rotary = true;
+    plan->rotary_half = c.rotary_cos.shape[1];
+    if (plan->rotary_half < 1 || 2 * plan->rotary_half > d)
+      return invalid("rotary_cos: rotary_dim = 2 * shape[1] = ", 2 * plan->rotary_half,
+                     " must be in [2, head_dim = ", d, "]");
+    plan->rotate_q_per_row = opt.causal || opt.window_left >= 0 || opt.window_right >= 0;
+  }
+  if (c.num_splits < 0) return invalid("num_splits: must be >= 0 (0 = automatic), got ", c.num_splits);
+  if (opt.dropout_p != 0.0f)
+    return invalid("dropout_p: must be 0; decoding with a KV cache has no dropout");
+  return {};
+}
+
+// The integer arguments' values (CPU): lengths within capacity, indices within range, rotary long
+// enough, no sequence appending to a cache row or block another sequence uses.
+Status validate_values(const KVCacheArgs& c, Plan* plan) {
+  const int64_t b = plan->batch;
+  plan->len_before.resize(static_cast<size_t>(b));
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t len = c.cache_seqlens.defined() ? int_at(c.cache_seqlens, i) : c.cache_seqlen;
+    const char* name = c.cache_seqlens.defined() ? "cache_seqlens" : "cache_seqlen";
+    if (len < 0) return invalid(name, "[", i, "] = ", len, " is negative");
+    if (len + plan->seqlen_new > plan->capacity)
+      return invalid(name, "[", i, "] = ", len, " plus seqlen_new = ", plan->seqlen_new,
+                     " exceeds the cache capacity ", plan->capacity,
+                     plan->paged ? " (max_blocks * block_size)" : " (seqlen_cache)");
+    plan->len_before[static_cast<size_t>(i)] = len;
+  }
+  const bool appends = plan->seqlen_new > 0;
+  if (plan->paged) {
+    const int64_t num_blocks = c.k_cache.shape[0], bs = plan->block_size;
+    std::vector<int64_t> writer(static_cast<size_t>(num_blocks), -1);
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t n = plan->len_before[static_cast<size_t>(i)] + plan->seqlen_new;
+      for (int64_t lb = 0; lb < (n + bs - 1) / bs; ++lb) {
+        const int32_t blk = int_at(c.block_table, i, lb);
+        if (blk < 0 || blk >= num_blocks)
+          return invalid("block_table[", i, ", ", lb, "] = ", blk, " is outside [0, num_blocks = ",
+                         num_blocks, ") but sequence ", i, " uses it (", n, " tokens)");
+      }
+      if (!appends) continue;
+      for (int64_t lb = plan->len_before[static_cast<size_t>(i)] / bs; lb < (n + bs - 1) / bs; ++lb)
+        writer[static_cast<size_t>(int_at(c.block_table, i, lb))] = i;
+    }
+    for (int64_t i = 0; appends && i < b; ++i) {
+      const int64_t n = plan->len_before[static_cast<size_t>(i)] + plan->seqlen_new;
+      for (int64_t lb = 0; lb < (n + bs - 1) / bs; ++lb) {
+        const int32_t blk = int_at(c.block_table, i, lb);
+        const int64_t w = writer[static_cast<size_t>(blk)];
+        if (w >= 0 && w != i)
+          return invalid("block_table: block ", blk, " is appended to by sequence ", w,
+                         " and used by sequence ", i, "; an appended block must be private");
+      }
+    }
+  } else {
+    const int64_t b_cache = c.k_cache.shape[0];
+    plan->cache_row.resize(static_cast<size_t>(b));
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t row = c.cache_batch_idx.defined() ? int_at(c.cache_batch_idx, i) : i;
+      if (row < 0 || row >= b_cache)
+        return invalid("cache_batch_idx[", i, "] = ", row, " is outside [0, batch_cache = ",
+                       b_cache, ")");
+      plan->cache_row[static_cast<size_t>(i)] = row;
+    }
+    for (int64_t i = 0; appends && i < b; ++i)
+      for (int64_t j = 0; j < i; ++j)
+        if (plan->cache_row[static_cast<size_t>(i)] == plan->cache_row[static_cast<size_t>(j)])
+          return invalid("cache_batch_idx: sequences ", j, " and ", i, " share cache row ",
+                         plan->cache_row[static_cast<size_t>(i)],
+                         " and k_new appends to it; an appended row must be private");
+  }
+  if (plan->rotary) {
+    const int64_t s_rot = c.rotary_cos.shape[0];
+    const int64_t q_span = plan->rotate_q_per_row ? plan->seqlen_q : std::min<int64_t>(plan->seqlen_q, 1);
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t need = plan->len_before[static_cast<size_t>(i)] + std::max(plan->seqlen_new, q_span);
+      if (need > s_rot)
+        return invalid("rotary_cos: seqlen_rotary = ", s_rot, " is too short: sequence ", i,
+                       " rotates positions up to ", need - 1);
+    }
+  }
+  return {};
+}
+
+// Element offset of (token t, kv head h, 0) of sequence i in a cache view.
+int64_t cache_offset(const TensorView& cache, const KVCacheArgs& c, const Plan& plan, int64_t i,
+                     int64_t t, int64_t h) {
+  if (plan.paged) {
+    const int64_t blk = int_at(c.block_table, i, t / plan.block_size);
+    return blk * cache.stride[0] + (t % plan.block_size) * cache.stride[1] + h * cache.stride[2];
+  }
+  return plan.cache_row[static_cast<size_t>(i)] * cache.stride[0] + t * cache.stride[1] +
+         h * cache.stride[2];
+}
+
+// Copies one head vector of d elements, rotating its first 2·half elements at `pos` when rotary
+// tables are given (fp32 arithmetic, one rounding to the dtype).
+void copy_head(const void* src, int64_t src_off, void* dst, int64_t dst_off, DType dt, int64_t d,
+               const KVCacheArgs* rot, int64_t half, int64_t pos) {
+  if (rot == nullptr) {
+    const size_t es = dtype_size(dt);
+    std::memcpy(static_cast<char*>(dst) + dst_off * static_cast<int64_t>(es),
+                static_cast<const char*>(src) + src_off * static_cast<int64_t>(es),
+                static_cast<size_t>(d) * es);
+    return;
+  }
+  const TensorView &cs = rot->rotary_cos, &sn = rot->rotary_sin;
+  for (int64_t m = 0; m < half; ++m) {
+    const float co = load_as_float(cs.data, pos * cs.stride[0] + m * cs.stride[1], cs.dtype);
+    const float si = load_as_float(sn.data, pos * sn.stride[0] + m * sn.stride[1], sn.dtype);
+    const int64_t e0 = rot->rotary_interleaved ? 2 * m : m;
+    const int64_t e1 = rot->rotary_interleaved ? 2 * m + 1 : m + half;
+    const float x0 = load_as_float(src, src_off + e0, dt), x1 = load_as_float(src, src_off + e1, dt);
+    store_from_float(dst, dst_off + e0, dt, x0 * co - x1 * si);
+    store_from_float(dst, dst_off + e1, dt, x0 * si + x1 * co);
+  }
+  for (int64_t e = 2 * half; e < d; ++e)
+    store_from_float(dst, dst_off + e, dt, load_as_float(src, src_off + e, dt));
+}
+
+}  // namespace
+
+Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const TensorView& o,
+                              const TensorView& lse, const AttentionOptions& options,
+                              Stream stream) {
+  (void)stream;  // used once CUDA kernels exist
+  // q, o, lse and the options: attention_forward's own checks, with q standing in for k and v.
+  if (!q.defined()) return invalid("q: tensor is required");
+  if (q.ndim != 4) return invalid("q: expected 4 dimensions (batch, seqlen_q, heads_q, head_dim), got ", q.ndim);
+  if (options.dropout_p != 0.0f)
+    return invalid("dropout_p: must be 0; decoding with a KV cache has no dropout");
+  const int64_t b = std::max<int64_t>(q.shape[0], 0), sq = std::max<int64_t>(q.shape[1], 0);
+  const int64_t hq = std::max<int64_t>(q.shape[2], 0);
+  std::vector<float> lse_packed(static_cast<size_t>(b * hq * sq));  // (h_q, b·s_q)
+  const TensorView lse_check =
+      lse.defined() ? lse : TensorView::contiguous(lse_packed.data(), DType::kFloat32, {b, hq, sq}, q.device, q.device_index);
+  AttentionParams unused;
+  FLARE_RETURN_IF_ERROR(make_forward_params(q, q, q, o, lse_check, options, {}, &unused));
+
+  Plan plan;
+  FLARE_RETURN_IF_ERROR(validate_shapes(q, c, options, &plan));
+  const bool appends = plan.seqlen_new > 0;
+  const TensorView none;
+  const TensorView& kc_written = appends ? c.k_cache : none;
+  const TensorView& vc_written = appends ? c.v_cache : none;
+  const std::initializer_list<Named> args = {
+      {&q, "q"},           {&c.k_cache, "k_cache"},         {&c.v_cache, "v_cache"},
+      {&c.k_new, "k_new"}, {&c.v_new, "v_new"},             {&c.block_table, "block_table"},
+      {&c.cache_seqlens, "cache_seqlens"},                  {&c.cache_batch_idx, "cache_batch_idx"},
+      {&c.rotary_cos, "rotary_cos"}, {&c.rotary_sin, "rotary_sin"},
+      {&options.alibi_slopes, "alibi_slopes"}, {&o, "o"},   {&lse, "lse"}};
+  FLARE_RETURN_IF_ERROR(check_written_disjoint({&o, "o"}, args));
+  FLARE_RETURN_IF_ERROR(check_written_disjoint({&lse, "lse"}, args));
+  FLARE_RETURN_IF_ERROR(check_written_disjoint({&kc_written, "k_cache"}, args));
+  FLARE_RETURN_IF_ERROR(check_written_disjoint({&vc_written, "v_cache"}, args));
+  if (q.device == DeviceType::kCUDA)
+    return Status::unsupported(
+        "attention_with_kvcache: KV-cache decoding has no CUDA kernels yet; pass CPU tensors");
+  FLARE_RETURN_IF_ERROR(validate_values(c, &plan));
+
+  // The packed varlen problem the backends solve: q rows b·s_q + j, sequence i's keys at
+  // cu_k[i] .. cu_k[i + 1].
+  const int64_t hkv = plan.heads_kv, d = plan.head_dim, total_q = b * sq;
+  const DType dt = q.dtype;
+  const size_t es = dtype_size(dt);
+  std::vector<int32_t> cu_q(static_cast<size_t>(b + 1)), cu_k(static_cast<size_t>(b + 1));
+  int64_t max_k = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t n = plan.len_before[static_cast<size_t>(i)] + plan.seqlen_new;
+    cu_q[static_cast<size_t>(i + 1)] = static_cast<int32_t>((i + 1) * sq);
+    cu_k[static_cast<size_t>(i + 1)] = static_cast<int32_t>(cu_k[static_cast<size_t>(i)] + n);
+    max_k = std::max(max_k, n);
+    if (cu_k[static_cast<size_t>(i)] + n > INT32_MAX)
+      return invalid("cache_seqlens: the sequences' lengths add up beyond int32 (", i,
+                     " sequences so far)");
+  }
+  const int64_t total_k = cu_k[static_cast<size_t>(b)];
+  std::vector<unsigned char> qp(static_cast<size_t>(total_q * hq * d) * es);
+  std::vector<unsigned char> op(qp.size());
+  std::vector<unsigned char> kp(static_cast<size_t>(total_k * hkv * d) * es), vp(kp.size());
+  VarlenArgs varlen;
+  varlen.cu_seqlens_q = TensorView::contiguous(cu_q.data(), DType::kInt32, {b + 1});
+  varlen.cu_seqlens_k = TensorView::contiguous(cu_k.data(), DType::kInt32, {b + 1});
+  varlen.max_seqlen_q = static_cast<int>(sq);
+  varlen.max_seqlen_k = static_cast<int>(max_k);
+  AttentionParams p;
+  FLARE_RETURN_IF_ERROR(make_forward_params(
+      TensorView::contiguous(qp.data(), dt, {total_q, hq, d}),
+      TensorView::contiguous(kp.data(), dt, {total_k, hkv, d}),
+      TensorView::contiguous(vp.data(), dt, {total_k, hkv, d}),
+      TensorView::contiguous(op.data(), dt, {total_q, hq, d}),
+      TensorView::contiguous(lse_packed.data(), DType::kFloat32, {hq, total_q}), options, varlen,
+      &p));
+
+  const char* simd_level = nullptr;  // the flash backend's only failure, checked while it is cheap
+  if (options.backend != Backend::kReference)
+    FLARE_RETURN_IF_ERROR(cpu::flash_simd_level(&simd_level));
+
+  // Nothing has been written so far. Append the new keys (rotated) and values to the cache.
+  const KVCacheArgs* rot = plan.rotary ? &c : nullptr;
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t j = 0; j < plan.seqlen_new; ++j) {
+      const int64_t pos = plan.len_before[static_cast<size_t>(i)] + j;
+      for (int64_t h = 0; h < hkv; ++h) {
+        const int64_t kn = i * c.k_new.stride[0] + j * c.k_new.stride[1] + h * c.k_new.stride[2];
+        const int64_t vn = i * c.v_new.stride[0] + j * c.v_new.stride[1] + h * c.v_new.stride[2];
+        copy_head(c.k_new.data, kn, c.k_cache.data, cache_offset(c.k_cache, c, plan, i, pos, h),
+                  dt, d, rot, plan.rotary_half, pos);
+        copy_head(c.v_new.data, vn, c.v_cache.data, cache_offset(c.v_cache, c, plan, i, pos, h),
+                  dt, d, nullptr, 0, 0);
+      }
+    }
+  // Gather every sequence's cache rows, and q (rotated at its positions).
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t n = plan.len_before[static_cast<size_t>(i)] + plan.seqlen_new;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const int64_t dst = ((cu_k[static_cast<size_t>(i)] + t) * hkv + h) * d;
+        copy_head(c.k_cache.data, cache_offset(c.k_cache, c, plan, i, t, h), kp.data(), dst, dt, d,
+                  nullptr, 0, 0);
+        copy_head(c.v_cache.data, cache_offset(c.v_cache, c, plan, i, t, h), vp.data(), dst, dt, d,
+                  nullptr, 0, 0);
+      }
+    for (int64_t j = 0; j < sq; ++j) {
+      const int64_t pos = plan.len_before[static_cast<size_t>(i)] + (plan.rotate_q_per_row ? j : 0);
+      for (int64_t h = 0; h < hq; ++h)
+        copy_head(q.data, i * q.stride[0] + j * q.stride[1] + h * q.stride[2], qp.data(),
+                  ((i * sq + j) * hq + h) * d, dt, d, rot, plan.rotary_half, pos);
+    }
+  }
+
+  if (options.backend == Backend::kReference) {
+    cpu::store_forward(p, cpu::reference_forward(p, cpu::RefPrecision::kFloat64));
+  } else {
+    FLARE_RETURN_IF_ERROR(cpu::flash_forward(p));
+  }
+
+  // Scatter the packed results into the caller's o (any strides) and lse (b, h_q, s_q).
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t j = 0; j < sq; ++j)
+      for (int64_t h = 0; h < hq; ++h) {
+        copy_head(op.data(), ((i * sq + j) * hq + h) * d, o.data,
+                  i * o.stride[0] + j * o.stride[1] + h * o.stride[2], dt, d, nullptr, 0, 0);
+        if (lse.defined())
+          static_cast<float*>(lse.data)[(i * hq + h) * sq + j] =
+              lse_packed[static_cast<size_t>(h * total_q + i * sq + j)];
+      }
+  return {};
+}
+
+}  // namespace flare
