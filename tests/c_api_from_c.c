@@ -1,9 +1,10 @@
 /* c_api_from_c.c — a caller of the C API written in C99, so that flare/c_api.h is proven to be a
  * valid C header (a C++-only construct in it would fail this compile). test_cpu_c_api calls
- * flare_c_forward and test_cpu_c_api_dist calls flare_c_cp_rank, and each checks the results
- * against the C++ API. */
+ * flare_c_forward, test_cpu_c_api_dist flare_c_cp_rank and test_cpu_c_api_kvcache
+ * flare_c_kvcache_decode, and each checks the results against the C++ API. */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "flare/c_api.h"
 
@@ -82,4 +83,32 @@ int flare_c_cp_rank(flare_comm* comm, int32_t strategy, int32_t causal, int64_t 
     code = flare_cp_backward(cp, &tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, NULL);
   flare_cp_destroy(cp);
   return code;
+}
+
+/* One decoding step over a paged float32 cache (num_blocks, block_size, h_kv, d), causal, one new
+ * token per sequence appended in place: q and o (b, 1, h_q, d), k_new and v_new (b, 1, h_kv, d),
+ * block_table int32 (b, max_blocks), cache_seqlens int32 (b), lse (b, h_q, 1). Returns the status
+ * code. */
+int flare_c_kvcache_decode(void* q, void* k_cache, void* v_cache, void* k_new, void* v_new,
+                           void* block_table, void* cache_seqlens, void* o, void* lse,
+                           const int64_t* q_shape, const int64_t* cache_shape,
+                           int64_t max_blocks) {
+  const int64_t new_shape[4] = {q_shape[0], 1, cache_shape[2], cache_shape[3]};
+  const int64_t table_shape[2] = {q_shape[0], max_blocks};
+  const int64_t lse_shape[3] = {q_shape[0], q_shape[2], 1};
+  const flare_tensor tq = dense_f32(q, 4, q_shape), to = dense_f32(o, 4, q_shape),
+                     tl = dense_f32(lse, 3, lse_shape);
+  flare_attention_options options = flare_default_options();
+  flare_kvcache_args args;
+  memset(&args, 0, sizeof args);
+  args.k_cache = dense_f32(k_cache, 4, cache_shape);
+  args.v_cache = dense_f32(v_cache, 4, cache_shape);
+  args.k_new = dense_f32(k_new, 4, new_shape);
+  args.v_new = dense_f32(v_new, 4, new_shape);
+  args.block_table = dense_f32(block_table, 2, table_shape);
+  args.block_table.dtype = FLARE_INT32;
+  args.cache_seqlens = dense_f32(cache_seqlens, 1, q_shape);
+  args.cache_seqlens.dtype = FLARE_INT32;
+  options.causal = 1;
+  return flare_attention_with_kvcache(&tq, &args, &to, &tl, &options, NULL);
 }

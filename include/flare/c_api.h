@@ -207,6 +207,33 @@ const char* flare_last_error(void);
 const char* flare_version(void);
 int flare_cuda_built(void);
 
+/* ---- KV-cache decoding: the C mirror of flare/kvcache.h --------------------------------------
+ * Attention of q (b, s_q, h_q, d) over a contiguous or paged KV cache, with k_new / v_new
+ * appended to the cache in place first; flare/kvcache.h states the shapes and rules. A
+ * zero-initialised flare_kvcache_args leaves every optional tensor undefined, cache_seqlen 0,
+ * rotary not interleaved and num_splits automatic. Rejected calls write neither o, lse nor the
+ * caches. CUDA tensors give FLARE_UNSUPPORTED (no GPU decoding kernels yet). */
+typedef struct flare_kvcache_args {
+  flare_tensor k_cache;          /* (b_cache, s_cache, h_kv, d), or (num_blocks, block_size, …) */
+  flare_tensor v_cache;
+  flare_tensor block_table;      /* int32 (b, max_blocks); undefined → contiguous cache */
+  flare_tensor cache_seqlens;    /* int32 (b); undefined → cache_seqlen for every sequence */
+  int32_t cache_seqlen;
+  flare_tensor cache_batch_idx;  /* int32 (b); contiguous caches only */
+  flare_tensor k_new;            /* (b, s_new, h_kv, d); both or neither */
+  flare_tensor v_new;
+  flare_tensor rotary_cos;       /* (s_rot, d_rot / 2); both or neither; needs k_new */
+  flare_tensor rotary_sin;
+  int32_t rotary_interleaved;
+  int32_t num_splits;            /* >= 0; 0 = automatic */
+} flare_kvcache_args;
+
+/* lse may be NULL (not returned). stream is a cudaStream_t or NULL. */
+int flare_attention_with_kvcache(const flare_tensor* q, const flare_kvcache_args* cache,
+                                 const flare_tensor* o, const flare_tensor* lse,
+                                 const flare_attention_options* options, void* stream);
+/* ---- end of KV-cache decoding ----------------------------------------------------------------- */
+
 #ifdef __cplusplus
 }
 #endif
