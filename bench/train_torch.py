@@ -23,6 +23,20 @@ src/train/core/model_config.cpp model_flops_per_token() (6·N + 6·L·H·Q·T, P
 causal attention term halved). peak_mem_bytes is torch.cuda.max_memory_allocated over the timed
 steps (tensors alive, not the caching allocator's reserve, which is peak_reserved_bytes).
 
+Several GPUs (bench mode under torchrun, WORLD_SIZE > 1): one process per GPU, device LOCAL_RANK,
+NCCL (gloo with --cpu, for tests). The model is wrapped in DistributedDataParallel and then
+compiled (the order PyTorch recommends, so that Dynamo splits the graph at DDP's gradient
+buckets), or with --fsdp sharded by FSDP2 (fully_shard on each block, then the root; same
+precision recipe: fp32 sharded parameters, bf16 autocast). Each rank trains on its own batches
+(random tokens seeded by seed + rank, or the shards dealt to the ranks as flare's loader does).
+A step's time is its slowest rank's: step_ms is the largest of the ranks' medians,
+tokens_per_s = ranks · batch · seq / step_ms, MFU is per GPU, peak_mem_bytes the largest over
+the ranks. Rank 0 alone prints and writes the JSON (impl torch-ddp-compile or
+torch-fsdp2-compile; "gpus" is the number of ranks; file name suffix -ddp-x<N> or -fsdp2-x<N>
+unless --name; the result adds "launch": {"launcher", "world", "parallel", "backend"} and each
+row "step_ms_per_rank" and "peak_mem_bytes_per_rank"). With --cpu (fp32 or fp64, eager) the
+steps are timed on the host clock and the peak memory is the process's peak resident set.
+
 Output: one line per case and <out>/train_torch-<card>-<date>.json:
   {"card", "date", "commit", "software", "rows": [{"impl": "torch-compile", "model", "gpus", "seq",
    "batch_per_gpu", "tokens_per_s", "mfu", "peak_mem_bytes", "step_ms", ...}]}
@@ -31,6 +45,8 @@ Examples (from the repository root, on one H100):
   python3 bench/train_torch.py --out bench/results                 # gpt2, gpt3-2.7b, llama3.2-1b
   python3 bench/train_torch.py --case gpt3-2.7b:8:1024 --case gpt3-2.7b:4:2048 --out bench/results
   python3 bench/train_torch.py --case gpt2:16:1024 --data 'data/pydoc/pydoc_train_*.bin'
+  torchrun --nproc-per-node 4 bench/train_torch.py --case gpt3-2.7b:4:1024 --vocab 50257 \
+      --out bench/results                                         # DDP on 4 GPUs (--fsdp: FSDP2)
   python3 bench/train_torch.py --log /tmp/torch-gpt2.json --case gpt2:16:1024 \\
       --data 'data/pydoc/pydoc_train_*.bin' --val-data 'data/pydoc/pydoc_val_*.bin' \\
       --train-steps 500 --eval-every 100
@@ -41,10 +57,12 @@ Examples (from the repository root, on one H100):
 """
 
 import argparse
+import collections
 import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -66,6 +84,35 @@ def parse_case(text):
         return parts[0], int(parts[1]), int(parts[2])
     except ValueError:
         raise argparse.ArgumentTypeError(f"--case '{text}': BATCH and SEQ must be integers")
+
+
+Launch = collections.namedtuple("Launch", "rank world local_rank")
+
+
+def launch_from_env(env=os.environ):
+    """The torchrun launch this process belongs to (RANK, WORLD_SIZE, LOCAL_RANK), or None when it
+    runs alone (no WORLD_SIZE, or a world of one). Raises ValueError for a partial or inconsistent
+    environment, before any rendezvous."""
+    if "WORLD_SIZE" not in env:
+        return None
+    values = {}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        text = env.get(name)
+        if text is None:
+            raise ValueError(f"{name}: unset while WORLD_SIZE is {env['WORLD_SIZE']} "
+                             "(launch with torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK)")
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise ValueError(f"{name}: '{text}' is not an integer")
+    world, rank, local = values["WORLD_SIZE"], values["RANK"], values["LOCAL_RANK"]
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE: {world} must be >= 1")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK: {rank} must be in [0, WORLD_SIZE {world})")
+    if local < 0:
+        raise ValueError(f"LOCAL_RANK: {local} must be >= 0")
+    return Launch(rank, world, local) if world > 1 else None
 
 
 def parse_args(argv=None):
@@ -110,8 +157,14 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=0, help="steps between validation passes")
     p.add_argument("--val-batches", type=int, default=8, help="batches per validation pass "
                    "(at most one epoch of the validation shards, as flare-train's --eval-batches)")
-    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--device", type=int, help="CUDA device (default 0; under torchrun LOCAL_RANK)")
+    p.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 "
+                   "(impl torch-fsdp2-*) instead of DistributedDataParallel")
     args = p.parse_args(argv)
+    try:
+        args.launch = launch_from_env()
+    except ValueError as e:
+        p.error(f"torchrun environment: {e}")
     args.case = args.case or [parse_case(c) for c in DEFAULT_CASES]
     if args.min_lr is None:
         args.min_lr = args.lr / 10
@@ -125,8 +178,14 @@ def parse_args(argv=None):
         p.error("--log trains on the shards: --data is required")
     if args.eval_every and not args.val_data:
         p.error("--eval-every needs --val-data")
-    if args.cpu and (not args.log or args.precision == "bf16"):
-        p.error("--cpu: for --log runs in --precision fp32 or fp64")
+    if args.launch and args.log:
+        p.error("--log: one process only (under torchrun, bench mode)")
+    if args.launch and args.device is not None:
+        p.error("--device: under torchrun each rank takes device LOCAL_RANK")
+    if args.fsdp and not args.launch:
+        p.error("--fsdp: shards over the ranks of a torchrun launch (WORLD_SIZE > 1)")
+    if args.cpu and (not (args.log or args.launch) or args.precision == "bf16"):
+        p.error("--cpu: for --log runs or a torchrun launch (gloo), in --precision fp32 or fp64")
     if args.precision == "fp64" and not args.cpu:
         p.error("--precision fp64: CPU only (add --cpu)")
     if args.cpu:
@@ -138,6 +197,8 @@ def parse_args(argv=None):
                         ("--warmup", args.warmup)]:
         if value < 1:
             p.error(f"{name}: {value} must be >= 1")
+    if args.device is None:
+        args.device = args.launch.local_rank if args.launch else 0
     return args
 
 
@@ -152,8 +213,49 @@ def set_sdpa_backend(torch, backend):
     cuda.enable_math_sdp(False)
 
 
+def impl_name(args):
+    """The row's "impl": torch-compile alone; torch-ddp-compile or torch-fsdp2-compile under a
+    launch (-eager for --no-compile and --cpu)."""
+    mode = "eager" if args.no_compile else "compile"
+    if not args.launch:
+        return f"torch-{mode}"
+    return f"torch-{'fsdp2' if args.fsdp else 'ddp'}-{mode}"
+
+
+def fsdp2_fully_shard():
+    """FSDP2's fully_shard (torch.distributed.fsdp since torch 2.6, _composable.fsdp before)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            import torch
+            raise RuntimeError(f"--fsdp: this torch ({torch.__version__}) has no FSDP2 "
+                               "(torch.distributed.fsdp.fully_shard; torch >= 2.6)") from None
+    return fully_shard
+
+
+def parallelize(model, args):
+    """The module the step calls: the model itself alone; under a launch, the model in
+    DistributedDataParallel, or (--fsdp) the model sharded in place by FSDP2, each block its own
+    unit so that one block's parameters are gathered at a time, then the root (embeddings, final
+    norm, head)."""
+    if not args.launch:
+        return model
+    if args.fsdp:
+        fully_shard = fsdp2_fully_shard()
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model, device_ids=None if args.cpu else [args.device])
+
+
 class Run:
-    """One model on one GPU: the (compiled) model, its optimizer, and the step."""
+    """One model on one GPU (or one rank's replica or shard): the (compiled) model, its
+    optimizer, and the step."""
 
     def __init__(self, torch, tm, args, config, batch, seq):
         self.torch, self.tm, self.args = torch, tm, args
@@ -166,7 +268,9 @@ class Run:
         if args.precision == "fp64":
             model = model.double()
         self.model = model.to(self.device)
-        self.forward = self.model if args.no_compile else torch.compile(self.model)
+        # Wrapped before compiling: Dynamo then splits the graph at DDP's buckets (DDPOptimizer).
+        wrapped = parallelize(self.model, args)
+        self.forward = wrapped if args.no_compile else torch.compile(wrapped)
         self.optimizer = torch.optim.AdamW(
             tm.optimizer_groups(self.model, args.weight_decay), lr=args.lr,
             betas=(args.beta1, args.beta2), eps=args.eps, fused=not args.cpu)
@@ -207,15 +311,19 @@ def to_device(torch, batch, device="cuda"):
     return x.pin_memory().cuda(non_blocking=True), y.pin_memory().cuda(non_blocking=True)
 
 
-def batches_for(torch, tm, args, config, batch, seq, count):
-    """`count` batches on the device: from the shards in flare's order, or random tokens."""
+def batches_for(torch, tm, args, config, batch, seq, count, device="cuda"):
+    """`count` batches on the device: from the shards in flare's order, or random tokens. Under a
+    launch, this rank's: the shards' windows dealt to the ranks as flare's loader deals them, or
+    tokens drawn from seed + rank."""
+    rank, world = (args.launch.rank, args.launch.world) if args.launch else (0, 1)
     if args.data:
-        loader = tm.ShardLoader(args.data, batch, seq, config.vocab_size, seed=args.seed)
-        return [to_device(torch, loader.next_batch()) for _ in range(count)]
-    g = torch.Generator(device="cuda").manual_seed(args.seed)
+        loader = tm.ShardLoader(args.data, batch, seq, config.vocab_size, seed=args.seed,
+                                rank=rank, world_size=world)
+        return [to_device(torch, loader.next_batch(), device) for _ in range(count)]
+    g = torch.Generator(device=device).manual_seed(args.seed + rank)
     out = []
     for _ in range(min(count, 4)):
-        window = torch.randint(0, config.vocab_size, (batch, seq + 1), device="cuda", generator=g)
+        window = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device, generator=g)
         out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
     return out
 
@@ -231,52 +339,138 @@ def attention_kernels(torch, run, tokens, targets):
     return sorted(names)[:4]
 
 
+class StepClock:
+    """Times consecutive steps. On the GPU, a CUDA event after each step and no host wait inside
+    the loop (each interval is one step's device time); on the CPU, where every operation has
+    finished when it returns, the host clock."""
+
+    def __init__(self, torch, cpu, steps):
+        self.torch, self.cpu = torch, cpu
+        self.marks = [] if cpu else [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        self.count = 0
+
+    def mark(self):
+        if self.cpu:
+            self.marks.append(time.perf_counter())
+        else:
+            self.marks[self.count].record()
+        self.count += 1
+
+    def elapsed_ms(self):
+        """Milliseconds between consecutive marks (waits for the device)."""
+        if self.cpu:
+            return [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
+        self.torch.cuda.synchronize()
+        return [self.marks[i].elapsed_time(self.marks[i + 1]) for i in range(self.count - 1)]
+
+
+def peak_memory(torch, cpu):
+    """(peak bytes allocated, peak bytes reserved) since the last reset on the GPU; on the CPU
+    the process's peak resident set (Linux reports it in KiB), and no reserve."""
+    if cpu:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+# One rank's measurement of a case, as exchanged between the ranks.
+RankStats = collections.namedtuple(
+    "RankStats", "step_ms step_ms_mean step_ms_min peak_mem_bytes peak_reserved_bytes finite "
+    "loss_first loss_last")
+
+
+def gather_ranks(torch, args, stats):
+    """Every rank's RankStats, in rank order ([stats] alone). A collective: every rank calls it."""
+    if not args.launch:
+        return [stats]
+    import torch.distributed as dist
+    values = [float("nan") if v is None else float(v) for v in stats]
+    mine = torch.tensor(values, dtype=torch.float64, device="cpu" if args.cpu else "cuda")
+    everyone = [torch.empty_like(mine) for _ in range(args.launch.world)]
+    dist.all_gather(everyone, mine)
+    out = []
+    for t in everyone:
+        v = t.tolist()
+        out.append(RankStats(v[0], v[1], v[2], int(v[3]),
+                             None if v[4] != v[4] else int(v[4]), bool(v[5]), v[6], v[7]))
+    return out
+
+
+def combine_ranks(ranks):
+    """One measurement from the ranks': a data-parallel step lasts as long as its slowest rank, so
+    each time and memory is the largest over the ranks; the losses are the ranks' mean (each rank
+    trains on its own batches); finite only if every rank's losses were."""
+    reserved = [r.peak_reserved_bytes for r in ranks]
+    return RankStats(
+        step_ms=max(r.step_ms for r in ranks), step_ms_mean=max(r.step_ms_mean for r in ranks),
+        step_ms_min=max(r.step_ms_min for r in ranks),
+        peak_mem_bytes=max(r.peak_mem_bytes for r in ranks),
+        peak_reserved_bytes=None if None in reserved else max(reserved),
+        finite=all(r.finite for r in ranks),
+        loss_first=statistics.fmean(r.loss_first for r in ranks),
+        loss_last=statistics.fmean(r.loss_last for r in ranks))
+
+
 def bench_case(torch, tm, args, config, batch, seq, backend):
-    set_sdpa_backend(torch, backend)
+    cpu = args.cpu
+    if not cpu:
+        set_sdpa_backend(torch, backend)
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if not cpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     run = Run(torch, tm, args, config, batch, seq)
-    data = batches_for(torch, tm, args, config, batch, seq, args.warmup + args.steps)
+    data = batches_for(torch, tm, args, config, batch, seq, args.warmup + args.steps, run.device)
     for i in range(args.warmup):
         x, y = data[i % len(data)]
         loss, _ = run.step(x, y, i)
     first_loss = loss.item()
-    kernels = attention_kernels(torch, run, *data[0])
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+    kernels = []
+    if not cpu:  # the profile's evidence is of CUDA kernels
+        kernels = attention_kernels(torch, run, *data[0])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    clock = StepClock(torch, cpu, args.steps)
     losses = []
-    events[0].record()
+    clock.mark()
     for i in range(args.steps):
         x, y = data[(args.warmup + i) % len(data)]
         loss, _ = run.step(x, y, args.warmup + i)
         losses.append(loss)
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    ms = [events[i].elapsed_time(events[i + 1]) for i in range(args.steps)]
-    step_ms = statistics.median(ms)
-    tokens_per_s = batch * seq / (step_ms / 1e3)
+        clock.mark()
+    ms = clock.elapsed_ms()
+    peak, reserved = peak_memory(torch, cpu)
+    mine = RankStats(statistics.median(ms), statistics.fmean(ms), min(ms), peak, reserved,
+                     all(map(lambda t: bool(torch.isfinite(t)), losses)), first_loss,
+                     losses[-1].item())
+    ranks = gather_ranks(torch, args, mine)
+    stats = combine_ranks(ranks)
+    world = args.launch.world if args.launch else 1
+    tokens_per_s = world * batch * seq / (stats.step_ms / 1e3)
     flops = tm.model_flops_per_token(config, seq)
-    mfu = tokens_per_s * flops / PEAK_BF16_FLOPS
+    mfu = tokens_per_s * flops / (world * PEAK_BF16_FLOPS)  # per GPU
     if mfu >= 1.0:  # above peak means the timing or the FLOP count is wrong, not a fast run
         raise RuntimeError(f"{config.name}: MFU {mfu:.2f} >= 1, a measurement error")
-    last_loss = losses[-1].item()
-    if not all(map(lambda t: bool(torch.isfinite(t)), losses)):
+    if not stats.finite:
         raise RuntimeError(f"{config.name}: non-finite loss in the timed steps")
-    return {
-        "impl": "torch-eager" if args.no_compile else "torch-compile",
-        "model": config.name, "gpus": 1, "seq": seq, "batch_per_gpu": batch,
+    row = {
+        "impl": impl_name(args),
+        "model": config.name, "gpus": world, "seq": seq, "batch_per_gpu": batch,
         "tokens_per_s": tokens_per_s, "mfu": mfu,
-        "peak_mem_bytes": torch.cuda.max_memory_allocated(),
-        "step_ms": step_ms,
-        "step_ms_mean": statistics.fmean(ms), "step_ms_min": min(ms), "steps_timed": args.steps,
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "peak_mem_bytes": stats.peak_mem_bytes,
+        "step_ms": stats.step_ms,
+        "step_ms_mean": stats.step_ms_mean, "step_ms_min": stats.step_ms_min,
+        "steps_timed": args.steps,
+        "peak_reserved_bytes": stats.peak_reserved_bytes,
         "flops_per_token": flops, "parameters": tm.parameter_count(config),
-        "precision": "bf16-autocast-fp32-weights" if args.precision == "bf16" else "fp32",
+        "precision": "bf16-autocast-fp32-weights" if args.precision == "bf16" else args.precision,
         "attention_backend": backend, "attention_kernels": kernels,
-        "data": "shards" if args.data else "random", "loss_first": first_loss, "loss_last": last_loss,
+        "data": "shards" if args.data else "random",
+        "loss_first": stats.loss_first, "loss_last": stats.loss_last,
     }
+    if args.launch:
+        row["step_ms_per_rank"] = [r.step_ms for r in ranks]
+        row["peak_mem_bytes_per_rank"] = [r.peak_mem_bytes for r in ranks]
+    return row
 
 
 def data_vocab(args):
@@ -309,47 +503,61 @@ def software(torch):
 
 
 def run_bench(torch, tm, args):
-    result = {"card": torch.cuda.get_device_name(),
+    """Every --case, timed; rank 0 (the only process when alone) prints and writes the JSON."""
+    lead = not args.launch or args.launch.rank == 0
+    say = print if lead else (lambda *a, **k: None)
+    result = {"card": "cpu" if args.cpu else torch.cuda.get_device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "software": software(torch),
-              "optimizer": {"name": "AdamW(fused)", "lr": args.lr, "betas": [args.beta1, args.beta2],
+              "optimizer": {"name": "AdamW" if args.cpu else "AdamW(fused)", "lr": args.lr,
+                            "betas": [args.beta1, args.beta2],
                             "eps": args.eps, "weight_decay": args.weight_decay,
                             "grad_clip": args.grad_clip},
               "peak_flops": PEAK_BF16_FLOPS, "rows": []}
+    name_suffix = args.name
+    if args.launch:
+        parallel = "fsdp2" if args.fsdp else "ddp"
+        result["launch"] = {"launcher": "torchrun", "world": args.launch.world,
+                            "parallel": parallel, "backend": "gloo" if args.cpu else "nccl"}
+        name_suffix = name_suffix or f"{parallel}-x{args.launch.world}"
+    world = args.launch.world if args.launch else 1
     failed = False
     for name, batch, seq in args.case:
         config = config_for(tm, args, name)
-        backends = [args.backend] + (["flash"] if args.backend == "cudnn" else [])
+        backends = ([args.backend] + (["flash"] if args.backend == "cudnn" else [])
+                    if not args.cpu else ["cpu"])
         row, refusal = None, ""
         for backend in backends:
             try:
                 row = bench_case(torch, tm, args, config, batch, seq, backend)
-                if backend != args.backend:
+                if backend != backends[0]:
                     row["attention_backend_note"] = f"{args.backend} refused: {refusal}"
                 break
             except torch.cuda.OutOfMemoryError as e:
-                row = {"impl": "torch-compile", "model": config.name, "gpus": 1, "seq": seq,
+                row = {"impl": impl_name(args), "model": config.name, "gpus": world, "seq": seq,
                        "batch_per_gpu": batch, "error": f"out of memory: {str(e).splitlines()[0]}"}
                 break
             except Exception as e:  # compile and SDPA refusals come as several exception types
                 refusal = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                print(f"{config.name} b{batch} s{seq}: backend {backend} failed: {refusal}",
+                where = f"rank {args.launch.rank}: " if args.launch else ""
+                print(f"{where}{config.name} b{batch} s{seq}: backend {backend} failed: {refusal}",
                       file=sys.stderr)
         if row is None:
-            row = {"impl": "torch-compile", "model": config.name, "gpus": 1, "seq": seq,
+            row = {"impl": impl_name(args), "model": config.name, "gpus": world, "seq": seq,
                    "batch_per_gpu": batch, "error": refusal}
-        torch.cuda.empty_cache()
+        if not args.cpu:
+            torch.cuda.empty_cache()
         result["rows"].append(row)
         if "error" in row:
             failed = True
-            print(f"{config.name:12s} b{batch:<3d} s{seq:<5d} FAILED: {row['error']}")
+            say(f"{config.name:12s} b{batch:<3d} s{seq:<5d} FAILED: {row['error']}")
         else:
-            print(f"{config.name:12s} b{batch:<3d} s{seq:<5d} {row['tokens_per_s']:12,.0f} tokens/s "
+            say(f"{config.name:12s} b{batch:<3d} s{seq:<5d} {row['tokens_per_s']:12,.0f} tokens/s "
                   f"{row['step_ms']:9.2f} ms  MFU {100 * row['mfu']:5.1f}%  "
                   f"peak {row['peak_mem_bytes'] / 2**30:6.2f} GiB  [{row['attention_backend']}]")
-    if args.out:
+    if args.out and lead:
         os.makedirs(args.out, exist_ok=True)
-        path = result_path(args.out, "train_torch", result, args.name)
+        path = result_path(args.out, "train_torch", result, name_suffix)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {path}")
@@ -406,6 +614,8 @@ def main(argv=None):
     except ImportError:
         sys.exit("train_torch.py: needs torch with CUDA (pip install torch)")
     import torch_models as tm
+    if args.launch:
+        return run_launched(torch, tm, args)
     if args.cpu:
         return run_log(torch, tm, args)
     if not torch.cuda.is_available():
@@ -414,6 +624,36 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     return run_log(torch, tm, args) if args.log else run_bench(torch, tm, args)
+
+
+def run_launched(torch, tm, args):
+    """Bench mode as one rank of a torchrun launch: joins the process group (NCCL on CUDA device
+    LOCAL_RANK, gloo with --cpu), runs the cases with the other ranks, and leaves the group."""
+    import torch.distributed as dist
+    where = f"train_torch.py (rank {args.launch.rank} of {args.launch.world})"
+    if not dist.is_available():
+        sys.exit(f"{where}: this torch was built without torch.distributed")
+    if args.fsdp:
+        try:
+            fsdp2_fully_shard()
+        except RuntimeError as e:
+            sys.exit(f"{where}: {e}")
+    if args.cpu:
+        dist.init_process_group("gloo")
+    else:
+        if not torch.cuda.is_available():
+            sys.exit(f"{where}: no CUDA device visible to torch (--cpu runs the ranks on gloo)")
+        if args.device >= torch.cuda.device_count():
+            sys.exit(f"{where}: LOCAL_RANK {args.device} but only {torch.cuda.device_count()} "
+                     "CUDA devices are visible (at most one process per GPU)")
+        torch.cuda.set_device(args.device)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        dist.init_process_group("nccl", device_id=torch.device("cuda", args.device))
+    try:
+        return run_bench(torch, tm, args)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
