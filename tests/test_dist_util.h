@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -174,14 +177,218 @@ inline void gather_outputs(const CpCase& c, const std::vector<Local>& locals, Pr
   }
 }
 
-// The problem's outputs against the float64 reference under the tolerance rule: O and LSE against
-// its forward, dQ, dK and dV against the backward from its own O and LSE.
+// ---- the references of a case, on every core of the host ----------------------------------------
+// cpu::reference_forward / reference_backward run on one core and are quadratic in the length: for
+// the GPU cases they cost far more than the GPUs do (all four for one result of 2053 causal rows,
+// 4 heads of 128: ~14 s on one core). The (batch entry, query head) pairs of a problem are
+// independent problems, so here each reference runs as one call per slice of the problem, the
+// slices on every core at once, and is put back together. A slice computes its rows exactly as the
+// whole call does, and dK/dV are summed over a group's query heads in the order the whole call sums
+// them, so the result is the whole call's, bit for bit. The low-precision backward rounds dK/dV
+// after that sum, so it is sliced by whole head groups.
+
+// Part of a problem as a problem of its own, and where its rows and heads sit in the whole.
+struct RefSlice {
+  AttentionParams p;
+  int64_t q_row0 = 0, k_row0 = 0;  // first query / key row in the whole problem's packed rows
+  int head0 = 0, kv_head0 = 0;     // first query / K/V head in the whole problem
+};
+
+inline const void* element_at(const void* base, int64_t index, DType dtype) {
+  return base == nullptr ? base
+                         : static_cast<const unsigned char*>(base) +
+                               index * static_cast<int64_t>(dtype_size(dtype));
+}
+inline void* element_at(void* base, int64_t index, DType dtype) {
+  return base == nullptr
+             ? base
+             : static_cast<unsigned char*>(base) + index * static_cast<int64_t>(dtype_size(dtype));
+}
+
+// Query heads [head0, head0 + heads) of one K/V group, of batch entry b of a fixed-length batch or
+// (b = -1) of every sequence of a packed one.
+inline RefSlice make_slice(const AttentionParams& p, int b, int head0, int heads) {
+  RefSlice s;
+  s.p = p;
+  s.head0 = head0;
+  s.kv_head0 = head0 / p.head_group;
+  const int64_t entry = std::max(b, 0);
+  auto q_at = [&](int64_t batch_stride, int64_t head_stride) {
+    return entry * batch_stride + head0 * head_stride;
+  };
+  auto k_at = [&](int64_t batch_stride, int64_t head_stride) {
+    return entry * batch_stride + s.kv_head0 * head_stride;
+  };
+  s.p.q = element_at(p.q, q_at(p.q_batch_stride, p.q_head_stride), p.dtype);
+  s.p.o = element_at(p.o, q_at(p.o_batch_stride, p.o_head_stride), p.dtype);
+  s.p.dout = element_at(p.dout, q_at(p.do_batch_stride, p.do_head_stride), p.dtype);
+  s.p.dq = element_at(p.dq, q_at(p.dq_batch_stride, p.dq_head_stride), p.dtype);
+  s.p.k = element_at(p.k, k_at(p.k_batch_stride, p.k_head_stride), p.dtype);
+  s.p.v = element_at(p.v, k_at(p.v_batch_stride, p.v_head_stride), p.dtype);
+  s.p.dk = element_at(p.dk, k_at(p.dk_batch_stride, p.dk_head_stride), p.dtype);
+  s.p.dv = element_at(p.dv, k_at(p.dv_batch_stride, p.dv_head_stride), p.dtype);
+  if (p.lse != nullptr) s.p.lse = p.lse + q_at(p.lse_batch_stride, p.lse_head_stride);
+  s.p.heads_q = heads;
+  s.p.heads_kv = 1;
+  s.p.head_group = heads;
+  if (b >= 0) {
+    s.p.batch = 1;
+    s.p.total_q = p.seqlen_q;
+    s.p.total_k = p.seqlen_k;
+    s.q_row0 = int64_t{b} * p.seqlen_q;
+    s.k_row0 = int64_t{b} * p.seqlen_k;
+  }
+  return s;
+}
+
+// p's slices: one per query head (whole_groups: per K/V group) and fixed-length batch entry.
+// Dropout masks and ALiBi slopes are indexed by (batch, head), which a slice would renumber: a
+// problem with either stays whole, as must one with any other input so indexed.
+inline std::vector<RefSlice> slices_of(const AttentionParams& p, bool whole_groups) {
+  if (p.dropout_p > 0.0f || p.alibi_slopes != nullptr) {
+    RefSlice whole;
+    whole.p = p;
+    return {whole};
+  }
+  std::vector<RefSlice> slices;
+  const int heads = whole_groups ? p.head_group : 1;
+  for (int b = 0; b < (p.is_varlen() ? 1 : p.batch); ++b)
+    for (int h = 0; h < p.heads_q; h += heads)
+      slices.push_back(make_slice(p, p.is_varlen() ? -1 : b, h, heads));
+  return slices;
+}
+
+// A slice's packed (rows, heads, d) part into the whole's; `add` sums it in (dK, dV), else copies.
+inline void put_rows(const std::vector<double>& part, int64_t rows, int heads, int d, int64_t row0,
+                     int head0, int all_heads, bool add, std::vector<double>* all) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int h = 0; h < heads; ++h)
+      for (int c = 0; c < d; ++c) {
+        double& x = (*all)[static_cast<size_t>(((row0 + r) * all_heads + head0 + h) * d + c)];
+        const double y = part[static_cast<size_t>((r * heads + h) * d + c)];
+        x = add ? x + y : y;
+      }
+}
+
+// One reference of a whole problem, computed slice by slice: the calls to run, then the merge.
+template <typename Out>
+struct SlicedReference {
+  AttentionParams whole;
+  std::vector<RefSlice> slices;
+  std::vector<Out> parts;
+
+  SlicedReference(const AttentionParams& p, bool whole_groups)
+      : whole(p), slices(slices_of(p, whole_groups)), parts(slices.size()) {}
+  SlicedReference(const SlicedReference&) = delete;  // its calls write into parts
+  SlicedReference& operator=(const SlicedReference&) = delete;
+
+  void add_calls(Out (*reference)(const AttentionParams&, cpu::RefPrecision),
+                 cpu::RefPrecision precision, std::vector<std::function<void()>>* calls) {
+    for (size_t i = 0; i < slices.size(); ++i)
+      calls->push_back(
+          [this, i, reference, precision] { parts[i] = reference(slices[i].p, precision); });
+  }
+  cpu::RefForward merged_forward() const {
+    const AttentionParams& p = whole;
+    cpu::RefForward out;
+    out.o.assign(static_cast<size_t>(p.total_q * p.heads_q * p.head_dim), 0.0);
+    out.lse.assign(static_cast<size_t>(p.total_q * p.heads_q), 0.0);
+    for (size_t i = 0; i < slices.size(); ++i) {
+      const RefSlice& s = slices[i];
+      put_rows(parts[i].o, s.p.total_q, s.p.heads_q, p.head_dim, s.q_row0, s.head0, p.heads_q,
+               false, &out.o);
+      for (int h = 0; h < s.p.heads_q; ++h)
+        for (int64_t r = 0; r < s.p.total_q; ++r)
+          out.lse[static_cast<size_t>((s.head0 + h) * p.total_q + s.q_row0 + r)] =
+              parts[i].lse[static_cast<size_t>(h * s.p.total_q + r)];
+    }
+    return out;
+  }
+  // Slices in order of their query heads, so each dK/dV element sums its heads as the whole call
+  // does.
+  cpu::RefBackward merged_backward() const {
+    const AttentionParams& p = whole;
+    cpu::RefBackward out;
+    out.dq.assign(static_cast<size_t>(p.total_q * p.heads_q * p.head_dim), 0.0);
+    out.dk.assign(static_cast<size_t>(p.total_k * p.heads_kv * p.head_dim), 0.0);
+    out.dv.assign(out.dk.size(), 0.0);
+    for (size_t i = 0; i < slices.size(); ++i) {
+      const RefSlice& s = slices[i];
+      put_rows(parts[i].dq, s.p.total_q, s.p.heads_q, p.head_dim, s.q_row0, s.head0, p.heads_q,
+               false, &out.dq);
+      put_rows(parts[i].dk, s.p.total_k, s.p.heads_kv, p.head_dim, s.k_row0, s.kv_head0, p.heads_kv,
+               true, &out.dk);
+      put_rows(parts[i].dv, s.p.total_k, s.p.heads_kv, p.head_dim, s.k_row0, s.kv_head0, p.heads_kv,
+               true, &out.dv);
+    }
+    return out;
+  }
+};
+
+// Runs every call once, as many at a time as the host has cores, in the order given.
+inline void run_on_all_cores(const std::vector<std::function<void()>>& calls) {
+  std::atomic<size_t> next{0};
+  const size_t workers =
+      std::clamp<size_t>(std::thread::hardware_concurrency(), 1, std::max<size_t>(calls.size(), 1));
+  std::vector<std::thread> threads;
+  for (size_t w = 0; w < workers; ++w)
+    threads.emplace_back([&] {
+      for (size_t i = next++; i < calls.size(); i = next++) calls[i]();
+    });
+  for (std::thread& t : threads) t.join();
+}
+
+inline bool same_inputs(const Problem& a, const Problem& b) {
+  return a.spec.describe() == b.spec.describe() && a.q.bytes == b.q.bytes &&
+         a.k.bytes == b.k.bytes && a.v.bytes == b.v.bytes && a.dout.bytes == b.dout.bytes &&
+         a.cu_q.bytes == b.cu_q.bytes && a.cu_k.bytes == b.cu_k.bytes;
+}
+
+// One result to check: a name for the failure messages and the problem holding its outputs.
+struct CheckedResult {
+  std::string name;
+  const Problem* pr;
+};
+
+// Each result — problems of the same inputs, outputs of different runs — against the float64
+// reference of those inputs under the tolerance rule: O and LSE against its forward, dQ, dK and dV
+// against its backward. The float64 references and the low-precision forward read no output and
+// are computed once for all results; each result's gradient budget comes from the low-precision
+// backward of its own O and LSE (as a fast backward reads them).
+inline void expect_all_match_reference(const std::vector<CheckedResult>& results) {
+  ASSERT_FALSE(results.empty());
+  const Problem& inputs = *results.front().pr;
+  for (const CheckedResult& r : results)
+    ASSERT_TRUE(same_inputs(inputs, *r.pr))
+        << r.name << ": not the inputs of " << results.front().name;
+  const AttentionParams fp = inputs.forward_params();
+  SlicedReference<cpu::RefForward> forward(fp, false), naive_forward(fp, false);
+  SlicedReference<cpu::RefBackward> backward(inputs.backward_params(), false);
+  std::vector<std::unique_ptr<SlicedReference<cpu::RefBackward>>> naive_backward;
+  for (const CheckedResult& r : results)
+    naive_backward.push_back(
+        std::make_unique<SlicedReference<cpu::RefBackward>>(r.pr->backward_params(), true));
+  std::vector<std::function<void()>> calls;  // the longest first
+  for (auto& naive : naive_backward)
+    naive->add_calls(cpu::reference_backward, cpu::RefPrecision::kLowPrecision, &calls);
+  backward.add_calls(cpu::reference_backward, cpu::RefPrecision::kFloat64, &calls);
+  forward.add_calls(cpu::reference_forward, cpu::RefPrecision::kFloat64, &calls);
+  naive_forward.add_calls(cpu::reference_forward, cpu::RefPrecision::kLowPrecision, &calls);
+  run_on_all_cores(calls);
+  const cpu::RefForward ref_forward = forward.merged_forward();
+  const cpu::RefForward ref_naive_forward = naive_forward.merged_forward();
+  const cpu::RefBackward ref_backward = backward.merged_backward();
+  for (size_t i = 0; i < results.size(); ++i) {
+    SCOPED_TRACE(results[i].name);
+    const Problem& pr = *results[i].pr;
+    expect_forward_matches(pr, ref_forward, ref_naive_forward);
+    expect_gradients_match(pr, naive_backward[i]->whole, ref_backward,
+                           naive_backward[i]->merged_backward());
+  }
+}
+
 inline void expect_matches_reference(const Problem& pr) {
-  expect_forward_matches(pr);
-  const AttentionParams bp = pr.backward_params();
-  const cpu::RefBackward ref = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
-  const cpu::RefBackward naive = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
-  expect_gradients_match(pr, bp, ref, naive);
+  expect_all_match_reference({{"against the float64 reference", &pr}});
 }
 
 // What a ring or zigzag forward + backward makes rank `rank` send: K/V of the block it holds at

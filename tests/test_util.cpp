@@ -293,9 +293,13 @@ void expect_gradients_match(const Problem& pr, const AttentionParams& bp,
 
 void expect_forward_matches(const Problem& pr) {
   const AttentionParams fp = pr.forward_params();
-  const cpu::RefForward ref = cpu::reference_forward(fp, cpu::RefPrecision::kFloat64);
-  const cpu::RefForward naive = cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision);
-  const int64_t n = reduction_length(fp);
+  expect_forward_matches(pr, cpu::reference_forward(fp, cpu::RefPrecision::kFloat64),
+                         cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision));
+}
+
+void expect_forward_matches(const Problem& pr, const cpu::RefForward& ref,
+                            const cpu::RefForward& naive) {
+  const int64_t n = reduction_length(pr.forward_params());
   EXPECT_TRUE(within_tolerance("O", pr.read_o(), ref.o, naive.o, pr.spec.dtype, n));
   EXPECT_TRUE(within_tolerance("LSE", pr.read_lse(), ref.lse, naive.lse, DType::kFloat32, n));
 }
