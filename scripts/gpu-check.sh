@@ -290,7 +290,7 @@ if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$ft" ]] && comma
       { status=1; log "flare-train on $n GPUs FAILED"; tail -5 "$out/train_dp_gpt3_${n}gpu.log"; }
     log "flare-train gpt3-2.7b x$n: $(grep -E '^throughput' "$out/train_dp_gpt3_${n}gpu.log")"
   done
-  PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 timeout 600 torchrun --nproc-per-node "$gpus" bench/train_torch.py \
+  PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 timeout 600 torchrun --standalone --nproc-per-node "$gpus" bench/train_torch.py \
     --case gpt3-2.7b:4:1024 --vocab 50257 --out "$out" > "$out/train_torch_ddp.log" 2>&1 ||
     { status=1; log "train_torch.py under torchrun FAILED"; tail -5 "$out/train_torch_ddp.log"; }
   log "torch DDP gpt3-2.7b x$gpus: $(grep -E 'tokens/s' "$out/train_torch_ddp.log")"
