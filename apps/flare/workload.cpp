@@ -46,6 +46,7 @@ const char* short_dtype_name(DType dtype) {
     case DType::kFloat16: return "fp16";
     case DType::kBFloat16: return "bf16";
     case DType::kInt32: return "int32";
+    case DType::kUInt8: return "uint8";
   }
   return "?";
 }

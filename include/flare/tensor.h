@@ -12,7 +12,7 @@
 
 namespace flare {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3 };
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3, kUInt8 = 4 };
 enum class DeviceType : int { kCPU = 0, kCUDA = 1 };
 
 const char* dtype_name(DType dtype);

@@ -44,7 +44,7 @@ const char* device_name(DeviceType d) { return d == DeviceType::kCUDA ? "cuda" :
 
 bool known_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
-         d == DType::kInt32;
+         d == DType::kInt32 || d == DType::kUInt8;
 }
 
 // The C API casts caller integers to these enums, so any value can arrive here.
@@ -333,6 +333,10 @@ constexpr int64_t kMaxHeads = 65535;  // CUDA grid dimension y/z limit
 constexpr int64_t kMaxHeadDim = 256;
 
 }  // namespace
+
+// core/validate.h: the same checks for the other validating entry points.
+Status check_tensor_view(const TensorView& t, const char* name) { return check_view(t, name); }
+bool tensors_share_memory(const TensorView& a, const TensorView& b) { return share_memory(a, b); }
 
 // Validates the arguments shared by forward and backward and fills everything in `p` except the
 // backward-only pointers. `p` is written only when every check passes.

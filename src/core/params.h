@@ -74,6 +74,18 @@ struct AttentionParams {
 
   bool deterministic = false;
 
+  // ---- block sparsity (flare/block_sparse.h; core/block_mask.h reads it) ----------------------
+  // Null = dense. Otherwise element (b, h, i / block_m, j / block_n) of the mask, nonzero or not,
+  // says whether row i and key j of sequence b, query head h may meet (the window still applies).
+  const void* block_mask = nullptr;  // uint8 or int32; same device as q
+  bool block_mask_int32 = false;     // false: uint8
+  int block_m = 0;                   // query rows per mask block
+  int block_n = 0;                   // keys per mask block
+  int block_rows = 0;                // ceil(seqlen_q / block_m): the mask's row blocks
+  int block_cols = 0;                // ceil(seqlen_k / block_n)
+  // Element strides; 0 on a dimension the mask broadcasts (extent 1).
+  int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
+
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
 };

@@ -28,6 +28,7 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
+    case DType::kUInt8: return "uint8";
   }
   return "unknown";
 }
@@ -36,6 +37,7 @@ std::size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
+    case DType::kUInt8: return 1;
     default: return 4;
   }
 }

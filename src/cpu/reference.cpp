@@ -2,7 +2,8 @@
 //
 // Straight from the definition in flare/attention.h, one (batch, query head) at a time:
 //   t_ij = scale · q_i·k_j;  s_ij = softcap ? cap·tanh(t_ij/cap) : t_ij;  s_ij += alibi(i, j);
-//   keys outside visible_keys(i) are dropped; P = softmax_j(s); LSE_i = log Σ_j exp(s_ij);
+//   keys outside visible_keys(i), or in a block the block mask turns off (block_mask.h), are
+//   dropped; P = softmax_j(s); LSE_i = log Σ_j exp(s_ij);
 //   O_i = Σ_j P_ij·z_ij·v_j with z_ij = keep_ij / (1 − p) from the shared Philox mask.
 // Backward, with D_i = dO_i·O_i (= Σ_j P_ij dP_ij):
 //   dV_j = Σ_i P_ij z_ij dO_i;  dP_ij = z_ij dO_i·v_j;  dS_ij = P_ij (dP_ij − D_i);
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "core/backends.h"
+#include "core/block_mask.h"
 #include "core/numeric.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
@@ -55,6 +57,7 @@ struct RowScores {
   std::vector<T> t;         // scaled raw scores (before softcap), index j − lo
   std::vector<T> prob;      // softmax probabilities P_ij (before dropout)
   std::vector<T> drop;      // z_ij: 0 or 1/(1−p)
+  std::vector<char> on;     // whether the block mask keeps key j (all 1 when dense)
   T lse = 0;
 };
 
@@ -89,7 +92,10 @@ struct Head {
     r.t.resize(n);
     r.prob.resize(n);
     r.drop.resize(n);
-    if (n == 0) {
+    r.on.resize(n);
+    bool any = false;
+    for (int jj = 0; jj < n; ++jj) any |= (r.on[jj] = block_allows(p, b, h, i, r.lo + jj));
+    if (!any) {
       r.lse = -std::numeric_limits<T>::infinity();
       return r;
     }
@@ -97,6 +103,7 @@ struct Head {
     T m = -std::numeric_limits<T>::infinity();
     std::vector<T> s(n);
     for (int jj = 0; jj < n; ++jj) {
+      if (!r.on[jj]) continue;  // never read: a masked block's K may hold anything
       const int j = r.lo + jj;
       const T t = static_cast<T>(p.scale) * dot(&q[i * d], &k[j * d], d);
       T sj = t;
@@ -107,10 +114,12 @@ struct Head {
       if (sj > m) m = sj;
     }
     T sum = 0;
-    for (int jj = 0; jj < n; ++jj) sum += std::exp(s[jj] - m);
+    for (int jj = 0; jj < n; ++jj)
+      if (r.on[jj]) sum += std::exp(s[jj] - m);
     r.lse = stored_lse ? *stored_lse : m + std::log(sum);
     const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
     for (int jj = 0; jj < n; ++jj) {
+      if (!r.on[jj]) continue;  // prob and drop stay 0
       r.prob[jj] = std::exp(s[jj] - r.lse);
       const bool keep = p.dropout_p == 0.0f ||
                         dropout_keep(p.seed, p.offset, bh, static_cast<uint32_t>(i),
@@ -140,6 +149,7 @@ RefForward forward_impl(const AttentionParams& p, bool low) {
         const RowScores<T> r = hd.scores(i);
         std::vector<T> acc(d, T(0));
         for (int jj = 0; jj < r.hi - r.lo; ++jj) {
+          if (!r.on[jj]) continue;
           const T w = hd.operand(r.prob[jj] * r.drop[jj], low);
           const T* vj = &hd.v[(r.lo + jj) * d];
           for (int c = 0; c < d; ++c) acc[c] += w * vj[c];
@@ -196,11 +206,13 @@ RefBackward backward_impl(const AttentionParams& p, bool low) {
           std::copy(&stored_o[i * d], &stored_o[i * d] + d, o.begin());
         } else {
           for (int jj = 0; jj < n; ++jj)
-            for (int c = 0; c < d; ++c) o[c] += r.prob[jj] * r.drop[jj] * hd.v[(r.lo + jj) * d + c];
+            for (int c = 0; c < d; ++c)
+              if (r.on[jj]) o[c] += r.prob[jj] * r.drop[jj] * hd.v[(r.lo + jj) * d + c];
         }
         const T D = dot(doi, o.data(), d);
         std::vector<T> dq(d, T(0));
         for (int jj = 0; jj < n; ++jj) {
+          if (!r.on[jj]) continue;
           const int j = r.lo + jj;
           const T pz = hd.operand(r.prob[jj] * r.drop[jj], low);
           for (int c = 0; c < d; ++c) dv[j * d + c] += pz * doi[c];
