@@ -23,7 +23,7 @@ Every bad argument raises TypeError (not a tensor, not a number, …) or ValueEr
 library rejects) with a message that starts with the argument's name.
 """
 
-from . import _core
+from . import _core, _ext
 
 
 def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -119,7 +119,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Packed q (total_q, h, d), k / v (total_k, h_kv, d); cu_seqlens int32 (batch + 1).
     softmax_lse is (h, total_q)."""
     if block_table is not None:
-        raise NotImplementedError("block_table: paged KV is not supported yet")
+        raise NotImplementedError("block_table: paged KV is supported by flash_attn_with_kvcache (decoding), "
+                                  "not yet by flash_attn_varlen_func")
     return _attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -158,3 +159,71 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs,
                                   seed=seed, backend=backend, stream=stream)
+
+
+# ---- KV-cache decoding ---------------------------------------------------------------------------
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, backend="auto", stream=None):
+    """Decoding over a KV cache, as flash_attn.flash_attn_with_kvcache (no autograd).
+
+    q (b, s_q, h, d); k_cache / v_cache (b_cache, s_cache, h_kv, d), or paged
+    (num_blocks, block_size, h_kv, d) with block_table int32 (b, max_blocks). cache_seqlens: an
+    int or an int32 array (b) of tokens already cached; None means the whole capacity. k / v
+    (b, s_new, h_kv, d), if given, are written into the caches IN PLACE at cache_seqlens (rotated
+    by rotary_cos / rotary_sin (s_rot, d_rot / 2) when given, as is q) and attended to. causal
+    and window_size align the query rows to the end of each sequence. cache_batch_idx int32 (b)
+    picks each sequence's row of a contiguous cache. num_splits is a GPU launch hint.
+    Returns out (like q), or (out, softmax_lse (b, h, s_q) float32) with return_softmax_lse.
+
+    The caches must be writable arrays of the caller (a NumPy array or torch tensor, not a
+    JAX array): flare writes k and v into them. CPU only for now: CUDA tensors raise
+    NotImplementedError.
+    """
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad: left-padded caches are not supported yet")
+    scalar_seqlen = cache_seqlens is None or _core.array_group(cache_seqlens) is None
+    group = _core.check_arrays(
+        (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
+        (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+         ("cache_seqlens", None if scalar_seqlen else cache_seqlens),
+         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
+         ("alibi_slopes", alibi_slopes)))
+    options = _core.Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            softcap=softcap, dropout_p=0.0, deterministic=False, backend=backend)
+    rotary_interleaved = _core.flag(rotary_interleaved, "rotary_interleaved")
+    num_splits = _core.integer(num_splits, "num_splits")
+    return_softmax_lse = _core.flag(return_softmax_lse, "return_softmax_lse")
+    if scalar_seqlen:
+        if cache_seqlens is None:  # flash_attn: the whole cache is in use
+            shape = tuple(k_cache.shape)
+            rows = shape[1] if len(shape) == 4 else 0
+            pages = tuple(block_table.shape)[1] if block_table is not None else 1
+            cache_seqlens = rows * pages
+        cache_seqlen, cache_seqlens = _core.integer(cache_seqlens, "cache_seqlens"), None
+    else:
+        cache_seqlen = 0
+    if _core._is_jax(q):
+        raise NotImplementedError("q: flash_attn_with_kvcache writes the caches in place, which "
+                                  "JAX arrays do not allow; pass torch or NumPy arrays")
+    frame = _core._Frame(group, q, _core.stream_value(stream))
+    # The caches are written in place: they are handed over as they are (a copy would take the
+    # new keys), and torch tensors only lose their autograd history.
+    if group == "torch":
+        k_cache, v_cache = k_cache.detach(), v_cache.detach()
+    q, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table, alibi_slopes = (
+        frame.prepare(t) for t in (q, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   cache_batch_idx, block_table, alibi_slopes))
+    out = frame.empty(q.shape, q.dtype)
+    lse = frame.empty(_core.lse_shape(q, False), frame.float32())
+    with frame.device_guard():
+        _ext.kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_seqlen,
+                           cache_batch_idx, rotary_cos, rotary_sin, rotary_interleaved,
+                           num_splits, out, lse, options.softmax_scale, options.causal,
+                           options.window_left, options.window_right, options.softcap,
+                           alibi_slopes, options.backend, frame.stream)
+    return (out, lse) if return_softmax_lse else out

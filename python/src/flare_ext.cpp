@@ -544,6 +544,42 @@ Plan* make_plan(nb::object comm, int strategy, int batch, int64_t seqlen, int he
   return new Plan(cp, std::move(comm));
 }
 
+// KV-cache decoding (flare_attention_with_kvcache): the caches are written in place when k_new
+// is given, so they are taken as writable outputs; lse may be None.
+void kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle k_new,
+             nb::handle v_new, nb::handle block_table, nb::handle cache_seqlens,
+             int cache_seqlen, nb::handle cache_batch_idx, nb::handle rotary_cos,
+             nb::handle rotary_sin, bool rotary_interleaved, int num_splits, nb::handle o,
+             nb::handle lse, float softmax_scale, bool causal, int window_left,
+             int window_right, float softcap, nb::handle alibi_slopes, int backend,
+             uintptr_t stream) {
+  const flare_tensor tq = to_flare_tensor(q, "q"), to = to_flare_tensor(o, "o", true),
+                     tl = to_flare_tensor(lse, "lse", true, true);
+  flare_kvcache_args c{};
+  const bool appends = !k_new.is_none();
+  c.k_cache = to_flare_tensor(k_cache, "k_cache", appends);
+  c.v_cache = to_flare_tensor(v_cache, "v_cache", appends);
+  c.k_new = to_flare_tensor(k_new, "k", false, true);
+  c.v_new = to_flare_tensor(v_new, "v", false, true);
+  c.block_table = to_flare_tensor(block_table, "block_table", false, true);
+  c.cache_seqlens = to_flare_tensor(cache_seqlens, "cache_seqlens", false, true);
+  c.cache_seqlen = cache_seqlen;
+  c.cache_batch_idx = to_flare_tensor(cache_batch_idx, "cache_batch_idx", false, true);
+  c.rotary_cos = to_flare_tensor(rotary_cos, "rotary_cos", false, true);
+  c.rotary_sin = to_flare_tensor(rotary_sin, "rotary_sin", false, true);
+  c.rotary_interleaved = rotary_interleaved ? 1 : 0;
+  c.num_splits = num_splits;
+  const CallArgs a = make_args(nb::none(), nb::none(), 0, 0, softmax_scale, causal, window_left,
+                               window_right, softcap, alibi_slopes, 0.0f, 0, 0, false, backend);
+  int code;
+  {
+    nb::gil_scoped_release release;
+    code = flare_attention_with_kvcache(&tq, &c, &to, lse.is_none() ? nullptr : &tl, &a.options,
+                                        reinterpret_cast<void*>(stream));
+  }
+  check(code);
+}
+
 // flare's dtype code of a tensor argument (float32, float16, bfloat16, int32).
 int dtype_code(nb::handle x, const char* name) { return to_flare_tensor(x, name).dtype; }
 
@@ -572,6 +608,17 @@ NB_MODULE(_ext, m) {
         nb::arg("alibi_slopes").none(), nb::arg("dropout_p"), nb::arg("seed"),
         nb::arg("offset"), nb::arg("deterministic"), nb::arg("backend"), nb::arg("stream"),
         "Writes dq, dk and dv. Errors as for forward().");
+
+  m.def("kvcache", &kvcache, nb::arg("q").none(), nb::arg("k_cache").none(),
+        nb::arg("v_cache").none(), nb::arg("k_new").none(), nb::arg("v_new").none(),
+        nb::arg("block_table").none(), nb::arg("cache_seqlens").none(), nb::arg("cache_seqlen"),
+        nb::arg("cache_batch_idx").none(), nb::arg("rotary_cos").none(),
+        nb::arg("rotary_sin").none(), nb::arg("rotary_interleaved"), nb::arg("num_splits"),
+        nb::arg("o").none(), nb::arg("lse").none(), nb::arg("softmax_scale"), nb::arg("causal"),
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"),
+        nb::arg("alibi_slopes").none(), nb::arg("backend"), nb::arg("stream"),
+        "Appends k / v to the cache (if given) and writes o and lse (if not None). Errors as for "
+        "forward(); nothing is written then.");
 
   m.def("version", [] { return std::string(flare_version()); });
   m.def("cuda_built", [] { return flare_cuda_built() != 0; });
