@@ -242,10 +242,10 @@ inline RefSlice make_slice(const AttentionParams& p, int b, int head0, int heads
 }
 
 // p's slices: one per query head (whole_groups: per K/V group) and fixed-length batch entry.
-// Dropout masks and ALiBi slopes are indexed by (batch, head), which a slice would renumber: a
-// problem with either stays whole, as must one with any other input so indexed.
+// Dropout masks, ALiBi slopes and block masks are indexed by (batch, head), which a slice would
+// renumber: a problem with any of them stays whole, as must one with any other input so indexed.
 inline std::vector<RefSlice> slices_of(const AttentionParams& p, bool whole_groups) {
-  if (p.dropout_p > 0.0f || p.alibi_slopes != nullptr) {
+  if (p.dropout_p > 0.0f || p.alibi_slopes != nullptr || p.block_mask != nullptr) {
     RefSlice whole;
     whole.p = p;
     return {whole};
