@@ -436,6 +436,21 @@ TEST(KVCache, EmptyCacheAppend) {
   EXPECT_EQ(s.lse.get({0, 0, 0}), -INFINITY);
 }
 
+TEST(KVCache, LseIsOptional) {
+  Case c;
+  c.seqlen_new = 1;
+  c.block_size = 4;
+  Decode with = make_setup(c, test_seed()), without = make_setup(c, test_seed());
+  Status st = attention_with_kvcache(with.qt.view, with.args(), with.o.view, with.lse.view,
+                                     with.options(Backend::kAuto));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  st = attention_with_kvcache(without.qt.view, without.args(), without.o.view, TensorView{},
+                              without.options(Backend::kAuto));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(with.o.bytes, without.o.bytes);
+  EXPECT_EQ(with.k_cache.bytes, without.k_cache.bytes);
+}
+
 // ---- rejected calls ------------------------------------------------------------------------
 
 struct Rejection {
@@ -501,6 +516,8 @@ TEST(KVCache, BadInputsNamedNothingWritten) {
       {contiguous, {"cache_seqlens[1] = 40 plus seqlen_new = 1 exceeds the cache capacity 40 (seqlen_cache)",
                     [&](Decode& s, KVCacheArgs&, AttentionOptions&) { set_int(s.seqlens, 1, 40); }}},
       {contiguous, {"q: expected 4 dimensions", [&](Decode& s, KVCacheArgs&, AttentionOptions&) { s.qt.view.ndim = 3; }}},
+      {contiguous, {"q: batch * heads_q * seqlen_q exceeds", [&](Decode& s, KVCacheArgs&, AttentionOptions&) {
+         s.qt.view.shape[0] = int64_t{1} << 40; s.qt.view.shape[2] = 1024; }}},
       {contiguous, {"lse: shape", [&](Decode& s, KVCacheArgs&, AttentionOptions&) { s.lse.view.shape[2] = 2; }}},
       {contiguous, {"rotary_cos: dtype", [&](Decode&, KVCacheArgs& a, AttentionOptions&) { a.rotary_cos.dtype = DType::kBFloat16; }}},
   };

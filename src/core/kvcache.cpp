@@ -359,8 +359,17 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
   if (q.ndim != 4) return invalid("q: expected 4 dimensions (batch, seqlen_q, heads_q, head_dim), got ", q.ndim);
   if (options.dropout_p != 0.0f)
     return invalid("dropout_p: must be 0; decoding with a KV cache has no dropout");
-  const int64_t b = std::max<int64_t>(q.shape[0], 0), sq = std::max<int64_t>(q.shape[1], 0);
-  const int64_t hq = std::max<int64_t>(q.shape[2], 0);
+  // The packed lse is allocated before the rest of q is checked (it stands in for an lse the
+  // caller left out), so its size is bounded first: no overflow, no absurd allocation.
+  constexpr int64_t kMaxLseElements = int64_t{1} << 40;
+  int64_t lse_elements = 1;
+  for (int i = 0; i < 3; ++i) {
+    if (q.shape[i] < 0) return invalid("q: shape[", i, "] = ", q.shape[i], " is negative");
+    if (q.shape[i] > 0 && lse_elements > kMaxLseElements / q.shape[i])
+      return invalid("q: batch * heads_q * seqlen_q exceeds ", kMaxLseElements, " rows");
+    lse_elements *= q.shape[i];
+  }
+  const int64_t b = q.shape[0], sq = q.shape[1], hq = q.shape[2];
   std::vector<float> lse_packed(static_cast<size_t>(b * hq * sq));  // (h_q, b·s_q)
   const TensorView lse_check =
       lse.defined() ? lse : TensorView::contiguous(lse_packed.data(), DType::kFloat32, {b, hq, sq}, q.device, q.device_index);
