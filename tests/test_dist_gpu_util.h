@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -86,21 +88,20 @@ inline Status cuda_ok(cudaError_t e, const char* what) {
 }
 
 // NCCL communicators of one group, rank r on device r, made to serve many cases: NCCL's init costs
-// seconds per group of 4 GPUs, more than a case's own work. Made and destroyed from one thread per
-// rank, as NCCL's collective init and finalize need (one thread alone would wait on the others).
+// seconds per group of 4 GPUs, more than a case's own work. Each rank has one worker thread for
+// the group's whole life, which makes its communicator, runs every case's work on it and destroys
+// it: NCCL's collective init and finalize need a thread per rank (one thread alone would wait on
+// the others), and a rank's calls then always come from the thread that made its communicator,
+// as they do in a process per rank.
 class NcclGroup {
  public:
   static Status create(int size, int timeout_ms, std::unique_ptr<NcclGroup>* out) {
     dist::NcclId id;
     FLARE_RETURN_IF_ERROR(dist::nccl_unique_id(&id));
     std::unique_ptr<NcclGroup> group(new NcclGroup(size));
-    std::vector<Status> st(static_cast<size_t>(size));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < size; ++r)
-      threads.emplace_back([&, r] {
-        st[r] = dist::make_nccl_communicator(id, r, size, r, {timeout_ms}, &group->comms_[r]);
-      });
-    for (std::thread& t : threads) t.join();
+    const std::vector<Status> st = group->on_every_rank([&](int r) {
+      return dist::make_nccl_communicator(id, r, size, r, {timeout_ms}, &group->comms_[r]);
+    });
     for (int r = 0; r < size; ++r)
       if (!st[r].ok())
         return Status(st[r].code(), "rank " + std::to_string(r) + ": " + st[r].message());
@@ -108,34 +109,70 @@ class NcclGroup {
     return {};
   }
   ~NcclGroup() {
-    std::vector<std::thread> threads;
-    for (std::unique_ptr<dist::Communicator>& comm : comms_)
-      threads.emplace_back([&comm] { comm.reset(); });
-    for (std::thread& t : threads) t.join();
+    on_every_rank([this](int r) {
+      comms_[r].reset();
+      return Status{};
+    });
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& t : workers_) t.join();
   }
   NcclGroup(const NcclGroup&) = delete;
   NcclGroup& operator=(const NcclGroup&) = delete;
 
   int size() const { return static_cast<int>(comms_.size()); }
 
-  // Runs fn(comm) for every rank at once, each on its own thread with the rank's device current;
-  // returns each rank's status.
+  // Runs fn(comm) for every rank at once, each on its rank's worker with the rank's device
+  // current; returns each rank's status.
   std::vector<Status> run(const std::function<Status(dist::Communicator&)>& fn) {
-    std::vector<Status> st(comms_.size());
-    std::vector<std::thread> threads;
-    for (size_t r = 0; r < comms_.size(); ++r)
-      threads.emplace_back([&, r] {
-        dist::Communicator& comm = *comms_[r];
-        st[r] = cuda_ok(cudaSetDevice(comm.device_index()), "cudaSetDevice");
-        if (st[r].ok()) st[r] = fn(comm);
-      });
-    for (std::thread& t : threads) t.join();
-    return st;
+    return on_every_rank([&](int r) {
+      dist::Communicator& comm = *comms_[r];
+      const Status s = cuda_ok(cudaSetDevice(comm.device_index()), "cudaSetDevice");
+      return s.ok() ? fn(comm) : s;
+    });
   }
 
  private:
-  explicit NcclGroup(int size) : comms_(static_cast<size_t>(size)) {}
+  explicit NcclGroup(int size) : comms_(static_cast<size_t>(size)), tasks_(static_cast<size_t>(size)) {
+    for (int r = 0; r < size; ++r) workers_.emplace_back([this, r] { serve(r); });
+  }
+
+  // Hands fn(r) to every rank's worker and waits for all of them; each rank's status.
+  std::vector<Status> on_every_rank(const std::function<Status(int rank)>& fn) {
+    std::vector<Status> st(comms_.size());
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (size_t r = 0; r < tasks_.size(); ++r)
+      tasks_[r] = [&st, &fn, r] { st[r] = fn(static_cast<int>(r)); };
+    busy_ = tasks_.size();
+    wake_.notify_all();
+    done_.wait(lock, [this] { return busy_ == 0; });
+    return st;
+  }
+
+  void serve(int r) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stop_ || tasks_[r] != nullptr; });
+      if (stop_) return;
+      std::function<void()> task = std::move(tasks_[r]);
+      tasks_[r] = nullptr;
+      lock.unlock();
+      task();
+      lock.lock();
+      if (--busy_ == 0) done_.notify_all();
+    }
+  }
+
   std::vector<std::unique_ptr<dist::Communicator>> comms_;
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::function<void()>> tasks_;  // per rank: the work handed to its worker, or null
+  size_t busy_ = 0;                           // workers still running the current work
+  bool stop_ = false;
+  std::vector<std::thread> workers_;          // last: started once the rest exists
 };
 
 }  // namespace flare::test
