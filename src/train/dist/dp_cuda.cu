@@ -139,6 +139,7 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(d->buffers_, 0, sz(l.total), d->stream_), "data-parallel buffers"));
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMallocHost(reinterpret_cast<void**>(&d->host_count_), sizeof(int64_t)),
                                     "data-parallel pinned count"));
+  FLARE_RETURN_IF_ERROR(d->create_events());
 
   // What this rank sends per step: its share of the agreement all-gathers, every other rank's
   // slice of each bucket (fp32), and its own slice of each bucket to every other rank (bf16).
@@ -154,8 +155,25 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
   return Status::ok_status();
 }
 
+Status CudaDataParallel::create_events() {
+  auto make = [](cudaEvent_t* e, unsigned flags) {
+    return cuda_status(cudaEventCreateWithFlags(e, flags), "data-parallel event");
+  };
+  gathered_.assign(plan_->buckets.size(), nullptr);
+  for (cudaEvent_t& e : gathered_) FLARE_RETURN_IF_ERROR(make(&e, cudaEventDisableTiming));
+  for (int i = 0; i < 2; ++i) {
+    FLARE_RETURN_IF_ERROR(make(&gather_begin_[i], cudaEventDefault));
+    FLARE_RETURN_IF_ERROR(make(&gather_end_[i], cudaEventDefault));
+  }
+  return make(&count_ready_, cudaEventDisableTiming);
+}
+
 CudaDataParallel::~CudaDataParallel() {
   if (stream_) cudaStreamSynchronize(stream_);
+  for (cudaEvent_t e : gathered_)
+    if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : {gather_begin_[0], gather_begin_[1], gather_end_[0], gather_end_[1], count_ready_})
+    if (e) cudaEventDestroy(e);
   cudaFree(buffers_);
   cudaFreeHost(host_count_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -182,12 +200,35 @@ Status CudaDataParallel::end_comm_run() {
 
 Status CudaDataParallel::compute_after_comm() {
   FLARE_RETURN_IF_ERROR(end_comm_run());
+  return compute_waits(run_end_);
+}
+
+Status CudaDataParallel::compute_waits(cudaEvent_t event) {
   cudaEvent_t before = nullptr, after = nullptr;
   FLARE_RETURN_IF_ERROR(timer_->record(compute_, &before));
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(compute_, run_end_, 0), "data-parallel wait"));
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(compute_, event, 0), "data-parallel wait"));
   FLARE_RETURN_IF_ERROR(timer_->record(compute_, &after));
   timer_->span(cuda::EventTimer::kCommExposed, before, after);
   return Status::ok_status();
+}
+
+Status CudaDataParallel::wait_for_gathered(size_t first_bucket) {
+  if (first_bucket >= gathered_waited_) return Status::ok_status();
+  FLARE_RETURN_IF_ERROR(compute_waits(gathered_[first_bucket]));
+  gathered_waited_ = first_bucket;
+  return Status::ok_status();
+}
+
+Status CudaDataParallel::wait_for_forward_stage(int64_t stage) {
+  // The buckets holding weights of `stage` or a later stage are those whose ready_stage (their
+  // highest stage) is at least `stage`: a suffix of the list, whose first bucket is gathered last.
+  const std::vector<Bucket>& buckets = plan_->buckets;
+  const auto first = std::partition_point(buckets.begin(), buckets.end(),
+                                          [stage](const Bucket& b) { return b.ready_stage < stage; });
+  FLARE_RETURN_IF_ERROR(wait_for_gathered(static_cast<size_t>(first - buckets.begin())));
+  if (stage > 0 || count_waited_) return Status::ok_status();
+  count_waited_ = true;
+  return compute_waits(count_ready_);
 }
 
 // ---- The step -----------------------------------------------------------------------------------
@@ -195,6 +236,10 @@ Status CudaDataParallel::compute_after_comm() {
 Status CudaDataParallel::agree_valid_count(int64_t local_valid) {
   next_bucket_ = 0;
   *host_count_ = local_valid;  // the previous step's copy has completed: its end was waited for
+  if (gather_unreported_) {    // the last step's all-gather, which this step's forward waits for
+    timer_->span(cuda::EventTimer::kComm, gather_begin_[gather_parity_], gather_end_[gather_parity_]);
+    gather_unreported_ = false;
+  }
   FLARE_RETURN_IF_ERROR(comm_after_compute());
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(counts_send_, host_count_, sizeof(int64_t),
                                                     cudaMemcpyHostToDevice, stream_), "valid count"));
@@ -202,7 +247,10 @@ Status CudaDataParallel::agree_valid_count(int64_t local_valid) {
   FLARE_RETURN_IF_ERROR(comm_->all_gather(counts_send_, counts_recv_, sizeof(int64_t), stream_));
   agree_count_kernel<<<1, 1, 0, stream_>>>(counts_recv_, plan_->world, dloss_scale_, totals_);
   FLARE_RETURN_IF_ERROR(launch_status("agree_count_kernel"));
-  return compute_after_comm();
+  FLARE_RETURN_IF_ERROR(end_comm_run());
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(count_ready_, stream_), "data-parallel event"));
+  count_waited_ = false;
+  return Status::ok_status();
 }
 
 Status CudaDataParallel::reduce_ready_buckets(int64_t stage, const float* grads) {
@@ -228,12 +276,7 @@ Status CudaDataParallel::wait_for_reduction() {
     return Status::internal(cat("data parallel: ", plan_->buckets.size() - next_bucket_,
                                 " gradient buckets were not reduced by the backward's stages"));
   }
-  cudaEvent_t before = nullptr, after = nullptr;
-  FLARE_RETURN_IF_ERROR(timer_->record(compute_, &before));
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(compute_, run_end_, 0), "data-parallel wait"));
-  FLARE_RETURN_IF_ERROR(timer_->record(compute_, &after));
-  timer_->span(cuda::EventTimer::kCommExposed, before, after);
-  return Status::ok_status();
+  return compute_waits(run_end_);
 }
 
 Status CudaDataParallel::agree_norm_and_loss(double max_norm, float* norm_and_scale) {
@@ -247,8 +290,16 @@ Status CudaDataParallel::agree_norm_and_loss(double max_norm, float* norm_and_sc
 }
 
 Status CudaDataParallel::all_gather_weights(__nv_bfloat16* weights) {
-  FLARE_RETURN_IF_ERROR(comm_after_compute());
-  for (const Bucket& b : plan_->buckets) {
+  // The forward of this step has waited for the last all-gather at its stage 0, so its events are
+  // free; this one's begins once AdamW has written the shard.
+  cudaEvent_t updated = nullptr;
+  FLARE_RETURN_IF_ERROR(timer_->record(compute_, &updated));
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(stream_, updated, 0), "data-parallel wait"));
+  gather_parity_ ^= 1;
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(gather_begin_[gather_parity_], stream_), "data-parallel event"));
+  // Last bucket first: the lowest range of the flat buffer, the weights the forward reads first.
+  for (size_t k = plan_->buckets.size(); k-- > 0;) {
+    const Bucket& b = plan_->buckets[k];
     const int64_t mine = b.slice_size(rank_);
     if (mine > 0) {
       FLARE_RETURN_IF_ERROR(cuda_status(
@@ -259,8 +310,12 @@ Status CudaDataParallel::all_gather_weights(__nv_bfloat16* weights) {
     // bucket all-gather: this rank's updated slice to every other rank, theirs into place
     const std::vector<dist::Transfer> t = all_gather_transfers(*plan_, b, rank_, shard_weights_, weights, 2);
     if (!t.empty()) FLARE_RETURN_IF_ERROR(comm_->exchange(t.data(), static_cast<int>(t.size()), stream_));
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(gathered_[k], stream_), "data-parallel event"));
   }
-  return compute_after_comm();
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(gather_end_[gather_parity_], stream_), "data-parallel event"));
+  gather_unreported_ = true;
+  gathered_waited_ = plan_->buckets.size();
+  return Status::ok_status();
 }
 
 Status CudaDataParallel::gather_to_rank0(const float* shard, float* full) {

@@ -8,7 +8,8 @@
 //   - agree_valid_count(): the step's count of valid targets goes up from pinned memory on the
 //     communication stream, is all-gathered, and a kernel adds the counts in rank order into the
 //     step's total and dloss_scale = fp32(1 / total) (the bits the host computes for one device);
-//     the compute stream waits before the first forward, whose classifier reads the factor;
+//     the compute stream waits for it at the forward's stage 0 (wait_for_forward_stage), before
+//     the classifier reads the factor;
 //   - reduce_ready_buckets(stage) runs from the last micro-batch's backward hook
 //     (gpu_model.h): an event on the compute stream after `stage`, the communication stream waits
 //     on it and reduce-scatters every bucket whose ready_stage is `stage` (dp_plan.h): the
@@ -20,10 +21,16 @@
 //   - agree_norm_and_loss(): each rank's (Σ g² of its shard, its loss sum) all-gathered, the norm,
 //     clip scale and the global loss sum computed from them in rank order on every rank;
 //   - all_gather_weights(): the bf16 weights AdamW wrote for the shard go to every rank's model
-//     weights, bucket by bucket; the compute stream waits before the step ends.
+//     weights, bucket by bucket in the order the next forward reads them (the embeddings first),
+//     an event after each. The step ends without waiting for them: the next step's forward waits
+//     stage by stage (wait_for_forward_stage, from GpuModel's forward hook) for the buckets that
+//     hold the weights it is about to read, so the all-gather runs under the forward. Anything
+//     else that reads the weights between steps waits for all of them first (wait_for_weights).
 // Every collective's time is recorded on an EventTimer (kComm for each run of collectives between
-// waits, kCommExposed for each wait of the compute stream). The NCCL communicator bounds every
-// operation by its timeout, so a dead peer fails the step instead of hanging it.
+// waits, kCommExposed for each wait of the compute stream); the all-gather's run is counted in the
+// step whose forward waits for it. The NCCL communicator bounds every operation by its timeout, so
+// a dead peer fails a step instead of hanging it (the all-gather's failure surfaces one step
+// later, where its weights are read).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,6 +38,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "flare/dist.h"
 #include "flare/status.h"
@@ -76,6 +84,12 @@ class CudaDataParallel {
   Status wait_for_reduction();
   Status agree_norm_and_loss(double max_norm, float* norm_and_scale);
   Status all_gather_weights(__nv_bfloat16* weights);
+  // The compute stream waits for the weights of backward stage `stage` and every later one
+  // (dp_plan.h's numbering; the forward reads them in decreasing order) that the last
+  // all_gather_weights() is still bringing, and at stage 0 also for agree_valid_count().
+  Status wait_for_forward_stage(int64_t stage);
+  // The compute stream waits for every weight of the last all_gather_weights().
+  Status wait_for_weights() { return wait_for_gathered(0); }
 
   // Rank 0 receives every rank's shard of one fp32 state tensor into `full` (host, plan.total
   // floats); the others send. Host-blocking, collective (checkpoints).
@@ -88,6 +102,7 @@ class CudaDataParallel {
 
  private:
   CudaDataParallel() = default;
+  Status create_events();
   // The communication stream waits for the compute stream's work so far; a run of collectives
   // begins.
   Status comm_after_compute();
@@ -95,6 +110,11 @@ class CudaDataParallel {
   Status compute_after_comm();
   // The run of collectives ends without the compute stream waiting (yet).
   Status end_comm_run();
+  // The compute stream waits on `event` of the communication stream (counted as exposed).
+  Status compute_waits(cudaEvent_t event);
+  // The compute stream waits for the all-gather of buckets[first_bucket] and every bucket after it
+  // in the list (the ones the forward reads before it), unless it already has.
+  Status wait_for_gathered(size_t first_bucket);
 
   dist::Communicator* comm_ = nullptr;
   const DpPlan* plan_ = nullptr;
@@ -104,6 +124,17 @@ class CudaDataParallel {
   cuda::EventTimer* timer_ = nullptr;
   cudaEvent_t run_begin_ = nullptr, run_end_ = nullptr;  // the current run of collectives
   size_t next_bucket_ = 0;  // reduce_ready_buckets: the first bucket not yet reduced this step
+  // The weights' all-gather: an event after each bucket's (indexed as plan.buckets); the compute
+  // stream has waited for buckets [gathered_waited_, size), so 0 when none is in flight.
+  std::vector<cudaEvent_t> gathered_;
+  size_t gathered_waited_ = 0;
+  // Its run's begin and end, two pairs used in turn: a run is counted in the next step, whose
+  // events the EventTimer pool reuses; gather_unreported_: a run not counted yet.
+  cudaEvent_t gather_begin_[2] = {}, gather_end_[2] = {};
+  int gather_parity_ = 0;
+  bool gather_unreported_ = false;
+  cudaEvent_t count_ready_ = nullptr;  // agree_valid_count()'s end
+  bool count_waited_ = true;
 
   void* buffers_ = nullptr;
   float* shard_grads_ = nullptr;

@@ -11,14 +11,15 @@
 // Data parallel (backend.h; NCCL communicator of several ranks): ZeRO-1, so master, m and v hold
 // this rank's shard only (dp_plan.h) and the collectives run on a second stream
 // (train/dist/dp_cuda.h). The step, in order:
-//   1. the ranks agree on the step's valid-target count (device all-gather) before the first
-//      forward, whose classifier reads 1 / count from device memory;
+//   1. the ranks agree on the step's valid-target count (device all-gather), which the first
+//      forward's classifier reads (1 / count) from device memory;
 //   2. micro-batches forward and backward with no communication, gradients accumulating locally;
 //   3. during the last backward, each bucket is reduce-scattered into the shard gradient as soon
 //      as the backward has passed its stage (GpuModel's stage hook records the event);
 //   4. the shard's Σ g² and the loss sum are agreed (rank order), the norm and clip follow, AdamW
 //      updates the shard and writes its bf16 weights, which are all-gathered into every rank's
-//      model weights before the step ends.
+//      model weights under the next step's forward: it waits stage by stage for the buckets it is
+//      about to read (GpuModel's forward hook); evaluation waits for all of them first.
 // With one rank (no communicator, or one of size 1) the step is the single-device step.
 #include <cuda_runtime_api.h>
 
@@ -222,6 +223,9 @@ class CudaBackend final : public Backend {
 
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum, 0, sizeof(double), stream_), "loss"));
     FLARE_RETURN_IF_ERROR(model_->zero_grads());
+    // The first forward waits for the weights the last step's all-gather brings, stage by stage.
+    cuda::GpuModel::StageHook gathered;
+    if (dp_) gathered = [this](int64_t stage) { return dp_->wait_for_forward_stage(stage); };
     for (int64_t i = 0; i < micro_batches; ++i) {
       // The last backward hands each finished stage's buckets to the communication stream.
       cuda::GpuModel::StageHook reduce;
@@ -231,7 +235,7 @@ class CudaBackend final : public Backend {
       cudaEvent_t fwd_begin = nullptr, bwd_begin = nullptr, bwd_end = nullptr;
       FLARE_RETURN_IF_ERROR(timer_.record(stream_, &fwd_begin));
       FLARE_RETURN_IF_ERROR(model_->forward(tokens_ + i * tokens, targets_ + i * tokens, dloss_scale, true,
-                                            loss_sum, dloss_scale_device));
+                                            loss_sum, dloss_scale_device, gathered));
       FLARE_RETURN_IF_ERROR(timer_.record(stream_, &bwd_begin));
       FLARE_RETURN_IF_ERROR(model_->backward(tokens_ + i * tokens, reduce));
       FLARE_RETURN_IF_ERROR(timer_.record(stream_, &bwd_end));
@@ -273,6 +277,7 @@ class CudaBackend final : public Backend {
                   double* loss_sum, int64_t* valid) override {
     if (pending_) return invalid("evaluate: a step is in flight (step_end first)");
     FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1));
+    if (dp_) FLARE_RETURN_IF_ERROR(dp_->wait_for_weights());
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_), "loss"));
     FLARE_RETURN_IF_ERROR(model_->forward(tokens_, targets_, 0.0f, false, loss_sum_));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
@@ -289,6 +294,7 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1));
     const int64_t valid = std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -1; });
     const ModelConfig& c = model_->config();
+    if (dp_) FLARE_RETURN_IF_ERROR(dp_->wait_for_weights());
     if (logits) {
       FLARE_RETURN_IF_ERROR(model_->forward(tokens_, nullptr, 0.0f, false, nullptr));
       std::vector<uint16_t> bits(static_cast<size_t>(batch_ * seq_ * c.padded_vocab));

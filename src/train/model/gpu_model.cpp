@@ -497,12 +497,20 @@ Status recompute_layer(const Step& st, size_t i) {
   return mlp_block_forward(st, w, a, nullptr);
 }
 
+// Layer i's stage number in the hooks' numbering (dp_plan.h's backward_stage).
+int64_t layer_stage_number(int64_t n_layer, size_t i) { return 1 + (n_layer - 1 - static_cast<int64_t>(i)); }
+
+Status call_hook(const GpuModel::StageHook& hook, int64_t stage) {
+  return hook ? hook(stage) : Status::ok_status();
+}
+
 }  // namespace
 
 // ---- The step -------------------------------------------------------------------------------------
 
 Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dloss_scale,
-                         bool write_dlogits, double* loss_sum_out, const float* dloss_scale_device) {
+                         bool write_dlogits, double* loss_sum_out, const float* dloss_scale_device,
+                         const StageHook& before_stage) {
   if (tokens == nullptr) return invalid("forward: tokens must not be null");
   if (targets && loss_sum_out == nullptr) return invalid("forward: loss_sum must not be null with targets");
   if (write_dlogits && targets == nullptr) return invalid("forward: write_dlogits needs targets");
@@ -510,8 +518,13 @@ Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dl
   const ModelConfig& c = config_;
   const Step st{c, m, weights_, grads_, batch_, seq_, batch_ * seq_, stream_};
   m.have_dlogits = false;
+  auto stage_next = [&](int64_t stage) { return call_hook(before_stage, stage); };
+  const int64_t n_layer = static_cast<int64_t>(m.layers.size());
+  auto layer_stage = [n_layer](size_t i) { return layer_stage_number(n_layer, i); };
 
   // tokens (N) → layer 0's input (N, d) → its attention norm.
+  FLARE_RETURN_IF_ERROR(stage_next(n_layer + 1));
+  FLARE_RETURN_IF_ERROR(stage_next(layer_stage(0)));
   LayerActivations& first = m.layers[0];
   FLARE_RETURN_IF_ERROR(embedding_forward(tokens, st.W(m.embed), st.W(m.pos_embed), first.input, st.N,
                                           seq_, c.vocab_size, c.d_model, stream_));
@@ -519,7 +532,9 @@ Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dl
                                      first.attn_mean, first.attn_rstd));
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const LayerActivations& a = m.layers[i];
+    FLARE_RETURN_IF_ERROR(stage_next(layer_stage(i)));
     FLARE_RETURN_IF_ERROR(attention_block_forward(st, m.layer_offsets[i], a));
+    FLARE_RETURN_IF_ERROR(stage_next(i + 1 < m.layers.size() ? layer_stage(i + 1) : 0));
     NextNorm next;
     if (i + 1 < m.layers.size()) {
       const LayerActivations& b = m.layers[i + 1];
@@ -551,7 +566,7 @@ Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
   if (tokens == nullptr) return invalid("backward: tokens must not be null");
   const ModelConfig& c = config_;
   const Step st{c, m, weights_, grads_, batch_, seq_, batch_ * seq_, stream_};
-  auto stage_done = [&](int64_t stage) { return after_stage ? after_stage(stage) : Status::ok_status(); };
+  auto stage_done = [&](int64_t stage) { return call_hook(after_stage, stage); };
   const int64_t n_layer = static_cast<int64_t>(m.layers.size());
 
   // dlogits (N, padded_vocab) → d final_norm (N, d) → d_resid (N, d), the last layer's output.
@@ -568,7 +583,7 @@ Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
     if (m.options.recompute && i + 1 < m.layers.size()) FLARE_RETURN_IF_ERROR(recompute_layer(st, i));
     FLARE_RETURN_IF_ERROR(mlp_block_backward(st, m.layer_offsets[i], m.layers[i]));
     FLARE_RETURN_IF_ERROR(attention_block_backward(st, m.layer_offsets[i], m.layers[i]));
-    FLARE_RETURN_IF_ERROR(stage_done(1 + (n_layer - 1 - static_cast<int64_t>(i))));
+    FLARE_RETURN_IF_ERROR(stage_done(layer_stage_number(n_layer, i)));
   }
 
   // d_resid is now the gradient of the embedding output.

@@ -60,6 +60,11 @@ class GpuModel {
   static int64_t buffer_bytes(const ModelConfig& config, int64_t batch, int64_t seq,
                               bool recompute);
 
+  // A host callback with a stage number (train/dist/dp_plan.h's backward_stage numbering), for
+  // forward()'s and backward()'s hooks below. It must not synchronise; an error it returns stops
+  // the pass and is returned.
+  using StageHook = std::function<Status(int64_t stage)>;
+
   // Forward over tokens (batch · seq int32, device) to the logits. With targets (batch · seq
   // int32, device; −1 ignored) also the loss: the per-token losses are summed (fp64, fixed order)
   // and added to *loss_sum (device), and with write_dlogits the logits are overwritten by the
@@ -68,20 +73,24 @@ class GpuModel {
   // gives NaN rows, see embedding.h). dloss_scale_device (1 fp32, device, or null) multiplies
   // dloss_scale: data parallelism agrees on the step's count of valid targets on the device
   // (classifier.h).
+  // before_stage (may be empty) is called on the host before the forward
+  // enqueues the first work that reads a stage's weights, with the stage's backward number:
+  // n_layer + 1 (the embeddings) and n_layer (layer 0's first norm) first, then for each layer i
+  // its own number and that of the weights its last kernel also reads (layer i + 1's first norm,
+  // or the final norm: 0), so the numbers never increase; stage 0 comes before the final norm,
+  // the head and the loss, so it is also the last point to wait for dloss_scale_device. Data
+  // parallelism makes the stream wait there for the weights the all-gather is still bringing.
   Status forward(const int32_t* tokens, const int32_t* targets, float dloss_scale,
-                 bool write_dlogits, double* loss_sum, const float* dloss_scale_device = nullptr);
-
-  // Called by backward() on the host right after it has enqueued each backward stage, in order,
-  // with the stage's number (train/dist/dp_plan.h's backward_stage): 0 after the output head and
-  // the final norm, 1 + (n_layer − 1 − i) after layer i, n_layer + 1 after the embeddings. Once the
-  // stream reaches that point, the stage's gradients are final for this backward, so the hook may
-  // record an event there for another stream to wait on (data parallelism reduces each gradient
-  // bucket while the backward goes on). The hook must not synchronise; an error it returns stops
-  // the backward and is returned.
-  using StageHook = std::function<Status(int64_t stage)>;
+                 bool write_dlogits, double* loss_sum, const float* dloss_scale_device = nullptr,
+                 const StageHook& before_stage = {});
 
   // Backward of the last forward with write_dlogits, for the same tokens: accumulates (+=) every
-  // parameter's gradient into grads(); after_stage (may be empty) as above.
+  // parameter's gradient into grads(). after_stage (may be empty) is called on the host right
+  // after the backward has enqueued each stage, in order: 0 after the output head and the final
+  // norm, 1 + (n_layer − 1 − i) after layer i, n_layer + 1 after the embeddings. Once the stream
+  // reaches that point, the stage's gradients are final for this backward, so the hook may record
+  // an event there for another stream to wait on (data parallelism reduces each gradient bucket
+  // while the backward goes on).
   Status backward(const int32_t* tokens, const StageHook& after_stage = {});
 
   // grads() = 0 (enqueued).
