@@ -38,6 +38,9 @@ THROUGHPUT = re.compile(r"^throughput: median of steps (\d+)-(\d+): ([0-9.]+) ms
                         r"tokens/s(?:, MFU ([0-9.]+)%)?")
 FLARE_MEM_KIND = "device memory in use (total - free, CUDA context included)"
 TORCH_MEM_KIND = "torch.cuda.max_memory_allocated"
+RUN_RANKS = re.compile(r" x (\d+) GPUs = \d+ tokens/step")
+PROFILE_FIELDS = ("fwd_ms", "bwd_ms", "comm_ms", "comm_exposed_ms", "optimizer_ms", "comm_gbps")
+TORCH_IMPLS = ("torch-compile", "torch-ddp-compile", "torch-fsdp-compile")
 
 
 def split_spec(text, fields, flag):
@@ -66,14 +69,24 @@ def flare_row(model, batch, seq, stdout_path, jsonl_path):
                         f"no throughput line in {os.path.basename(stdout_path)} (killed or timed out)")
         return row
     first, last, step_ms, tokens_per_s, mfu = summary.groups()
-    peak = 0
+    records = []
     if os.path.exists(jsonl_path):
-        for line in open(jsonl_path):
-            if line.strip():
-                peak = max(peak, int(json.loads(line).get("memory_bytes", 0)))
+        records = [json.loads(line) for line in open(jsonl_path) if line.strip()]
+    peak = max((int(r.get("memory_bytes", 0)) for r in records), default=0)
     row.update({"tokens_per_s": float(tokens_per_s), "mfu": float(mfu) / 100 if mfu else None,
                 "peak_mem_bytes": peak or None, "step_ms": float(step_ms),
                 "peak_mem_kind": FLARE_MEM_KIND, "steps": f"median of steps {first}-{last}"})
+    # Several GPUs: the rank count, and the step profile (CUDA events), each field's median over
+    # the steps the throughput line took.
+    timed = [r for r in records if "step" in r and int(first) <= r["step"] <= int(last)]
+    ranks = RUN_RANKS.search(text)  # the run line: "... x accum A x N GPUs = T tokens/step"
+    if ranks or (timed and "dp" in timed[-1]):
+        row["gpus"] = int(ranks.group(1)) if ranks else int(timed[-1]["dp"])
+        row["dp"], row["cp"] = row["gpus"], 1
+    for field in PROFILE_FIELDS:
+        values = sorted(r[field] for r in timed if field in r)
+        if values:
+            row[field] = values[len(values) // 2]
     return row
 
 
@@ -93,18 +106,26 @@ def torch_rows(paths):
 
 
 def comparison(rows):
-    """flare-train over torch-compile for each (model, seq, batch) where both ran."""
-    ok = {(r["impl"], r["model"], r["seq"], r["batch_per_gpu"]): r for r in rows if "error" not in r}
+    """flare-train over each PyTorch peer for each (model, seq, batch, GPUs) where both ran, and
+    flare-train's scaling: tokens/s on N GPUs over N times one GPU's."""
+    ok = {(r["impl"], r["model"], r["seq"], r["batch_per_gpu"], r.get("gpus", 1)): r
+          for r in rows if "error" not in r}
     out = []
-    for (impl, model, seq, batch), f in ok.items():
-        t = ok.get(("torch-compile", model, seq, batch))
-        if impl != "flare-train" or t is None:
+    for (impl, model, seq, batch, gpus), f in ok.items():
+        if impl != "flare-train":
             continue
-        entry = {"model": model, "seq": seq, "batch_per_gpu": batch,
-                 "tokens_per_s_ratio": f["tokens_per_s"] / t["tokens_per_s"]}
-        if f.get("peak_mem_bytes") and t.get("peak_mem_bytes"):
-            entry["peak_mem_ratio"] = f["peak_mem_bytes"] / t["peak_mem_bytes"]
-        out.append(entry)
+        case = {"model": model, "seq": seq, "batch_per_gpu": batch, "gpus": gpus}
+        for peer in TORCH_IMPLS:
+            t = ok.get((peer, model, seq, batch, gpus))
+            if t is None:
+                continue
+            entry = dict(case, peer=peer, tokens_per_s_ratio=f["tokens_per_s"] / t["tokens_per_s"])
+            if f.get("peak_mem_bytes") and t.get("peak_mem_bytes"):
+                entry["peak_mem_ratio"] = f["peak_mem_bytes"] / t["peak_mem_bytes"]
+            out.append(entry)
+        one = ok.get(("flare-train", model, seq, batch, 1))
+        if gpus > 1 and one is not None:
+            out.append(dict(case, scaling=f["tokens_per_s"] / (gpus * one["tokens_per_s"])))
     return out
 
 
@@ -154,7 +175,8 @@ def main(argv=None):
     result["comparison"] = comparison(rows)
 
     for r in rows:
-        what = f"{r['impl']:14s} {r['model']:12s} b{r['batch_per_gpu']:<3d} s{r['seq']:<5d}"
+        what = (f"{r['impl']:17s} {r['model']:12s} x{r.get('gpus', 1)} b{r['batch_per_gpu']:<3d} "
+                f"s{r['seq']:<5d}")
         if "error" in r:
             print(f"{what} error: {r['error']}")
         else:
@@ -163,9 +185,12 @@ def main(argv=None):
                    else "     - GiB")
             print(f"{what} {r['tokens_per_s']:12,.0f} tokens/s {r['step_ms']:9.2f} ms  {mfu}  {mem}")
     for c in result["comparison"]:
+        case = f"{c['model']} b{c['batch_per_gpu']} s{c['seq']} x{c['gpus']} GPU"
+        if "scaling" in c:
+            print(f"flare-train scaling {case}: {100 * c['scaling']:.1f}%")
+            continue
         mem = f", memory x{c['peak_mem_ratio']:.2f}" if "peak_mem_ratio" in c else ""
-        print(f"flare-train / torch-compile {c['model']} b{c['batch_per_gpu']} s{c['seq']}: "
-              f"tokens/s x{c['tokens_per_s_ratio']:.3f}{mem}")
+        print(f"flare-train / {c['peer']} {case}: tokens/s x{c['tokens_per_s_ratio']:.3f}{mem}")
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "train", result, None)
     with open(path, "w") as f:
