@@ -273,28 +273,39 @@ fi
 
 # Data-parallel training on every GPU: the launch smoke test (mpirun and torchrun-style), then
 # GPT-3 2.7B (batch 4 x 1024 per GPU) on one GPU and on all of them under mpirun, for the scaling
-# efficiency (tokens/s on N GPUs / (N x tokens/s on one)), and the PyTorch peer on all of them
-# (bench/train_torch.py under torchrun: DDP + torch.compile + SDPA cuDNN).
+# efficiency (tokens/s on N GPUs / (N x tokens/s on one)), LLaMA-2 7B on four or more, and the
+# PyTorch peer on all of them (bench/train_torch.py under torchrun: DDP + torch.compile + SDPA
+# cuDNN); bench/train_results.py merges them into DIR/train-<card>-<date>.json.
 ft="$build/apps/train/flare-train"
 if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$ft" ]] && command -v mpirun > /dev/null; then
   log "data-parallel training: scripts/dp-smoke.sh on $gpus GPUs"
   scripts/dp-smoke.sh --build "$build" --out "$out/dp_smoke" --gpus "$gpus" > /dev/null 2>&1 ||
     status=1
   cat "$out/dp_smoke/dp_smoke.log" 2>/dev/null | tail -8 | tee -a "$out/summary.log"
-  log "data-parallel training: GPT-3 2.7B b4 s1024 on 1 and $gpus GPUs (mpirun)"
+  log "data-parallel training: GPT-3 2.7B b4 s1024 on 1 and $gpus GPUs, LLaMA-2 7B on $gpus (mpirun)"
   "$ft" synth-data --out "$out/synth" > /dev/null 2>&1
-  for n in 1 "$gpus"; do
-    timeout 600 "${mpi[@]}" -np "$n" "$ft" --model gpt3-2.7b --data "$out/synth" --batch 4 \
-      --seq 1024 --steps 30 --warmup 5 --sample 0 --no-checkpoint --nondeterministic \
-      --log "$out/train_dp_gpt3_${n}gpu.jsonl" > "$out/train_dp_gpt3_${n}gpu.log" 2>&1 ||
-      { status=1; log "flare-train on $n GPUs FAILED"; tail -5 "$out/train_dp_gpt3_${n}gpu.log"; }
-    log "flare-train gpt3-2.7b x$n: $(grep -E '^throughput' "$out/train_dp_gpt3_${n}gpu.log")"
-  done
+  "$ft" synth-data --vocab 32000 --out "$out/synth32k" > /dev/null 2>&1  # LLaMA-2's vocabulary
+  dp_rows=()
+  dp_run() {  # name ranks data model batch seq
+    timeout 600 "${mpi[@]}" -np "$2" "$ft" --model "$4" --data "$3" --batch "$5" --seq "$6" \
+      --steps 30 --warmup 5 --sample 0 --no-checkpoint --nondeterministic \
+      --log "$out/train_dp_$1.jsonl" > "$out/train_dp_$1.log" 2>&1 ||
+      { status=1; log "flare-train $1 FAILED"; tail -5 "$out/train_dp_$1.log"; }
+    log "flare-train $1: $(grep -E '^throughput' "$out/train_dp_$1.log")"
+    dp_rows+=(--flare "$4:$5:$6:$out/train_dp_$1.log:$out/train_dp_$1.jsonl")
+  }
+  dp_run gpt3_1gpu 1 "$out/synth" gpt3-2.7b 4 1024
+  dp_run "gpt3_${gpus}gpu" "$gpus" "$out/synth" gpt3-2.7b 4 1024
+  [[ $gpus -ge 4 ]] && dp_run "llama2_7b_${gpus}gpu" "$gpus" "$out/synth32k" llama2-7b 1 1024
   PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 timeout 600 torchrun --standalone --nproc-per-node "$gpus" bench/train_torch.py \
-    --case gpt3-2.7b:4:1024 --vocab 50257 --out "$out" > "$out/train_torch_ddp.log" 2>&1 ||
+    --case gpt3-2.7b:4:1024 --vocab 50257 --out "$out/torch_ddp" > "$out/train_torch_ddp.log" 2>&1 ||
     { status=1; log "train_torch.py under torchrun FAILED"; tail -5 "$out/train_torch_ddp.log"; }
   log "torch DDP gpt3-2.7b x$gpus: $(grep -E 'tokens/s' "$out/train_torch_ddp.log")"
-  rm -rf "$out/synth"
+  # One result file: flare's rows, the peer's, flare over the peer and the 1 -> N scaling.
+  python3 bench/train_results.py --out "$out" --card "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+    "${dp_rows[@]}" $(ls "$out"/torch_ddp/train_torch-*.json 2>/dev/null | sed 's/^/--torch /') \
+    2>&1 | tee -a "$out/summary.log"
+  rm -rf "$out/synth" "$out/synth32k"
 fi
 
 [[ $tests -eq 1 ]] && run_ctest cpu
