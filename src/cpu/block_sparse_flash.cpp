@@ -36,6 +36,7 @@
 #include "core/params.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
+#include "cpu/head_location.h"
 
 namespace flare::cpu {
 
@@ -48,37 +49,6 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- geometry -----------------------------------------------------------------------------------
-
-// Where one (batch, query head) lives: element offsets of row 0 / key 0 of each tensor.
-struct Head {
-  int b = 0, h = 0;
-  SequenceInfo seq;
-  uint32_t bh = 0;                          // dropout stream
-  int64_t q = 0, o = 0, dout = 0, dq = 0;   // query side
-  int64_t k = 0, v = 0, dk = 0, dv = 0;     // key side (kv head h / group)
-  int64_t lse = 0;                          // index of row 0 in lse and in the D buffer
-  float slope = 0.0f;                       // ALiBi; 0 = off
-};
-
-Head make_head(const AttentionParams& p, int b, int h) {
-  Head hd;
-  hd.b = b;
-  hd.h = h;
-  hd.seq = sequence_info(p, b);
-  hd.bh = static_cast<uint32_t>(b * p.heads_q + h);
-  const int kvh = h / p.head_group;
-  hd.q = b * p.q_batch_stride + hd.seq.q_row0 * p.q_row_stride + h * p.q_head_stride;
-  hd.o = b * p.o_batch_stride + hd.seq.q_row0 * p.o_row_stride + h * p.o_head_stride;
-  hd.dout = b * p.do_batch_stride + hd.seq.q_row0 * p.do_row_stride + h * p.do_head_stride;
-  hd.dq = b * p.dq_batch_stride + hd.seq.q_row0 * p.dq_row_stride + h * p.dq_head_stride;
-  hd.k = b * p.k_batch_stride + hd.seq.k_row0 * p.k_row_stride + kvh * p.k_head_stride;
-  hd.v = b * p.v_batch_stride + hd.seq.k_row0 * p.v_row_stride + kvh * p.v_head_stride;
-  hd.dk = b * p.dk_batch_stride + hd.seq.k_row0 * p.dk_row_stride + kvh * p.dk_head_stride;
-  hd.dv = b * p.dv_batch_stride + hd.seq.k_row0 * p.dv_row_stride + kvh * p.dv_head_stride;
-  hd.lse = b * p.lse_batch_stride + h * p.lse_head_stride + hd.seq.q_row0;
-  hd.slope = alibi_slope(p, b, h);
-  return hd;
-}
 
 // Rows [i0, i0 + rows) and keys [j0, j0 + cols) of one tile, with each row's visible key range
 // (from the window) clipped to the tile: row r meets keys [lo[r], hi[r]), empty when lo ≥ hi.
@@ -139,7 +109,8 @@ void axpy(float w, const float* x, float* y, int d) {
 
 // Score of (row, key j) from its raw dot product, in attention.h's order: scale, softcap, ALiBi.
 // *dcap receives the softcap chain-rule factor 1 − tanh² (1 when softcap is off).
-float score(const AttentionParams& p, const Head& hd, float raw, int row, int j, float* dcap) {
+float score(const AttentionParams& p, const HeadLocation& hd, float raw, int row, int j,
+            float* dcap) {
   float s = raw * p.scale;
   *dcap = 1.0f;
   if (p.softcap > 0.0f) {
@@ -152,7 +123,7 @@ float score(const AttentionParams& p, const Head& hd, float raw, int row, int j,
 }
 
 // Dropout multiplier of (row, j): `keep` or 0.
-float dropout_factor(const AttentionParams& p, const Head& hd, int row, int j, float keep) {
+float dropout_factor(const AttentionParams& p, const HeadLocation& hd, int row, int j, float keep) {
   if (p.dropout_p == 0.0f) return keep;
   return dropout_keep(p.seed, p.offset, hd.bh, static_cast<uint32_t>(row),
                       static_cast<uint32_t>(j), p.dropout_p)
@@ -224,7 +195,7 @@ int thread_count(size_t tasks) {
 // ---- forward ------------------------------------------------------------------------------------
 
 void forward_block(const AttentionParams& p, const Task& task, Scratch* sc) {
-  const Head hd = make_head(p, task.b, task.h);
+  const HeadLocation hd = locate_head(p, task.b, task.h);
   const int d = p.head_dim, qb = task.block;
   const int i0 = qb * p.block_m, rows = std::min(p.block_m, hd.seq.len_q - i0);
   load_rows(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, rows, d, sc->q.data());
@@ -286,7 +257,7 @@ void forward_block(const AttentionParams& p, const Task& task, Scratch* sc) {
 
 // Pass 0: D_i = dO_i·O_i for the rows of one query block.
 void delta_block(const AttentionParams& p, const Task& task, float* delta, Scratch* sc) {
-  const Head hd = make_head(p, task.b, task.h);
+  const HeadLocation hd = locate_head(p, task.b, task.h);
   const int d = p.head_dim, i0 = task.block * p.block_m;
   const int rows = std::min(p.block_m, hd.seq.len_q - i0);
   load_rows(p.o, p.dtype, hd.o + i0 * p.o_row_stride, p.o_row_stride, rows, d, sc->q.data());
@@ -297,7 +268,7 @@ void delta_block(const AttentionParams& p, const Task& task, float* delta, Scrat
 }
 
 // Query-side tiles of one block: Q, dO, LSE (+inf for rows that see no key, so P = 0) and D.
-void load_query_side(const AttentionParams& p, const Head& hd, int i0, int rows,
+void load_query_side(const AttentionParams& p, const HeadLocation& hd, int i0, int rows,
                      const float* delta, Scratch* sc) {
   const int d = p.head_dim;
   load_rows(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, rows, d, sc->q.data());
@@ -316,7 +287,7 @@ struct PairGrad {
   float pz, ds;
 };
 
-PairGrad pair_grad(const AttentionParams& p, const Head& hd, int row, int j, const float* q,
+PairGrad pair_grad(const AttentionParams& p, const HeadLocation& hd, int row, int j, const float* q,
                    const float* dout, const float* k, const float* v, float lse, float delta) {
   const int d = p.head_dim;
   float dcap;
@@ -331,7 +302,7 @@ PairGrad pair_grad(const AttentionParams& p, const Head& hd, int row, int j, con
 void key_block_backward(const AttentionParams& p, const Task& task, const float* delta,
                         Scratch* sc) {
   const int d = p.head_dim, kvh = task.h, kb = task.block;
-  const Head first = make_head(p, task.b, kvh * p.head_group);
+  const HeadLocation first = locate_head(p, task.b, kvh * p.head_group);
   const SequenceInfo& seq = first.seq;
   const int j0 = kb * p.block_n, cols = std::min(p.block_n, seq.len_k - j0);
   std::fill(sc->dk.begin(), sc->dk.begin() + int64_t{cols} * d, 0.0f);
@@ -339,7 +310,7 @@ void key_block_backward(const AttentionParams& p, const Task& task, const float*
   bool loaded = false;
   const int query_blocks = static_cast<int>(ceil_div(seq.len_q, p.block_m));
   for (int h = kvh * p.head_group; h < (kvh + 1) * p.head_group; ++h) {
-    const Head hd = make_head(p, task.b, h);
+    const HeadLocation hd = locate_head(p, task.b, h);
     for (int qb = 0; qb < query_blocks; ++qb) {
       if (!block_on(p, hd.b, hd.h, qb, kb)) continue;
       const Tile& t = tile_at(p, seq, qb, kb, &sc->tile);
@@ -376,7 +347,7 @@ void key_block_backward(const AttentionParams& p, const Task& task, const float*
 // Pass 2: dQ of one query block of query head task.h.
 void query_block_backward(const AttentionParams& p, const Task& task, const float* delta,
                           Scratch* sc) {
-  const Head hd = make_head(p, task.b, task.h);
+  const HeadLocation hd = locate_head(p, task.b, task.h);
   const int d = p.head_dim, qb = task.block;
   const int i0 = qb * p.block_m, rows = std::min(p.block_m, hd.seq.len_q - i0);
   load_query_side(p, hd, i0, rows, delta, sc);

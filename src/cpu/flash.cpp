@@ -78,6 +78,7 @@
 #include "core/score_mod.h"
 #include "cpu/flash_simd.h"
 #include "cpu/flash_tasks.h"
+#include "cpu/head_location.h"
 
 // Compiled once per instruction-set level, each copy in its own namespace and with its own
 // target (flash_simd.h); flash_dispatch.cpp defines cpu::flash_forward / flash_backward and calls
@@ -248,38 +249,20 @@ bool all_finite(const float* x, int64_t n) {
 
 // ---- scores -------------------------------------------------------------------------------------
 
-// Where one (batch, query head) lives and how its raw dot products become scores.
-struct Head {
-  SequenceInfo seq;
-  uint32_t bh = 0;                  // dropout stream: b·heads_q + h
-  int64_t q = 0, o = 0, dout = 0, dq = 0;  // element offsets of row 0 (query-side tensors)
-  int64_t k = 0, v = 0, dk = 0, dv = 0;    // element offsets of key 0 (kv head h / group)
-  int64_t lse = 0;                  // index of row 0 in lse (and in the backward's D buffer)
+// Where one (batch, query head) lives (head_location.h) and how its raw dot products become
+// scores.
+struct Head : HeadLocation {
   float scale = 0.0f;
   float softcap = 0.0f, inv_softcap = 0.0f;
-  float slope = 0.0f;               // ALiBi; 0 = off
-  bool plain = true;                // neither softcap nor ALiBi
-  int shift = 0;                    // len_k − len_q: row i sits at key position i + shift
+  bool plain = true;  // neither softcap nor ALiBi
+  int shift = 0;      // len_k − len_q: row i sits at key position i + shift
 };
 
 Head make_head(const AttentionParams& p, int b, int h) {
-  Head hd;
-  hd.seq = sequence_info(p, b);
-  hd.bh = static_cast<uint32_t>(b * p.heads_q + h);
-  const int kvh = h / p.head_group;
-  hd.q = b * p.q_batch_stride + hd.seq.q_row0 * p.q_row_stride + h * p.q_head_stride;
-  hd.o = b * p.o_batch_stride + hd.seq.q_row0 * p.o_row_stride + h * p.o_head_stride;
-  hd.dout = b * p.do_batch_stride + hd.seq.q_row0 * p.do_row_stride + h * p.do_head_stride;
-  hd.dq = b * p.dq_batch_stride + hd.seq.q_row0 * p.dq_row_stride + h * p.dq_head_stride;
-  hd.k = b * p.k_batch_stride + hd.seq.k_row0 * p.k_row_stride + kvh * p.k_head_stride;
-  hd.v = b * p.v_batch_stride + hd.seq.k_row0 * p.v_row_stride + kvh * p.v_head_stride;
-  hd.dk = b * p.dk_batch_stride + hd.seq.k_row0 * p.dk_row_stride + kvh * p.dk_head_stride;
-  hd.dv = b * p.dv_batch_stride + hd.seq.k_row0 * p.dv_row_stride + kvh * p.dv_head_stride;
-  hd.lse = b * p.lse_batch_stride + h * p.lse_head_stride + hd.seq.q_row0;
+  Head hd{locate_head(p, b, h)};
   hd.scale = p.scale;
   hd.softcap = p.softcap;
   hd.inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-  hd.slope = alibi_slope(p, b, h);
   hd.plain = p.softcap <= 0.0f && p.alibi_slopes == nullptr;
   hd.shift = hd.seq.len_k - hd.seq.len_q;
   return hd;
