@@ -335,8 +335,14 @@ constexpr int64_t kMaxHeadDim = 256;
 }  // namespace
 
 // core/validate.h: the same checks for the other validating entry points.
+Status check_tensor_rank(const TensorView& t, const char* name, int ndim, const char* layout) {
+  return check_rank(t, name, ndim, layout);
+}
 Status check_tensor_view(const TensorView& t, const char* name) { return check_view(t, name); }
 bool tensors_share_memory(const TensorView& a, const TensorView& b) { return share_memory(a, b); }
+Status check_same_device_as_q(const TensorView& t, const char* name, const TensorView& q) {
+  return check_same_device(t, name, q);
+}
 
 // Validates the arguments shared by forward and backward and fills everything in `p` except the
 // backward-only pointers. `p` is written only when every check passes.

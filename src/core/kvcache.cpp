@@ -25,6 +25,7 @@
 #include "core/message.h"
 #include "core/numeric.h"
 #include "core/params.h"
+#include "core/validate.h"
 
 namespace flare {
 namespace {
@@ -35,39 +36,13 @@ bool has_elements(const TensorView& t) {
   return t.ndim > 0;
 }
 
-const char* device_name(DeviceType d) { return d == DeviceType::kCUDA ? "cuda" : "cpu"; }
-
-// Rank, non-negative sizes and strides, offsets within int64, a known device, the device of q,
-// and a non-null aligned pointer: what any tensor argument needs before it is indexed.
+// Presence, rank, the view itself and q's device (core/validate.h, the checks attention_forward
+// applies): what any tensor argument needs before it is indexed.
 Status check_tensor(const TensorView& t, const char* name, int ndim, const char* layout,
                     const TensorView& q) {
-  if (!t.defined()) return invalid(name, ": tensor is required");
-  if (t.ndim != ndim)
-    return invalid(name, ": expected ", ndim, " dimensions ", layout, ", got ", t.ndim);
-  int64_t reach = 0;
-  for (int i = 0; i < ndim; ++i) {
-    if (t.shape[i] < 0) return invalid(name, ": shape[", i, "] = ", t.shape[i], " is negative");
-    if (t.stride[i] < 0) return invalid(name, ": stride[", i, "] = ", t.stride[i], " is negative");
-    if (t.shape[i] > 1) {
-      if (t.stride[i] > (INT64_MAX - reach) / (t.shape[i] - 1))
-        return invalid(name, ": strides reach element offsets beyond int64");
-      reach += t.stride[i] * (t.shape[i] - 1);
-    }
-  }
-  if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16 &&
-      t.dtype != DType::kInt32)
-    return invalid(name, ": dtype ", static_cast<int>(t.dtype), " is not a known dtype");
-  if (t.device != q.device || (t.device == DeviceType::kCUDA && t.device_index != q.device_index))
-    return invalid(name, ": on ", device_name(t.device), ":", t.device_index, " but q is on ",
-                   device_name(q.device), ":", q.device_index,
-                   "; all tensors must share one device");
-  if (has_elements(t)) {
-    if (t.data == nullptr) return invalid(name, ": data pointer is null");
-    if (reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
-      return invalid(name, ": data pointer is not aligned to its ", dtype_size(t.dtype),
-                     "-byte elements");
-  }
-  return {};
+  FLARE_RETURN_IF_ERROR(check_tensor_rank(t, name, ndim, layout));
+  FLARE_RETURN_IF_ERROR(check_tensor_view(t, name));
+  return check_same_device_as_q(t, name, q);
 }
 
 // Cache-shaped tensors: q's dtype, unit head_dim stride.
@@ -88,32 +63,16 @@ Status check_int32(const TensorView& t, const char* name, int ndim, const char* 
   return {};
 }
 
-// Byte ranges [lo, hi) of a view; empty views have none. Outputs and the written caches are
-// checked on these ranges, a conservative test (two interleaved views of one buffer count as
-// overlapping) that needs no knowledge of the layouts.
-struct ByteRange {
-  std::uintptr_t lo = 0, hi = 0;
-};
-ByteRange byte_range(const TensorView& t) {
-  if (!has_elements(t)) return {};
-  int64_t reach = 0;
-  for (int i = 0; i < t.ndim; ++i) reach += t.stride[i] * (t.shape[i] - 1);
-  const auto lo = reinterpret_cast<std::uintptr_t>(t.data);
-  return {lo, lo + static_cast<std::uintptr_t>((reach + 1) * static_cast<int64_t>(dtype_size(t.dtype)))};
-}
-bool ranges_meet(const TensorView& a, const TensorView& b) {
-  const ByteRange ra = byte_range(a), rb = byte_range(b);
-  return ra.lo < ra.hi && rb.lo < rb.hi && ra.lo < rb.hi && rb.lo < ra.hi;
-}
-
 struct Named {
   const TensorView* view;
   const char* name;
 };
 
+// A tensor flare writes (an output, or a cache it appends to) may share no byte with another
+// argument (core/validate.h's test: exact for views of one lattice, else conservative).
 Status check_written_disjoint(const Named& out, std::initializer_list<Named> others) {
   for (const Named& in : others)
-    if (in.view != out.view && ranges_meet(*out.view, *in.view))
+    if (in.view != out.view && tensors_share_memory(*out.view, *in.view))
       return invalid(out.name, ": shares memory with ", in.name,
                      "; a tensor flare writes must not overlap any other argument");
   return {};
@@ -355,8 +314,7 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
                               Stream stream) {
   (void)stream;  // used once CUDA kernels exist
   // q, o, lse and the options: attention_forward's own checks, with q standing in for k and v.
-  if (!q.defined()) return invalid("q: tensor is required");
-  if (q.ndim != 4) return invalid("q: expected 4 dimensions (batch, seqlen_q, heads_q, head_dim), got ", q.ndim);
+  FLARE_RETURN_IF_ERROR(check_tensor_rank(q, "q", 4, "(batch, seqlen_q, heads_q, head_dim)"));
   if (options.dropout_p != 0.0f)
     return invalid("dropout_p: must be 0; decoding with a KV cache has no dropout");
   // The packed lse is allocated before the rest of q is checked (it stands in for an lse the
