@@ -166,15 +166,7 @@ int main(int argc, char** argv) {
   // Each row with the case it measured (rows of several lengths go to one file).
   std::vector<std::pair<cp_bench::Problem, cp_bench::Row>> rows;
   for (int64_t s : a.seqlens) {
-    cp_bench::Problem p;
-    p.b = a.b;
-    p.h = a.h;
-    p.h_kv = a.h_kv;
-    p.d = a.d;
-    p.causal = a.causal;
-    p.s = s;
-    p.warmup = a.warmup;
-    p.iters = a.iters;
+    const cp_bench::Problem p = cp_bench::problem_at(a, s);
     cp_bench::Measure single_f, single_fb;
     bool have_single = false;
     if (a.single) {

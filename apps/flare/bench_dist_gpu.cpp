@@ -110,15 +110,7 @@ int run_bench_dist_on_gpus(const BenchDistArgs& a) {
   std::vector<std::pair<cp_bench::Problem, cp_bench::Row>> rows;
   int failures = 0;
   for (int64_t s : a.seqlens) {
-    cp_bench::Problem p;
-    p.b = a.b;
-    p.h = a.h;
-    p.h_kv = a.h_kv;
-    p.d = a.d;
-    p.causal = a.causal;
-    p.s = s;
-    p.warmup = a.warmup;
-    p.iters = a.iters;
+    const cp_bench::Problem p = cp_bench::problem_at(a, s);
     const size_t first = rows.size();
     cp_bench::Measure single_f, single_fb;
     bool have_single = false;

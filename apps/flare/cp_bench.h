@@ -40,6 +40,22 @@ struct Problem {
   int warmup = 3, iters = 10;
 };
 
+// The case of sequence length s under a command line's settings: `flags` is any struct with the
+// fields b, h, h_kv, d, causal, warmup and iters (flare bench-dist's and ring_bench's arguments).
+template <class Flags>
+Problem problem_at(const Flags& flags, int64_t s) {
+  Problem p;
+  p.b = flags.b;
+  p.h = flags.h;
+  p.h_kv = flags.h_kv;
+  p.d = flags.d;
+  p.causal = flags.causal;
+  p.s = s;
+  p.warmup = flags.warmup;
+  p.iters = flags.iters;
+  return p;
+}
+
 // One rank's (or the slowest rank's) figures for one pass, per call. compute_ms_sum is the sum
 // over ranks of compute_ms (the per-block baseline); on one rank it equals compute_ms.
 struct Measure {
