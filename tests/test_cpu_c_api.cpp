@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "flare/c_api.h"
+#include "test_c_api_util.h"
 #include "test_util.h"
 
 extern "C" int flare_c_forward(void* q, void* k, void* v, void* o, void* lse,
@@ -20,6 +21,8 @@ extern "C" int flare_c_forward(void* q, void* k, void* v, void* o, void* lse,
 
 namespace flare::test {
 namespace {
+
+using test::to_c;  // test_c_api_util.h's, overloaded below for this file's structs
 
 // The C enums are the C++ enums by value; bindings rely on it.
 static_assert(FLARE_OK == static_cast<int>(StatusCode::kOk));
@@ -38,22 +41,6 @@ static_assert(FLARE_BACKEND_AUTO == static_cast<int>(Backend::kAuto));
 static_assert(FLARE_BACKEND_REFERENCE == static_cast<int>(Backend::kReference));
 static_assert(FLARE_BACKEND_FLASH == static_cast<int>(Backend::kFlash));
 static_assert(kMaxDims == 4, "flare_tensor holds 4 dimensions");
-
-constexpr unsigned char kSentinel = 0xA5;
-
-flare_tensor to_c(const TensorView& t) {
-  flare_tensor c{};
-  c.data = t.data;
-  c.dtype = static_cast<int32_t>(t.dtype);
-  c.device = static_cast<int32_t>(t.device);
-  c.device_index = t.device_index;
-  c.ndim = t.ndim;
-  for (int i = 0; i < kMaxDims; ++i) {
-    c.shape[i] = t.shape[i];
-    c.stride[i] = t.stride[i];
-  }
-  return c;
-}
 
 flare_attention_options to_c(const AttentionOptions& o) {
   flare_attention_options c = flare_default_options();
@@ -117,15 +104,13 @@ std::vector<const HostTensor*> outputs(const Problem& pr) {
 const char* const kOutputNames[] = {"o", "lse", "dq", "dk", "dv"};
 
 void fill_sentinel(Problem& pr) {
-  for (HostTensor* t : {&pr.o, &pr.lse, &pr.dq, &pr.dk, &pr.dv})
-    std::fill(t->bytes.begin(), t->bytes.end(), kSentinel);
+  for (HostTensor* t : {&pr.o, &pr.lse, &pr.dq, &pr.dk, &pr.dv}) fill_with_sentinel(t);
 }
 
 ::testing::AssertionResult outputs_untouched(const Problem& pr) {
   const std::vector<const HostTensor*> outs = outputs(pr);
   for (size_t i = 0; i < outs.size(); ++i) {
-    const std::vector<unsigned char>& b = outs[i]->bytes;
-    if (std::any_of(b.begin(), b.end(), [](unsigned char c) { return c != kSentinel; }))
+    if (!holds_only_sentinel(*outs[i]))
       return ::testing::AssertionFailure() << kOutputNames[i] << " was written by a rejected call";
   }
   return ::testing::AssertionSuccess();

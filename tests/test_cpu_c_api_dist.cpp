@@ -16,6 +16,7 @@
 
 #include "flare/c_api.h"
 #include "flare/dist.h"
+#include "test_c_api_util.h"
 #include "test_dist_util.h"
 #include "test_util.h"
 
@@ -27,6 +28,8 @@ extern "C" int flare_c_cp_rank(flare_comm* comm, int32_t strategy, int32_t causa
 namespace flare::test {
 namespace {
 
+using test::to_c;  // test_c_api_util.h's, overloaded below for this file's structs
+
 // The C enums and structs mirror dist.h by value and size; bindings rely on it.
 static_assert(FLARE_CP_RING == static_cast<int>(dist::Strategy::kRing));
 static_assert(FLARE_CP_ZIGZAG == static_cast<int>(dist::Strategy::kZigzag));
@@ -34,22 +37,7 @@ static_assert(FLARE_CP_ALL_TO_ALL == static_cast<int>(dist::Strategy::kAllToAll)
 static_assert(sizeof(flare_nccl_id) == sizeof(dist::NcclId));
 
 constexpr int kTimeoutMs = 60000;  // a correct run never waits for it
-constexpr unsigned char kSentinel = 0xA5;
 using Clock = std::chrono::steady_clock;
-
-flare_tensor to_c(const TensorView& t) {
-  flare_tensor c{};
-  c.data = t.data;
-  c.dtype = static_cast<int32_t>(t.dtype);
-  c.device = static_cast<int32_t>(t.device);
-  c.device_index = t.device_index;
-  c.ndim = t.ndim;
-  for (int i = 0; i < kMaxDims; ++i) {
-    c.shape[i] = t.shape[i];
-    c.stride[i] = t.stride[i];
-  }
-  return c;
-}
 
 flare_cp_config to_c(const dist::ContextParallelConfig& cfg) {
   flare_cp_config c = flare_default_cp_config();
@@ -135,14 +123,7 @@ int c_forward_backward(flare_comm* comm, const flare_cp_config& config, Local& l
 std::vector<Local> cpp_locals(const CpCase& c, const Problem& pr) {
   std::vector<Local> locals = make_locals(c, pr);
   auto comms = in_process_group(c.world, kTimeoutMs);
-  const std::vector<Status> st = run_ranks(comms, [&](dist::Communicator& comm) -> Status {
-    std::unique_ptr<dist::ContextParallelAttention> cp;
-    FLARE_RETURN_IF_ERROR(dist::ContextParallelAttention::create(&comm, config_of(c), &cp));
-    Local& l = locals[comm.rank()];
-    FLARE_RETURN_IF_ERROR(cp->forward(l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view));
-    return cp->backward(l.dout.view, l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view,
-                        l.dq.view, l.dk.view, l.dv.view);
-  });
+  const std::vector<Status> st = run_ranks_forward_backward(c, comms, locals);
   for (int r = 0; r < c.world; ++r) EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
   return locals;
 }
@@ -161,13 +142,12 @@ std::vector<Local> cpp_locals(const CpCase& c, const Problem& pr) {
 }
 
 void fill_sentinel(Local& l) {
-  for (HostTensor* t : {&l.o, &l.lse, &l.dq, &l.dk, &l.dv})
-    std::fill(t->bytes.begin(), t->bytes.end(), kSentinel);
+  for (HostTensor* t : {&l.o, &l.lse, &l.dq, &l.dk, &l.dv}) fill_with_sentinel(t);
 }
 
 ::testing::AssertionResult untouched(const Local& l) {
   for (const HostTensor* t : {&l.o, &l.lse, &l.dq, &l.dk, &l.dv})
-    if (std::any_of(t->bytes.begin(), t->bytes.end(), [](unsigned char b) { return b != kSentinel; }))
+    if (!holds_only_sentinel(*t))
       return ::testing::AssertionFailure() << "an output was written by a rejected call";
   return ::testing::AssertionSuccess();
 }

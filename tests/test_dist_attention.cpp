@@ -34,14 +34,7 @@ void run_case(const CpCase& c) {
   std::vector<Local> locals = make_locals(c, pr);
   auto comms = in_process_group(c.world, kTimeoutMs);
   const auto t0 = Clock::now();
-  const std::vector<Status> st = run_ranks(comms, [&](Communicator& comm) -> Status {
-    std::unique_ptr<ContextParallelAttention> cp;
-    FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
-    Local& l = locals[comm.rank()];
-    FLARE_RETURN_IF_ERROR(cp->forward(l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view));
-    return cp->backward(l.dout.view, l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view,
-                        l.dq.view, l.dk.view, l.dv.view);
-  });
+  const std::vector<Status> st = run_ranks_forward_backward(c, comms, locals);
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   for (int r = 0; r < c.world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
   gather_outputs(c, locals, &pr);
@@ -51,13 +44,7 @@ void run_case(const CpCase& c) {
 
 // ---- every strategy × rank count × mask, forward and backward ----------------------------------
 
-struct GridParam {
-  Strategy strategy;
-  int world;
-  bool causal;
-};
-
-class Grid : public ::testing::TestWithParam<GridParam> {};
+class Grid : public ::testing::TestWithParam<CpGridParam> {};
 
 // Sequence lengths not divisible by the ranks (nor by 2·ranks): uneven chunks everywhere. GQA
 // 2:1 (all-to-all: as many K/V heads as ranks, since each rank takes whole heads).
@@ -69,22 +56,10 @@ TEST_P(Grid, MatchesSingleDeviceReference) {
   run_case(with_strategy(c, GetParam().strategy));
 }
 
-std::vector<GridParam> grid() {
-  std::vector<GridParam> g;
-  for (Strategy st : {Strategy::kRing, Strategy::kZigzag, Strategy::kAllToAll})
-    for (int world : {2, 3, 4, 8})
-      for (bool causal : {false, true}) g.push_back({st, world, causal});
-  return g;
-}
-
-INSTANTIATE_TEST_SUITE_P(Dist, Grid, ::testing::ValuesIn(grid()),
-                         [](const ::testing::TestParamInfo<GridParam>& i) {
-                           std::string name = dist::strategy_name(i.param.strategy);
-                           if (i.param.strategy == Strategy::kAllToAll) name = "alltoall";
-                           return name + "_" +
-                                  std::to_string(i.param.world) + "ranks_" +
-                                  (i.param.causal ? "causal" : "full");
-                         });
+INSTANTIATE_TEST_SUITE_P(Dist, Grid,
+                         ::testing::ValuesIn(cp_grid({Strategy::kRing, Strategy::kZigzag,
+                                                      Strategy::kAllToAll})),
+                         cp_grid_name);
 
 // ---- features ----------------------------------------------------------------------------------
 
@@ -236,10 +211,7 @@ TEST(ContextParallel, TimingCountsTheRingsTraffic) {
       std::unique_ptr<ContextParallelAttention> cp;
       FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
       FLARE_RETURN_IF_ERROR(cp->set_timing(true));
-      Local& l = locals[comm.rank()];
-      FLARE_RETURN_IF_ERROR(cp->forward(l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view));
-      FLARE_RETURN_IF_ERROR(cp->backward(l.dout.view, l.q.view, l.k.view, l.v.view, l.o.view,
-                                         l.lse.view, l.dq.view, l.dk.view, l.dv.view));
+      FLARE_RETURN_IF_ERROR(forward_backward(*cp, locals[comm.rank()]));
       return cp->take_timing(&timing[comm.rank()]);
     });
     for (int r = 0; r < c.world; ++r) {

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <thread>
@@ -66,12 +67,12 @@ inline bool has(const Status& s, const std::string& text) {
 
 // ---- one context-parallel case ------------------------------------------------------------------
 
-struct CpCase {
+// What a fixed-length case (CpCase) and a packed one (VarlenCpCase, test_dist_varlen_util.h) both
+// set: the strategy, the group, the heads, the dtype and the attention options.
+struct CpCaseBase {
   dist::Strategy strategy = dist::Strategy::kZigzag;
   int world = 2;
   bool causal = true;
-  int batch = 2;
-  int seqlen = 24;
   int heads_q = 4;
   int heads_kv = 2;
   int head_dim = 64;
@@ -79,6 +80,11 @@ struct CpCase {
   float softcap = 0.0f;
   int window_left = -1, window_right = -1;
   bool deterministic = false;
+};
+
+struct CpCase : CpCaseBase {
+  int batch = 2;
+  int seqlen = 24;
   int64_t pad = 0;  // extra row stride of the local tensors
 };
 
@@ -103,7 +109,7 @@ inline CpCase with_strategy(CpCase c, dist::Strategy st) {
   return c;
 }
 
-inline AttentionOptions options_of(const CpCase& c) {
+inline AttentionOptions options_of(const CpCaseBase& c) {
   AttentionOptions o;
   o.causal = c.causal;
   o.softcap = c.softcap;
@@ -113,11 +119,11 @@ inline AttentionOptions options_of(const CpCase& c) {
   return o;
 }
 
-inline dist::ContextParallelConfig config_of(const CpCase& c) {
+// The config's fields every layout shares; the layout's own (batch and seqlen, or cu_seqlens) are
+// the caller's to set.
+inline dist::ContextParallelConfig base_config_of(const CpCaseBase& c) {
   dist::ContextParallelConfig cfg;
   cfg.strategy = c.strategy;
-  cfg.batch = c.batch;
-  cfg.seqlen = c.seqlen;
   cfg.heads_q = c.heads_q;
   cfg.heads_kv = c.heads_kv;
   cfg.head_dim = c.head_dim;
@@ -126,18 +132,29 @@ inline dist::ContextParallelConfig config_of(const CpCase& c) {
   return cfg;
 }
 
+inline dist::ContextParallelConfig config_of(const CpCase& c) {
+  dist::ContextParallelConfig cfg = base_config_of(c);
+  cfg.batch = c.batch;
+  cfg.seqlen = c.seqlen;
+  return cfg;
+}
+
 // The global problem of a case (fresh seed; printed on failure by the checks). make_problem of
-// one spec twice gives the same inputs.
-inline ProblemSpec spec_of(const CpCase& c) {
+// one spec twice gives the same inputs. base_spec_of fills what every layout shares.
+inline ProblemSpec base_spec_of(const CpCaseBase& c) {
   ProblemSpec spec;
-  spec.batch = c.batch;
-  spec.seqlen_q = spec.seqlen_k = c.seqlen;
   spec.heads_q = c.heads_q;
   spec.heads_kv = c.heads_kv;
   spec.head_dim = c.head_dim;
   spec.dtype = c.dtype;
   spec.options = options_of(c);
   spec.seed = test_seed();
+  return spec;
+}
+inline ProblemSpec spec_of(const CpCase& c) {
+  ProblemSpec spec = base_spec_of(c);
+  spec.batch = c.batch;
+  spec.seqlen_q = spec.seqlen_k = c.seqlen;
   return spec;
 }
 inline Problem problem_of(const CpCase& c) { return make_problem(spec_of(c)); }
@@ -161,7 +178,9 @@ inline Local make_local(const CpCase& c, const Problem& pr, int rank) {
   return l;
 }
 
-inline std::vector<Local> make_locals(const CpCase& c, const Problem& pr) {
+// Every rank's local tensors of case c (CpCase, or VarlenCpCase with its own make_local).
+template <typename Case>
+std::vector<Local> make_locals(const Case& c, const Problem& pr) {
   std::vector<Local> locals;
   for (int r = 0; r < c.world; ++r) locals.push_back(make_local(c, pr, r));
   return locals;
@@ -175,6 +194,50 @@ inline void gather_outputs(const CpCase& c, const std::vector<Local>& locals, Pr
                                     {&l.dk, &pr->dk, 1}, {&l.dv, &pr->dv, 1}})
       ASSERT_TRUE(dist::unshard_sequence(local->view, dim, c.strategy, c.world, r, full->view).ok());
   }
+}
+
+// One rank's forward then backward on its host tensors.
+inline Status forward_backward(dist::ContextParallelAttention& cp, Local& l) {
+  FLARE_RETURN_IF_ERROR(cp.forward(l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view));
+  return cp.backward(l.dout.view, l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view, l.dq.view,
+                     l.dk.view, l.dv.view);
+}
+
+// Case c's forward and backward on in-process ranks, all at once, rank r with a plan of its own
+// on locals[r]; returns each rank's status.
+template <typename Case>
+std::vector<Status> run_ranks_forward_backward(
+    const Case& c, std::vector<std::unique_ptr<dist::Communicator>>& comms,
+    std::vector<Local>& locals) {
+  return run_ranks(comms, [&](dist::Communicator& comm) -> Status {
+    std::unique_ptr<dist::ContextParallelAttention> cp;
+    FLARE_RETURN_IF_ERROR(dist::ContextParallelAttention::create(&comm, config_of(c), &cp));
+    return forward_backward(*cp, locals[comm.rank()]);
+  });
+}
+
+// ---- a grid of cases: strategy × rank count × mask ----------------------------------------------
+
+struct CpGridParam {
+  dist::Strategy strategy;
+  int world;
+  bool causal;
+};
+
+inline std::vector<CpGridParam> cp_grid(std::initializer_list<dist::Strategy> strategies) {
+  std::vector<CpGridParam> g;
+  for (dist::Strategy st : strategies)
+    for (int world : {2, 3, 4, 8})
+      for (bool causal : {false, true}) g.push_back({st, world, causal});
+  return g;
+}
+
+// A test's name in the grid; GoogleTest names take letters, digits and underscores only.
+inline std::string cp_grid_name(const ::testing::TestParamInfo<CpGridParam>& i) {
+  std::string name = dist::strategy_name(i.param.strategy);
+  if (i.param.strategy == dist::Strategy::kAllToAll) name = "alltoall";
+  return name + "_" + std::to_string(i.param.world) + "ranks_" +
+         (i.param.causal ? "causal" : "full");
 }
 
 // ---- the references of a case, on every core of the host ----------------------------------------

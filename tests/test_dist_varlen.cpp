@@ -35,14 +35,7 @@ void run_case(const VarlenCpCase& c) {
   Problem pr = make_problem(spec_of(c));
   std::vector<Local> locals = make_locals(c, pr);
   auto comms = in_process_group(c.world, kTimeoutMs);
-  const std::vector<Status> st = run_ranks(comms, [&](Communicator& comm) -> Status {
-    std::unique_ptr<ContextParallelAttention> cp;
-    FLARE_RETURN_IF_ERROR(ContextParallelAttention::create(&comm, config_of(c), &cp));
-    Local& l = locals[comm.rank()];
-    FLARE_RETURN_IF_ERROR(cp->forward(l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view));
-    return cp->backward(l.dout.view, l.q.view, l.k.view, l.v.view, l.o.view, l.lse.view,
-                        l.dq.view, l.dk.view, l.dv.view);
-  });
+  const std::vector<Status> st = run_ranks_forward_backward(c, comms, locals);
   for (int r = 0; r < c.world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
   gather_outputs(c, locals, &pr);
   expect_matches_reference(pr);
@@ -56,13 +49,7 @@ std::vector<int> awkward_pack(int world) {
 
 // ---- every strategy × rank count × mask ----------------------------------------------------------
 
-struct GridParam {
-  Strategy strategy;
-  int world;
-  bool causal;
-};
-
-class VarlenGrid : public ::testing::TestWithParam<GridParam> {};
+class VarlenGrid : public ::testing::TestWithParam<CpGridParam> {};
 
 TEST_P(VarlenGrid, MatchesSingleDeviceReference) {
   VarlenCpCase c;
@@ -73,20 +60,9 @@ TEST_P(VarlenGrid, MatchesSingleDeviceReference) {
   run_case(c);
 }
 
-std::vector<GridParam> grid() {
-  std::vector<GridParam> g;
-  for (Strategy st : {Strategy::kRing, Strategy::kZigzag})
-    for (int world : {2, 3, 4, 8})
-      for (bool causal : {false, true}) g.push_back({st, world, causal});
-  return g;
-}
-
-INSTANTIATE_TEST_SUITE_P(Dist, VarlenGrid, ::testing::ValuesIn(grid()),
-                         [](const ::testing::TestParamInfo<GridParam>& i) {
-                           return std::string(dist::strategy_name(i.param.strategy)) + "_" +
-                                  std::to_string(i.param.world) + "ranks_" +
-                                  (i.param.causal ? "causal" : "full");
-                         });
+INSTANTIATE_TEST_SUITE_P(Dist, VarlenGrid,
+                         ::testing::ValuesIn(cp_grid({Strategy::kRing, Strategy::kZigzag})),
+                         cp_grid_name);
 
 // ---- features ------------------------------------------------------------------------------------
 

@@ -17,18 +17,8 @@
 
 namespace flare::test {
 
-struct VarlenCpCase {
-  dist::Strategy strategy = dist::Strategy::kZigzag;
-  int world = 2;
+struct VarlenCpCase : CpCaseBase {
   std::vector<int> seqlens = {9, 0, 14};
-  bool causal = true;
-  int heads_q = 4;
-  int heads_kv = 2;
-  int head_dim = 64;
-  DType dtype = DType::kFloat32;
-  int window_left = -1, window_right = -1;
-  float softcap = 0.0f;
-  bool deterministic = false;
 };
 
 inline std::string describe(const VarlenCpCase& c) {
@@ -50,39 +40,17 @@ inline std::vector<int32_t> cu_seqlens_of(const VarlenCpCase& c) {
   return cu;
 }
 
-inline AttentionOptions options_of(const VarlenCpCase& c) {
-  AttentionOptions o;
-  o.causal = c.causal;
-  o.window_left = c.window_left;
-  o.window_right = c.window_right;
-  o.softcap = c.softcap;
-  o.deterministic = c.deterministic;
-  return o;
-}
-
 // batch and seqlen left 0: the plan takes them from cu_seqlens.
 inline dist::ContextParallelConfig config_of(const VarlenCpCase& c) {
-  dist::ContextParallelConfig cfg;
-  cfg.strategy = c.strategy;
-  cfg.heads_q = c.heads_q;
-  cfg.heads_kv = c.heads_kv;
-  cfg.head_dim = c.head_dim;
-  cfg.dtype = c.dtype;
-  cfg.attention = options_of(c);
+  dist::ContextParallelConfig cfg = base_config_of(c);
   cfg.cu_seqlens = cu_seqlens_of(c);
   return cfg;
 }
 
 inline ProblemSpec spec_of(const VarlenCpCase& c) {
-  ProblemSpec spec;
+  ProblemSpec spec = base_spec_of(c);
   spec.batch = static_cast<int>(c.seqlens.size());
   spec.varlen_q = spec.varlen_k = c.seqlens;
-  spec.heads_q = c.heads_q;
-  spec.heads_kv = c.heads_kv;
-  spec.head_dim = c.head_dim;
-  spec.dtype = c.dtype;
-  spec.options = options_of(c);
-  spec.seed = test_seed();
   return spec;
 }
 
@@ -102,12 +70,6 @@ inline Local make_local(const VarlenCpCase& c, const Problem& pr, int rank) {
   }
   for (HostTensor* t : {&l.o, &l.lse, &l.dq, &l.dk, &l.dv}) t->poison();
   return l;
-}
-
-inline std::vector<Local> make_locals(const VarlenCpCase& c, const Problem& pr) {
-  std::vector<Local> locals;
-  for (int r = 0; r < c.world; ++r) locals.push_back(make_local(c, pr, r));
-  return locals;
 }
 
 // Every rank's outputs back into the problem's packed o, lse, dq, dk and dv.
