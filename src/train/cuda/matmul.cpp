@@ -124,6 +124,15 @@ Status set_pointers(const Plan& plan, const Call& c, const char* what) {
   return Status::ok_status();
 }
 
+// Sets one attribute of a heuristic preference unless an earlier step failed (*st holds the
+// first failure, and the preference is destroyed whatever happened).
+template <typename T>
+void set_preference(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr,
+                    const T& value, cublasStatus_t* st) {
+  if (*st == CUBLAS_STATUS_SUCCESS)
+    *st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value);
+}
+
 // Builds the descriptors of a call and asks the heuristic for its algorithm (first call of a
 // shape only).
 Status make_plan(MatmulContext::State& s, const Call& c, Plan* plan, const char* what) {
@@ -159,23 +168,13 @@ Status make_plan(MatmulContext::State& s, const Call& c, Plan* plan, const char*
   const uint32_t align_a = alignment(c.a), align_b = alignment(c.b), align_d = alignment(c.d);
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                              &schemes, sizeof schemes);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                              &align_a, sizeof align_a);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                              &align_b, sizeof align_b);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                              &align_d, sizeof align_d);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                              &align_d, sizeof align_d);
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  set_preference(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace, &st);
+  set_preference(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, schemes, &st);
+  set_preference(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a, &st);
+  set_preference(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b, &st);
+  set_preference(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d, &st);
+  set_preference(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d, &st);
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulAlgoGetHeuristic(s.handle, plan->desc, plan->a, plan->b, plan->c, plan->c,
                                         pref, 1, &result, &found);

@@ -183,20 +183,34 @@ Status launch_forward(const NormParams& p, cudaStream_t stream, const char* op) 
   return launch_status(op);
 }
 
-NormParams forward_params(bf16* out, float* mean, float* rstd, const bf16* x, const bf16* weight,
-                          const bf16* bias, int64_t rows, int64_t channels, float eps) {
+// The four forwards in one: kRms has no mean and no bias; kResidual adds `branch` to x (then
+// named residual) and writes the sum to residual_out. Pointers are checked outputs first, then
+// inputs in argument order.
+template <bool kRms, bool kResidual>
+Status norm_forward(const char* op, const bf16* x, const bf16* branch, const bf16* weight,
+                    const bf16* bias, bf16* residual_out, bf16* out, float* mean, float* rstd,
+                    int64_t rows, int64_t channels, float eps, cudaStream_t stream) {
+  FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
+  if (kResidual) FLARE_RETURN_IF_ERROR(check_pointer(op, "residual_out", residual_out));
+  FLARE_RETURN_IF_ERROR(check_pointer(op, "out", out));
+  FLARE_RETURN_IF_ERROR(check_pointer(op, kResidual ? "residual" : "x", x));
+  if (kResidual) FLARE_RETURN_IF_ERROR(check_pointer(op, "branch", branch));
+  FLARE_RETURN_IF_ERROR(check_pointer(op, "weight", weight));
+  if (!kRms) FLARE_RETURN_IF_ERROR(check_pointer(op, "bias", bias));
   NormParams p{};
   p.x = x;
+  p.branch = kResidual ? branch : nullptr;
   p.weight = weight;
-  p.bias = bias;
+  p.bias = kRms ? nullptr : bias;
+  p.residual_out = kResidual ? residual_out : nullptr;
   p.out = out;
-  p.mean = mean;
+  p.mean = kRms ? nullptr : mean;
   p.rstd = rstd;
   p.rows = rows;
   p.channels = channels;
   p.inv_channels = 1.0f / static_cast<float>(channels);
   p.eps = eps;
-  return p;
+  return launch_forward<kRms, kResidual>(p, stream, op);
 }
 
 }  // namespace
@@ -204,59 +218,29 @@ NormParams forward_params(bf16* out, float* mean, float* rstd, const bf16* x, co
 Status layernorm_forward(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
                          float* mean, float* rstd, int64_t rows, int64_t channels, float eps,
                          cudaStream_t stream) {
-  const char* op = "layernorm_forward";
-  FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "out", out));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "x", x));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "weight", weight));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "bias", bias));
-  const NormParams p = forward_params(out, mean, rstd, x, weight, bias, rows, channels, eps);
-  return launch_forward<false, false>(p, stream, op);
+  return norm_forward<false, false>("layernorm_forward", x, nullptr, weight, bias, nullptr, out,
+                                    mean, rstd, rows, channels, eps, stream);
 }
 
 Status rmsnorm_forward(const bf16* x, const bf16* weight, bf16* out, float* rstd, int64_t rows,
                        int64_t channels, float eps, cudaStream_t stream) {
-  const char* op = "rmsnorm_forward";
-  FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "out", out));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "x", x));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "weight", weight));
-  const NormParams p = forward_params(out, nullptr, rstd, x, weight, nullptr, rows, channels, eps);
-  return launch_forward<true, false>(p, stream, op);
+  return norm_forward<true, false>("rmsnorm_forward", x, nullptr, weight, nullptr, nullptr, out,
+                                   nullptr, rstd, rows, channels, eps, stream);
 }
 
 Status residual_layernorm_forward(const bf16* residual, const bf16* branch, const bf16* weight,
                                   const bf16* bias, bf16* residual_out, bf16* out, float* mean,
                                   float* rstd, int64_t rows, int64_t channels, float eps,
                                   cudaStream_t stream) {
-  const char* op = "residual_layernorm_forward";
-  FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "residual_out", residual_out));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "out", out));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "residual", residual));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "branch", branch));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "weight", weight));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "bias", bias));
-  NormParams p = forward_params(out, mean, rstd, residual, weight, bias, rows, channels, eps);
-  p.branch = branch;
-  p.residual_out = residual_out;
-  return launch_forward<false, true>(p, stream, op);
+  return norm_forward<false, true>("residual_layernorm_forward", residual, branch, weight, bias,
+                                   residual_out, out, mean, rstd, rows, channels, eps, stream);
 }
 
 Status residual_rmsnorm_forward(const bf16* residual, const bf16* branch, const bf16* weight,
                                 bf16* residual_out, bf16* out, float* rstd, int64_t rows,
                                 int64_t channels, float eps, cudaStream_t stream) {
-  const char* op = "residual_rmsnorm_forward";
-  FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, eps));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "residual_out", residual_out));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "out", out));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "residual", residual));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "branch", branch));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "weight", weight));
-  NormParams p = forward_params(out, nullptr, rstd, residual, weight, nullptr, rows, channels, eps);
-  p.branch = branch;
-  p.residual_out = residual_out;
-  return launch_forward<true, true>(p, stream, op);
+  return norm_forward<true, true>("residual_rmsnorm_forward", residual, branch, weight, nullptr,
+                                  residual_out, out, nullptr, rstd, rows, channels, eps, stream);
 }
 
 int64_t norm_backward_scratch_bytes(int64_t rows, int64_t channels) {
