@@ -4,6 +4,7 @@
 #include "train/cpu/model.h"
 
 #include <algorithm>
+#include <numeric>
 #include <string>
 
 #include "core/message.h"
@@ -37,9 +38,10 @@ QkvViews qkv_views(const float* qkv, const ModelConfig& c, int64_t B, int64_t T)
           view(c.n_head + c.n_kv_head, c.n_kv_head)};
 }
 
-AttentionOptions causal_attention() {
+AttentionOptions causal_attention(flare::Backend backend) {
   AttentionOptions options;
   options.causal = true;  // softmax_scale 0: 1/sqrt(head_dim)
+  options.backend = backend;
   return options;
 }
 
@@ -52,18 +54,23 @@ int64_t offset_of(const ParameterLayout& layout, const std::string& name) {
 
 // ---- Construction -------------------------------------------------------------------------------
 
-Status CpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq_len,
-                        std::unique_ptr<CpuModel>* out) {
+CpuModel::~CpuModel() = default;
+
+Status CpuModel::create(const ModelConfig& config, int64_t batch, int64_t global_seq_len,
+                        std::unique_ptr<CpuModel>* out, dist::Communicator* cp,
+                        flare::Backend attention_backend) {
   FLARE_RETURN_IF_ERROR(validate_model_config(config));
   if (batch < 1) return invalid("batch = ", batch, " must be at least 1");
-  if (seq_len < 1 || seq_len > config.max_seq) {
-    return invalid("seq_len = ", seq_len, " must be in [1, max_seq = ", config.max_seq, "]");
+  if (global_seq_len < 1 || global_seq_len > config.max_seq) {
+    return invalid("seq_len = ", global_seq_len, " must be in [1, max_seq = ", config.max_seq, "]");
   }
   std::unique_ptr<CpuModel> m(new CpuModel());
   m->config_ = config;
   m->layout_ = parameter_layout(config);
   m->batch_ = batch;
-  m->seq_len_ = seq_len;
+  m->attention_ = causal_attention(attention_backend);
+  FLARE_RETURN_IF_ERROR(m->split_sequence(global_seq_len, cp));
+  const int64_t seq_len = m->seq_len_;
 
   const ParameterLayout& L = m->layout_;
   m->embed_ = offset_of(L, "embed.weight");
@@ -100,10 +107,17 @@ Status CpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq_le
 
   m->tokens_.resize(sz(N));
   if (!gpt) {
-    m->rope_cos_.resize(sz(seq_len * hd / 2));
-    m->rope_sin_.resize(sz(seq_len * hd / 2));
-    rope_table(m->rope_cos_.data(), m->rope_sin_.data(), seq_len, hd, config.rope_theta,
-               config.rope_scaling);
+    // The table over every global position, then the rows of this model's positions.
+    const int64_t half = hd / 2;
+    std::vector<float> cos(sz(global_seq_len * half)), sin(cos.size());
+    rope_table(cos.data(), sin.data(), global_seq_len, hd, config.rope_theta, config.rope_scaling);
+    m->rope_cos_.resize(sz(seq_len * half));
+    m->rope_sin_.resize(sz(seq_len * half));
+    for (int64_t j = 0; j < seq_len; ++j) {
+      const int64_t p = m->positions_[sz(j)];
+      std::copy_n(cos.begin() + p * half, half, m->rope_cos_.begin() + j * half);
+      std::copy_n(sin.begin() + p * half, half, m->rope_sin_.begin() + j * half);
+    }
   }
   m->layers_.resize(sz(config.n_layer));
   for (LayerActivations& a : m->layers_) {
@@ -138,12 +152,57 @@ Status CpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq_le
   return Status::ok_status();
 }
 
+// This model's rows of each sequence: all of them, or a context-parallel rank's zigzag share.
+Status CpuModel::split_sequence(int64_t global_seq_len, dist::Communicator* cp) {
+  const int ranks = cp ? cp->size() : 1;
+  seq_len_ = global_seq_len;
+  positions_.resize(sz(global_seq_len));
+  std::iota(positions_.begin(), positions_.end(), int64_t{0});
+  if (ranks == 1) return Status::ok_status();
+  if (cp->device() != DeviceType::kCPU) {
+    return invalid("cp: the CPU model needs a communicator over host memory, got ", cp->kind());
+  }
+  if (global_seq_len % (2 * ranks) != 0) {
+    return invalid("seq_len = ", global_seq_len, " must be a multiple of 2 x ", ranks,
+                   " context-parallel ranks (the zigzag layout's equal chunks)");
+  }
+  dist::SequenceShard shard;
+  FLARE_RETURN_IF_ERROR(dist::sequence_shard(dist::Strategy::kZigzag, global_seq_len, ranks, cp->rank(), &shard));
+  seq_len_ = shard.length;
+  positions_.clear();
+  for (int c = 0; c < shard.count; ++c) {
+    for (int64_t i = 0; i < shard.chunk[c].length; ++i) positions_.push_back(shard.chunk[c].global_begin + i);
+  }
+  dist::ContextParallelConfig cfg;
+  cfg.strategy = dist::Strategy::kZigzag;
+  cfg.batch = static_cast<int>(batch_);
+  cfg.seqlen = global_seq_len;
+  cfg.heads_q = static_cast<int>(config_.n_head);
+  cfg.heads_kv = static_cast<int>(config_.n_kv_head);
+  cfg.head_dim = static_cast<int>(config_.head_dim);
+  cfg.dtype = DType::kFloat32;
+  cfg.attention = attention_;
+  return dist::ContextParallelAttention::create(cp, cfg, &cp_);
+}
+
+Status CpuModel::attend_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& o, const TensorView& lse) {
+  return cp_ ? cp_->forward(q, k, v, o, lse) : attention_forward(q, k, v, o, lse, attention_);
+}
+
+Status CpuModel::attend_backward(const TensorView& d_o, const TensorView& q, const TensorView& k,
+                                 const TensorView& v, const TensorView& o, const TensorView& lse,
+                                 const TensorView& dq, const TensorView& dk, const TensorView& dv) {
+  return cp_ ? cp_->backward(d_o, q, k, v, o, lse, dq, dk, dv)
+             : attention_backward(d_o, q, k, v, o, lse, dq, dk, dv, attention_);
+}
+
 // ---- Layers -------------------------------------------------------------------------------------
 
 // tokens (N) → x (N, d): token embedding, plus the learned position embedding for GPT.
 Status CpuModel::embed_forward(const float* params, const int32_t* tokens, float* x) {
   return embedding_forward(tokens, params + embed_, at(params, pos_embed_), x, batch_ * seq_len_,
-                           seq_len_, config_.vocab_size, config_.d_model);
+                           seq_len_, config_.vocab_size, config_.d_model, positions_.data());
 }
 
 // The family's norm: LayerNorm with bias (GPT; saves mean and rstd) or RMSNorm (LLaMA; saves rstd).
@@ -193,7 +252,7 @@ Status CpuModel::attention_block_forward(const float* params, const LayerOffsets
                                               {batch_, seq_len_, c.n_head, c.head_dim});
   const TensorView lse = TensorView::contiguous(a.attn_lse.data(), DType::kFloat32,
                                                 {batch_, c.n_head, seq_len_});
-  FLARE_RETURN_IF_ERROR(attention_forward(qkv.q, qkv.k, qkv.v, o, lse, causal_attention()));
+  FLARE_RETURN_IF_ERROR(attend_forward(qkv.q, qkv.k, qkv.v, o, lse));
   // (N, q_width) → (N, d), then the residual add.
   matmul_forward(a.attn_out.data(), params + w.attn_out_weight, at(params, w.attn_out_bias),
                  a.mid.data(), N, q_width, d);
@@ -230,8 +289,7 @@ Status CpuModel::attention_block_backward(const float* params, float* grads,
                                           {batch_, c.n_head, seq_len_});
   const auto d_o = TensorView::contiguous(d_attn_out_.data(), DType::kFloat32,
                                           {batch_, seq_len_, c.n_head, c.head_dim});
-  FLARE_RETURN_IF_ERROR(attention_backward(d_o, qkv.q, qkv.k, qkv.v, o, lse, d_qkv.q, d_qkv.k,
-                                           d_qkv.v, causal_attention()));
+  FLARE_RETURN_IF_ERROR(attend_backward(d_o, qkv.q, qkv.k, qkv.v, o, lse, d_qkv.q, d_qkv.k, d_qkv.v));
   if (separate_dq) {
     for (int64_t n = 0; n < N; ++n) {
       std::copy(d_q_.begin() + n * q_width, d_q_.begin() + (n + 1) * q_width,
@@ -353,7 +411,7 @@ Status CpuModel::backward(const float* params, float* grads) {
 
   // d_resid_ is now the gradient of the embedding output.
   embedding_backward(d_resid_.data(), tokens_.data(), grads + embed_, at(grads, pos_embed_), N,
-                     seq_len_, d);
+                     seq_len_, d, positions_.data());
   return Status::ok_status();
 }
 

@@ -16,6 +16,13 @@
 // K and V keep n_kv_head heads), called on strided views into the fused qkv rows, so q, k and v
 // are never copied out. It is the CPU flash backend, fp32 in and out.
 //
+// Context parallel (create() with a communicator of several ranks): each rank runs its own model
+// on its share of every sequence, the rows the zigzag layout gives it (dist.h sequence_shard:
+// chunks r and 2·ranks − 1 − r of 2·ranks), at their global positions (RoPE and the learned
+// position embedding read positions()); the attention core is flare's context-parallel attention
+// over the communicator, every other layer works row by row as before. The loss and gradients are
+// then this rank's share, which data parallelism over all ranks adds up (backend.h).
+//
 // Activations live in buffers owned by the model, sized once for (batch, seq_len); forward()
 // keeps everything backward() needs. Gradients are accumulated (+=) into the caller's buffer, so
 // the caller zeroes it once per optimizer step and micro-batches add up.
@@ -25,6 +32,7 @@
 #include <memory>
 #include <vector>
 
+#include "flare/dist.h"
 #include "flare/status.h"
 #include "train/core/model_config.h"
 #include "train/cpu/ops.h"
@@ -65,10 +73,19 @@ class CpuModel {
  public:
   // Validates the config (validate_model_config) and the sizes: batch ≥ 1, 1 ≤ seq_len ≤
   // config.max_seq, and allocates the activations for batch × seq_len tokens.
+  // With cp (not owned; outlives the model; a CPU communicator of more than one rank) the model is
+  // this rank's part of a context-parallel group: seq_len is the global length, a multiple of
+  // 2 · cp->size(), the model holds seq_len / cp->size() rows of each sequence (seq_len() below)
+  // and create() is collective over cp.
+  // attention_backend picks flare's CPU attention backend (kReference: float64 arithmetic rounded
+  // to fp32 once, for comparisons against exact attention).
   static Status create(const ModelConfig& config, int64_t batch, int64_t seq_len,
-                       std::unique_ptr<CpuModel>* out);
+                       std::unique_ptr<CpuModel>* out, dist::Communicator* cp = nullptr,
+                       flare::Backend attention_backend = flare::Backend::kAuto);
+  ~CpuModel();
 
-  // Forward over tokens (batch, seq_len) int32 in [0, vocab_size). With targets (batch, seq_len)
+  // Forward over tokens (batch, seq_len()) int32 in [0, vocab_size) — context parallel: this
+  // rank's rows, positions() of each sequence, in that order. With targets (batch, seq_len())
   // int32 in [0, vocab_size) or −1 (ignored), writes the mean loss into *result and keeps
   // dlogits for backward(); targets may be nullptr to compute only the logits.
   // params: layout().total floats. Returns invalid_argument for an out-of-range token or target.
@@ -83,7 +100,9 @@ class CpuModel {
   const ModelConfig& config() const { return config_; }
   const ParameterLayout& layout() const { return layout_; }
   int64_t batch() const { return batch_; }
-  int64_t seq_len() const { return seq_len_; }
+  int64_t seq_len() const { return seq_len_; }  // rows per sequence this model holds
+  // The global position of each of those rows (0 … seq_len() − 1 without context parallelism).
+  const std::vector<int64_t>& positions() const { return positions_; }
   // (N, padded_vocab): the last forward's logits, or its dlogits once it had targets.
   const std::vector<float>& logits() const { return logits_; }
 
@@ -94,6 +113,9 @@ class CpuModel {
   ParameterLayout layout_;
   int64_t batch_ = 0, seq_len_ = 0;
   bool have_dlogits_ = false;
+  AttentionOptions attention_;                           // causal, the chosen backend
+  std::vector<int64_t> positions_;                       // (seq_len_)
+  std::unique_ptr<dist::ContextParallelAttention> cp_;   // context parallel only
 
   // Offsets into the flat buffers.
   int64_t embed_ = -1, pos_embed_ = -1, final_norm_weight_ = -1, final_norm_bias_ = -1, head_ = -1;
@@ -101,7 +123,7 @@ class CpuModel {
 
   // Forward activations. N = batch · seq_len, d = d_model.
   std::vector<int32_t> tokens_;           // (N) the last forward's tokens
-  std::vector<float> rope_cos_, rope_sin_; // (seq_len, head_dim / 2) LLaMA only
+  std::vector<float> rope_cos_, rope_sin_; // (seq_len, head_dim / 2) LLaMA only, row j at positions_[j]
   std::vector<LayerActivations> layers_;
   std::vector<float> final_in_;           // (N, d) the last layer's output
   std::vector<float> final_norm_;         // (N, d)
@@ -132,6 +154,13 @@ class CpuModel {
                          float* out);
   void mlp_block_backward(const float* params, float* grads, const LayerOffsets& w,
                           const LayerActivations& a);
+  Status split_sequence(int64_t global_seq_len, dist::Communicator* cp);
+  // The attention core: flare's attention, or the context-parallel group's.
+  Status attend_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& o, const TensorView& lse);
+  Status attend_backward(const TensorView& d_o, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const TensorView& o, const TensorView& lse,
+                         const TensorView& dq, const TensorView& dk, const TensorView& dv);
 };
 
 }  // namespace flare::train::cpu

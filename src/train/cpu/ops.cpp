@@ -358,10 +358,20 @@ void residual_backward(const T* dy, Nullable<T> da, Nullable<T> db, int64_t n) {
 
 // ---- Embedding ----------------------------------------------------------------------------------
 
+namespace {
+
+// The position of row n of (batch, seq_len) rows: its index in the sequence, or what `positions`
+// says it is (ops.h).
+int64_t row_position(int64_t n, int64_t seq_len, const int64_t* positions) {
+  return positions ? positions[n % seq_len] : n % seq_len;
+}
+
+}  // namespace
+
 template <typename T>
 Status embedding_forward(const int32_t* tokens, const T* token_table,
                          Nullable<const T> position_table, T* out, int64_t N, int64_t seq_len,
-                         int64_t vocab_size, int64_t C) {
+                         int64_t vocab_size, int64_t C, const int64_t* positions) {
   for (int64_t n = 0; n < N; ++n) {
     if (tokens[n] < 0 || tokens[n] >= vocab_size) {
       return invalid("tokens[", n, "] = ", tokens[n], " must be in [0, vocab_size = ", vocab_size,
@@ -373,7 +383,7 @@ Status embedding_forward(const int32_t* tokens, const T* token_table,
     const T* tok = token_table + static_cast<int64_t>(tokens[n]) * C;
     T* o = out + n * C;
     if (position_table) {
-      const T* pos = position_table + (n % seq_len) * C;
+      const T* pos = position_table + row_position(n, seq_len, positions) * C;
       for (int64_t c = 0; c < C; ++c) o[c] = tok[c] + pos[c];
     } else {
       std::copy(tok, tok + C, o);
@@ -384,14 +394,15 @@ Status embedding_forward(const int32_t* tokens, const T* token_table,
 
 template <typename T>
 void embedding_backward(const T* dout, const int32_t* tokens, T* dtoken_table,
-                        Nullable<T> dposition_table, int64_t N, int64_t seq_len, int64_t C) {
+                        Nullable<T> dposition_table, int64_t N, int64_t seq_len, int64_t C,
+                        const int64_t* positions) {
   // Two tokens may share a table row, so the split is over columns, rows in order.
 #pragma omp parallel for schedule(static) if(worth_parallel(N * C))
   for (int64_t c = 0; c < C; ++c) {
     for (int64_t n = 0; n < N; ++n) {
       const T g = dout[n * C + c];
       dtoken_table[static_cast<int64_t>(tokens[n]) * C + c] += g;
-      if (dposition_table) dposition_table[(n % seq_len) * C + c] += g;
+      if (dposition_table) dposition_table[row_position(n, seq_len, positions) * C + c] += g;
     }
   }
 }
@@ -477,9 +488,9 @@ Status classifier_forward_backward(const T* logits, const int32_t* targets, Null
   template void residual_forward<T>(const T*, const T*, T*, int64_t);                             \
   template void residual_backward<T>(const T*, T*, T*, int64_t);                                  \
   template Status embedding_forward<T>(const int32_t*, const T*, const T*, T*, int64_t, int64_t, \
-                                       int64_t, int64_t);                                         \
+                                       int64_t, int64_t, const int64_t*);                         \
   template void embedding_backward<T>(const T*, const int32_t*, T*, T*, int64_t, int64_t,        \
-                                      int64_t);                                                   \
+                                      int64_t, const int64_t*);                                   \
   template Status classifier_forward_backward<T>(const T*, const int32_t*, T*, T*,               \
                                                  ClassifierResult*, int64_t, int64_t, int64_t);
 

@@ -139,19 +139,22 @@ void residual_backward(const T* dy, Nullable<T> da, Nullable<T> db, int64_t n);
 // ---- Token (+ position) embedding ---------------------------------------------------------------
 
 // tokens (N) int32 in [0, vocab_size); token_table (padded_vocab, C); position_table (≥ seq_len,
-// C) or nullptr (LLaMA); out (N, C) written: out[n] = token_table[tokens[n]] (+ position_table[n %
-// seq_len]). Returns invalid_argument, writing nothing, when a token is outside [0, vocab_size).
+// C) or nullptr (LLaMA); out (N, C) written: out[n] = token_table[tokens[n]] (+ position_table[p])
+// where p, the position of row n, is n % seq_len, or positions[n % seq_len] when positions (seq_len
+// entries, each a row of position_table) is given: a context-parallel rank's rows of a longer
+// sequence. Returns invalid_argument, writing nothing, when a token is outside [0, vocab_size).
 template <typename T>
 Status embedding_forward(const int32_t* tokens, const T* token_table,
                          Nullable<const T> position_table, T* out, int64_t N, int64_t seq_len,
-                         int64_t vocab_size, int64_t C);
+                         int64_t vocab_size, int64_t C, const int64_t* positions = nullptr);
 
 // dout (N, C), tokens (N) (already validated by the forward);
 // dtoken_table (padded_vocab, C) accumulated (+=) at the rows of the tokens;
-// dposition_table (≥ seq_len, C) accumulated (+=) in its first seq_len rows, or nullptr (LLaMA).
+// dposition_table accumulated (+=) at the rows' positions (as the forward's), or nullptr (LLaMA).
 template <typename T>
 void embedding_backward(const T* dout, const int32_t* tokens, T* dtoken_table,
-                        Nullable<T> dposition_table, int64_t N, int64_t seq_len, int64_t C);
+                        Nullable<T> dposition_table, int64_t N, int64_t seq_len, int64_t C,
+                        const int64_t* positions = nullptr);
 
 // ---- Classifier: softmax + cross-entropy over the vocabulary, fused -----------------------------
 // The logits rows are padded_vocab wide, but only the first vocab_size columns are classes: the

@@ -79,6 +79,15 @@ struct BackendOptions {
   // CPU backend, NCCL for CUDA. Null: one device, no communication.
   dist::Communicator* comm = nullptr;
   int64_t bucket_bytes = int64_t{25} << 20;  // gradient bucket target (dp_plan.h)
+  // Context parallel over this communicator (not owned; may be comm itself): the ranks that share
+  // each sequence, consecutive ranks of comm (group g holds comm ranks g·c … g·c + c − 1, and its
+  // rank i is comm rank g·c + i). Every rank of a group is given the same micro-batches and runs
+  // the zigzag share of each sequence (cpu/model.h); comm reduces the gradients over all ranks, so
+  // the step is that of one model over every group's micro-batches. CPU backend only for now.
+  dist::Communicator* cp_comm = nullptr;
+  // CPU: flare's attention backend the model calls; kReference (float64 arithmetic, rounded once)
+  // gives a run with exact attention, which tests compare others with.
+  flare::Backend attention_backend = flare::Backend::kAuto;
 };
 
 class Backend {
@@ -130,6 +139,11 @@ class Backend {
   // step); CPU, memory_bytes().
   virtual int64_t peak_memory_bytes() { return memory_bytes(); }
 };
+
+// The number of context-parallel ranks options describes (1 without cp_comm or with one of a
+// single rank), after checking that cp_comm's groups are consecutive ranks of comm, which it
+// needs (BackendOptions::cp_comm); the rule's error names cp_comm.
+Status context_parallel_ranks(const BackendOptions& options, int* cp);
 
 // The fp32 CPU backend over cpu::CpuModel for (batch, seq) micro-batches; data parallel over
 // options.comm (a CPU communicator) when it is set.

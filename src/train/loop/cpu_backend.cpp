@@ -62,10 +62,12 @@ class CpuBackend final : public Backend {
     return put_shard(v_, v);
   }
 
-  Status step_begin(std::span<const int32_t> inputs, std::span<const int32_t> targets,
+  Status step_begin(std::span<const int32_t> full_inputs, std::span<const int32_t> full_targets,
                     int64_t micro_batches, const AdamWStep& step, double grad_clip) override {
-    const int64_t tokens = batch_ * seq_;
-    FLARE_RETURN_IF_ERROR(check_batch(inputs, targets, micro_batches));
+    FLARE_RETURN_IF_ERROR(check_batch(full_inputs, full_targets, micro_batches));
+    const std::span<const int32_t> inputs = own_rows(full_inputs, &local_inputs_);
+    const std::span<const int32_t> targets = own_rows(full_targets, &local_targets_);
+    const int64_t tokens = batch_ * model_->seq_len();
     pending_ = {};
 
     // Each micro-batch's backward adds the gradient of its own mean loss; the step's gradient is
@@ -128,7 +130,8 @@ class CpuBackend final : public Backend {
                   double* loss_sum, int64_t* valid) override {
     FLARE_RETURN_IF_ERROR(check_batch(inputs, targets, 1));
     cpu::ClassifierResult r;
-    FLARE_RETURN_IF_ERROR(model_->forward(model_weights(), inputs.data(), targets.data(), &r));
+    FLARE_RETURN_IF_ERROR(model_->forward(model_weights(), own_rows(inputs, &local_inputs_).data(),
+                                          own_rows(targets, &local_targets_).data(), &r));
     *loss_sum = r.mean_loss * static_cast<double>(r.n_valid);
     *valid = r.n_valid;
     return Status::ok_status();
@@ -137,6 +140,9 @@ class CpuBackend final : public Backend {
   Status step_gradients(std::span<const int32_t> inputs, std::span<const int32_t> targets,
                         double* loss, float* grads, float* logits) override {
     FLARE_RETURN_IF_ERROR(check_batch(inputs, targets, 1));
+    if (model_->seq_len() != seq_) {
+      return invalid("step_gradients: one rank's whole step, which a context-parallel rank does not hold");
+    }
     if (logits) {
       FLARE_RETURN_IF_ERROR(model_->forward(model_weights(), inputs.data(), nullptr, nullptr));
       std::copy(model_->logits().begin(), model_->logits().end(), logits);
@@ -249,6 +255,20 @@ class CpuBackend final : public Backend {
     return Status::ok_status();
   }
 
+  // This rank's rows of (micro-batches · batch) sequences of seq_ tokens: all of them, or under
+  // context parallelism the model's positions of each sequence, gathered into *local.
+  std::span<const int32_t> own_rows(std::span<const int32_t> full, std::vector<int32_t>* local) const {
+    const int64_t rows = model_->seq_len();
+    if (rows == seq_) return full;
+    const std::vector<int64_t>& positions = model_->positions();
+    const int64_t sequences = static_cast<int64_t>(full.size()) / seq_;
+    local->resize(sz(sequences * rows));
+    for (int64_t q = 0; q < sequences; ++q) {
+      for (int64_t j = 0; j < rows; ++j) (*local)[sz(q * rows + j)] = full[sz(q * seq_ + positions[sz(j)])];
+    }
+    return *local;
+  }
+
   Status check_batch(std::span<const int32_t> inputs, std::span<const int32_t> targets,
                      int64_t micro_batches) const {
     const int64_t want = micro_batches * batch_ * seq_;
@@ -271,12 +291,31 @@ class CpuBackend final : public Backend {
   std::vector<float> weights_;         // several ranks: the full weights the model reads
   std::vector<float> shard_grads_;     // several ranks: the reduced gradient of the shard
   std::vector<float> staging_;         // several ranks: the other ranks' slices of one bucket
+  std::vector<int32_t> local_inputs_, local_targets_;  // context parallel: this rank's rows
   StepResult pending_;
 };
 
 }  // namespace
 
 const char* device_kind_name(DeviceKind kind) { return kind == DeviceKind::kCpu ? "cpu" : "cuda"; }
+
+Status context_parallel_ranks(const BackendOptions& options, int* cp) {
+  *cp = 1;
+  const dist::Communicator* group = options.cp_comm;
+  if (!group || group->size() == 1) return Status::ok_status();
+  const dist::Communicator* all = options.comm;
+  if (!all) {
+    return invalid("cp_comm: context parallelism needs comm too, the communicator of every rank "
+                   "(the gradients are reduced over all of them)");
+  }
+  if (all->size() % group->size() != 0 || group->rank() != all->rank() % group->size()) {
+    return invalid("cp_comm: its rank ", group->rank(), " of ", group->size(), " does not sit at comm rank ",
+                   all->rank(), " of ", all->size(), ": context-parallel groups are consecutive ranks "
+                   "of comm, group g holding ranks g x ", group->size(), " onwards");
+  }
+  *cp = group->size();
+  return Status::ok_status();
+}
 
 Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
                         std::unique_ptr<Backend>* out) {
@@ -290,8 +329,12 @@ Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
     return invalid("comm: the CPU backend needs a communicator over host memory (in-process), got ",
                    comm->kind());
   }
+  int cp_ranks = 1;
+  FLARE_RETURN_IF_ERROR(context_parallel_ranks(options, &cp_ranks));
   std::unique_ptr<cpu::CpuModel> m;
-  FLARE_RETURN_IF_ERROR(cpu::CpuModel::create(model, train.batch, train.seq, &m));
+  FLARE_RETURN_IF_ERROR(cpu::CpuModel::create(model, train.batch, train.seq, &m,
+                                              cp_ranks > 1 ? options.cp_comm : nullptr,
+                                              options.attention_backend));
   dp::DpPlan plan;
   FLARE_RETURN_IF_ERROR(dp::make_dp_plan(m->layout(), model.n_layer, comm ? comm->size() : 1,
                                          options.bucket_bytes, &plan));

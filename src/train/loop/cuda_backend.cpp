@@ -449,6 +449,13 @@ Status make_cuda_backend(const ModelConfig& model, const TrainConfig& train,
                          const BackendOptions& options, std::unique_ptr<Backend>* out) {
   FLARE_RETURN_IF_ERROR(validate_model_config(model));
   FLARE_RETURN_IF_ERROR(validate_train_config(train, model));
+  int cp = 1;
+  FLARE_RETURN_IF_ERROR(context_parallel_ranks(options, &cp));
+  if (cp > 1) {
+    return Status::unsupported(cat("cp_comm: context parallelism over ", cp,
+                                   " ranks runs on the CPU backend only so far (the GPU model's "
+                                   "attention is one device's)"));
+  }
   auto backend = std::make_unique<CudaBackend>();
   FLARE_RETURN_IF_ERROR(backend->init(model, train, options));
   *out = std::move(backend);

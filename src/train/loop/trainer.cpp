@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <numeric>
 #include <sstream>
 #include <utility>
 
@@ -158,7 +159,7 @@ std::string step_json(const StepReport& r) {
   if (r.timing.measured) {
     const StepTiming& t = r.timing;
     const double gbps = t.comm_ms > 0 ? static_cast<double>(t.comm_bytes) / (t.comm_ms * 1e6) : 0.0;
-    s << ", \"dp\": " << r.world << ", \"fwd_ms\": " << json_number(t.fwd_ms)
+    s << ", \"dp\": " << r.world / r.cp << ", \"cp\": " << r.cp << ", \"fwd_ms\": " << json_number(t.fwd_ms)
       << ", \"bwd_ms\": " << json_number(t.bwd_ms) << ", \"comm_ms\": " << json_number(t.comm_ms)
       << ", \"comm_exposed_ms\": " << json_number(t.comm_exposed_ms)
       << ", \"optimizer_ms\": " << json_number(t.optimizer_ms) << ", \"comm_bytes\": " << t.comm_bytes
@@ -196,10 +197,13 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
     t->rank_ = comm->rank();
     t->world_ = comm->size();
   }
-  FLARE_RETURN_IF_ERROR(open_loader("train_data", train.train_data, model, train, true, t->rank_,
-                                    t->world_, &t->train_loader_));
-  // Validation runs on rank 0 alone, over the same batches whatever the world size.
-  if (train.eval_every > 0 && t->rank_ == 0) {
+  FLARE_RETURN_IF_ERROR(context_parallel_ranks(options.backend, &t->cp_));
+  // Each context-parallel group reads one data-parallel rank's share of the batches.
+  FLARE_RETURN_IF_ERROR(open_loader("train_data", train.train_data, model, train, true, t->rank_ / t->cp_,
+                                    t->world_ / t->cp_, &t->train_loader_));
+  // Validation runs on rank 0's context-parallel group alone (rank 0 alone without one), over the
+  // same batches whatever the world size.
+  if (train.eval_every > 0 && t->rank_ < t->cp_) {
     FLARE_RETURN_IF_ERROR(open_loader("val_data", train.val_data, model, train, false, 0, 1,
                                       &t->val_loader_));
     t->have_val_ = true;
@@ -278,7 +282,7 @@ Status Trainer::run(int64_t until_step, const std::function<void(const StepRepor
   }
   if (step_ == until_step) return Status::ok_status();
   using Clock = std::chrono::steady_clock;
-  const double step_tokens = static_cast<double>(world_ * c.grad_accum * c.batch * c.seq);
+  const double step_tokens = static_cast<double>(world_ / cp_ * c.grad_accum * c.batch * c.seq);
 
   std::vector<int32_t> inputs, targets, next_inputs, next_targets;
   std::vector<uint8_t> position, next_position;
@@ -322,6 +326,7 @@ Status Trainer::run(int64_t until_step, const std::function<void(const StepRepor
     r.peak_memory_bytes = backend_->peak_memory_bytes();
     r.timing = result.timing;
     r.world = world_;
+    r.cp = cp_;
     const bool last = step_ == c.steps;
     if (have_val_ && (step_ % c.eval_every == 0 || last)) {
       FLARE_RETURN_IF_ERROR(evaluate(&r.val_loss));
@@ -366,6 +371,15 @@ Status Trainer::evaluate(double* val_loss) {
     FLARE_RETURN_IF_ERROR(backend_->evaluate(inputs, targets, &batch_sum, &batch_valid));
     loss_sum += batch_sum;
     valid += batch_valid;
+  }
+  if (cp_ > 1) {  // each rank of the group holds its rows of every sequence: their sums, in rank order
+    dist::Communicator& group = *options_.backend.cp_comm;
+    std::vector<double> sums;
+    std::vector<int64_t> counts;
+    FLARE_RETURN_IF_ERROR(dp::gather_values(group, std::vector<double>{loss_sum}, &sums));
+    FLARE_RETURN_IF_ERROR(dp::gather_values(group, std::vector<int64_t>{valid}, &counts));
+    loss_sum = dp::sum_in_order(sums);
+    valid = std::accumulate(counts.begin(), counts.end(), int64_t{0});
   }
   *val_loss = valid > 0 ? loss_sum / static_cast<double>(valid) : 0.0;
   return Status::ok_status();

@@ -72,7 +72,8 @@ struct StepReport {
   double step_ms = 0.0;       // wall time since the previous report
   double tokens_per_s = 0.0;  // tokens of the step (world · grad_accum · batch · seq) / step time
   double mfu = 0.0;           // model FLOP/s over the peak of all ranks; 0 when it is unknown
-  int world = 1;              // data-parallel ranks
+  int world = 1;              // ranks: data-parallel groups x context-parallel ranks
+  int cp = 1;                 // context-parallel ranks per group
   int64_t memory_bytes = 0;   // Backend::memory_bytes()
   int64_t peak_memory_bytes = 0;  // Backend::peak_memory_bytes(): this rank's device, so far
   StepTiming timing;          // CUDA: where the step's device time went (backend.h)
@@ -144,7 +145,7 @@ class Trainer {
   bool have_val_ = false;
   int64_t val_batches_ = 0;
   int64_t step_ = 0;
-  int rank_ = 0, world_ = 1;
+  int rank_ = 0, world_ = 1, cp_ = 1;  // cp_: context-parallel ranks per group (backend.h)
   std::vector<uint8_t> loader_position_;  // the training loader's position after step_ steps
   double peak_flops_ = 0.0;
   double flops_per_token_ = 0.0;
