@@ -23,7 +23,14 @@ enum flare_status_code {
   FLARE_INTERNAL = 5
 };
 
-enum flare_dtype { FLARE_FLOAT32 = 0, FLARE_FLOAT16 = 1, FLARE_BFLOAT16 = 2, FLARE_INT32 = 3 };
+/* uint8 is for block masks (flare_block_mask); attention's tensors are floating point. */
+enum flare_dtype {
+  FLARE_FLOAT32 = 0,
+  FLARE_FLOAT16 = 1,
+  FLARE_BFLOAT16 = 2,
+  FLARE_INT32 = 3,
+  FLARE_UINT8 = 4
+};
 enum flare_device { FLARE_CPU = 0, FLARE_CUDA = 1 };
 enum flare_backend { FLARE_BACKEND_AUTO = 0, FLARE_BACKEND_REFERENCE = 1, FLARE_BACKEND_FLASH = 2 };
 
@@ -233,6 +240,48 @@ int flare_attention_with_kvcache(const flare_tensor* q, const flare_kvcache_args
                                  const flare_tensor* o, const flare_tensor* lse,
                                  const flare_attention_options* options, void* stream);
 /* ---- end of KV-cache decoding ----------------------------------------------------------------- */
+
+/* ---- block-sparse attention: the C mirror of flare/block_sparse.h ------------------------------
+ * Attention in which a block mask says which (block_m query rows) x (block_n keys) blocks of the
+ * score matrix are computed; an off block is never read. Everything else (shapes, options, varlen,
+ * O and LSE) is flare_attention_forward / _backward's. A pair (i, j) is visible iff its block is
+ * on AND the options' mask keeps it; a row that sees no key gets O = 0, LSE = -inf, dQ = 0.
+ * Rejected calls write no output. CUDA tensors give FLARE_UNSUPPORTED (no GPU kernels yet). */
+typedef struct flare_block_mask {
+  /* FLARE_UINT8 or FLARE_INT32, nonzero = on, shape (b or 1, h_q or 1, ceil(s_q / block_m),
+   * ceil(s_k / block_n)), any strides, on q's device; an extent-1 batch or head dimension
+   * broadcasts. Varlen: b sequences, s = max_seqlen, blocks counted from each sequence's start. */
+  flare_tensor mask;
+  int32_t block_m;  /* query rows per block, >= 1 (the CPU takes any; the GPU will take 128s) */
+  int32_t block_n;  /* keys per block, >= 1 */
+} flare_block_mask;
+
+/* Writes o and lse. varlen may be NULL (fixed length). stream is a cudaStream_t or NULL. */
+int flare_block_sparse_attention_forward(const flare_tensor* q, const flare_tensor* k,
+                                         const flare_tensor* v, const flare_tensor* o,
+                                         const flare_tensor* lse, const flare_block_mask* mask,
+                                         const flare_attention_options* options,
+                                         const flare_varlen* varlen, void* stream);
+
+/* With the forward's mask, options, o and lse; writes dq, dk and dv. */
+int flare_block_sparse_attention_backward(const flare_tensor* dout, const flare_tensor* q,
+                                          const flare_tensor* k, const flare_tensor* v,
+                                          const flare_tensor* o, const flare_tensor* lse,
+                                          const flare_tensor* dq, const flare_tensor* dk,
+                                          const flare_tensor* dv, const flare_block_mask* mask,
+                                          const flare_attention_options* options,
+                                          const flare_varlen* varlen, void* stream);
+
+/* The fixed patterns of flare/block_sparse.h, written as a row-major (row_blocks, col_blocks)
+ * uint8 mask into mask[0 .. row_blocks * col_blocks), which `capacity` bytes must hold (mask may
+ * be NULL when there are no blocks). Block (r, c) is on the diagonal when c = r.
+ * Local + global: c - r in [-floor(band / 2), ceil(band / 2) - 1], plus the first `global` block
+ * rows and columns; band >= 0, global >= 0. Butterfly: r XOR c is 0 or a power of two. */
+int flare_local_global_block_mask(int64_t row_blocks, int64_t col_blocks, int64_t band,
+                                  int64_t global, uint8_t* mask, int64_t capacity);
+int flare_butterfly_block_mask(int64_t row_blocks, int64_t col_blocks, uint8_t* mask,
+                               int64_t capacity);
+/* ---- end of block-sparse attention ------------------------------------------------------------ */
 
 #ifdef __cplusplus
 }

@@ -1,8 +1,8 @@
 // c_api.cpp — the extern "C" mirror of attention.h: converts C structs to flare types, calls the
 // C++ entry points, and turns a Status into a code plus a thread-local message. Nothing crosses
 // the ABI as an exception: allocation failures while converting are reported as
-// FLARE_OUT_OF_MEMORY. The helpers are shared with c_api_dist.cpp (dist.h's mirror) through
-// c_api_internal.h.
+// FLARE_OUT_OF_MEMORY. The helpers are shared with c_api_dist.cpp (dist.h's mirror),
+// c_api_kvcache.cpp and c_api_block_sparse.cpp through c_api_internal.h.
 #include "flare/c_api.h"
 
 #include <string>
@@ -13,25 +13,24 @@
 using flare::c_api::guarded;
 using flare::c_api::rank_error;
 using flare::c_api::to_options;
+using flare::c_api::to_varlen;
 using flare::c_api::to_view;
 
 namespace {
 
 thread_local std::string g_last_error;
 
-flare::VarlenArgs to_varlen(const flare_varlen* v) {
-  flare::VarlenArgs r;
-  if (v == nullptr) return r;
-  r.cu_seqlens_q = flare::c_api::to_view(&v->cu_seqlens_q);
-  r.cu_seqlens_k = flare::c_api::to_view(&v->cu_seqlens_k);
-  r.max_seqlen_q = v->max_seqlen_q;
-  r.max_seqlen_k = v->max_seqlen_k;
-  return r;
-}
-
 }  // namespace
 
 namespace flare::c_api {
+
+// A flare_dtype is a DType by value, so a view converts by a cast; an unknown code passes through
+// and validation names it.
+static_assert(FLARE_FLOAT32 == static_cast<int>(DType::kFloat32));
+static_assert(FLARE_FLOAT16 == static_cast<int>(DType::kFloat16));
+static_assert(FLARE_BFLOAT16 == static_cast<int>(DType::kBFloat16));
+static_assert(FLARE_INT32 == static_cast<int>(DType::kInt32));
+static_assert(FLARE_UINT8 == static_cast<int>(DType::kUInt8));
 
 TensorView to_view(const flare_tensor* t) {
   TensorView v;
@@ -62,6 +61,16 @@ AttentionOptions to_options(const flare_attention_options* o) {
   r.dropout_offset = o->dropout_offset;
   r.deterministic = o->deterministic != 0;
   r.backend = static_cast<Backend>(o->backend);
+  return r;
+}
+
+VarlenArgs to_varlen(const flare_varlen* v) {
+  VarlenArgs r;
+  if (v == nullptr) return r;
+  r.cu_seqlens_q = to_view(&v->cu_seqlens_q);
+  r.cu_seqlens_k = to_view(&v->cu_seqlens_k);
+  r.max_seqlen_q = v->max_seqlen_q;
+  r.max_seqlen_k = v->max_seqlen_k;
   return r;
 }
 

@@ -1,6 +1,7 @@
 // c_api_internal.h — what the extern "C" files share (c_api.cpp for attention.h, c_api_dist.cpp
-// for dist.h): C structs to flare types, and the guard that turns a Status or an exception into a
-// code plus the thread's last-error message, so nothing crosses the ABI as an exception.
+// for dist.h, c_api_kvcache.cpp for kvcache.h, c_api_block_sparse.cpp for block_sparse.h): C
+// structs to flare types, and the guard that turns a Status or an exception into a code plus the
+// thread's last-error message, so nothing crosses the ABI as an exception.
 #pragma once
 
 #include <initializer_list>
@@ -16,6 +17,8 @@ namespace flare::c_api {
 // the tensor is converted.
 TensorView to_view(const flare_tensor* t);
 AttentionOptions to_options(const flare_attention_options* o);
+// NULL → a fixed-length batch.
+VarlenArgs to_varlen(const flare_varlen* v);
 
 // Records `message` as this thread's last error and returns `code`; an allocation failure while
 // recording leaves the message empty, the code still reaches the caller.
