@@ -81,8 +81,9 @@ def flare_row(model, batch, seq, stdout_path, jsonl_path):
     timed = [r for r in records if "step" in r and int(first) <= r["step"] <= int(last)]
     ranks = RUN_RANKS.search(text)  # the run line: "... x accum A x N GPUs = T tokens/step"
     if ranks or (timed and "dp" in timed[-1]):
-        row["gpus"] = int(ranks.group(1)) if ranks else int(timed[-1]["dp"])
-        row["dp"], row["cp"] = row["gpus"], 1
+        cp = int(timed[-1].get("cp", 1)) if timed else 1
+        row["gpus"] = int(ranks.group(1)) if ranks else int(timed[-1]["dp"]) * cp
+        row["dp"], row["cp"] = row["gpus"] // cp, cp
     for field in PROFILE_FIELDS:
         values = sorted(r[field] for r in timed if field in r)
         if values:

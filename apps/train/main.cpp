@@ -106,7 +106,7 @@ struct TrainFlags {
   std::optional<std::string> model, data, train_data, val_data, device, ckpt_dir, resume, log, prompt,
       init_weights, dump_step;
   std::optional<int64_t> batch, seq, grad_accum, steps, warmup, eval_every, eval_batches, ckpt_every,
-      seed, sample, top_k, device_index, dp_timeout_ms, bucket_mb;
+      seed, sample, top_k, device_index, dp_timeout_ms, bucket_mb, cp;
   std::optional<int64_t> n_layer, d_model, n_head, n_kv_head, head_dim, ffn_hidden, max_seq, vocab;
   std::optional<double> lr, min_lr, weight_decay, beta1, beta2, eps, grad_clip, peak_tflops,
       norm_eps, rope_theta;
@@ -126,6 +126,9 @@ struct TrainFlags {
                "(default 600000; NCCL's first operation can be slow)");
     f->add_int("bucket-mb", &bucket_mb, 1, 1 << 16,
                "launch: gradient bucket target in MiB for the overlapped reduce-scatter (default 25)");
+    f->add_int("cp", &cp, 1, 1 << 16,
+               "launch: context-parallel ranks per sequence (default 1): consecutive ranks share each "
+               "sequence (zigzag layout, ring attention between them), groups of them are data parallel"),
     f->add_int("batch", &batch, -kBig, kBig, "sequences per micro-batch (default 8)");
     f->add_int("seq", &seq, -kBig, kBig, "tokens per sequence (default min(1024, max_seq))");
     f->add_int("grad-accum", &grad_accum, -kBig, kBig, "micro-batches per optimizer step (default 1)");
@@ -288,6 +291,7 @@ void print_throughput(const std::vector<ft::StepReport>& reports) {
 struct Launch {
   flare::dist::LaunchInfo info;
   std::unique_ptr<flare::dist::Communicator> comm;
+  std::unique_ptr<flare::dist::Communicator> cp_comm;  // --cp > 1: this rank's context-parallel group
   bool lead() const { return info.rank == 0; }
   int world() const { return comm ? info.size : 1; }
 };
@@ -299,6 +303,21 @@ bool launch_variables_present() {
     if (std::getenv(name) != nullptr) return true;
   }
   return false;
+}
+
+// The context-parallel group of this rank: ranks g·cp … g·cp + cp − 1 of `all` share an NCCL id
+// that the group's first rank makes (every rank's id goes round `all`; each keeps its leader's).
+// A communicator of its own, since the data-parallel collectives run on `all` at the same time.
+flare::Status join_cp_group(flare::dist::Communicator& all, int cp, int device,
+                            const flare::dist::CommOptions& options,
+                            std::unique_ptr<flare::dist::Communicator>* out) {
+  const int rank = all.rank();
+  flare::dist::NcclId mine;
+  if (rank % cp == 0) FLARE_RETURN_IF_ERROR(flare::dist::nccl_unique_id(&mine));
+  std::vector<flare::dist::NcclId> ids(static_cast<size_t>(all.size()));
+  FLARE_RETURN_IF_ERROR(all.host_all_gather(&mine, ids.data(), sizeof(mine)));
+  return flare::dist::make_nccl_communicator(ids[static_cast<size_t>(rank - rank % cp)], rank % cp, cp,
+                                             device, options, out);
 }
 
 // Joins the launch this process belongs to: reads the environment (a partial or inconsistent one
@@ -336,6 +355,15 @@ Launch join_launch(const TrainFlags& f, ft::DeviceKind device) {
   if (!made.ok()) {
     throw RunError("launch (" + where + ", rendezvous at " + l.info.master_addr + ":" +
                    std::to_string(l.info.master_port) + "): " + made.to_string());
+  }
+  const int cp = static_cast<int>(f.cp.value_or(1));
+  if (cp > 1) {
+    if (l.info.size % cp != 0) {
+      throw UsageError("--cp: " + std::to_string(cp) + " ranks per sequence must divide the launch's " +
+                       std::to_string(l.info.size) + " processes");
+    }
+    const Status group = join_cp_group(*l.comm, cp, l.info.local_rank, options, &l.cp_comm);
+    if (!group.ok()) throw RunError("launch (" + where + "): context-parallel group: " + group.to_string());
   }
   return l;
 }
@@ -463,6 +491,10 @@ void print_run(const ft::TrainerOptions& o, const std::string& device, ft::Train
                 "time out after %d ms\n",
                 world, launch.info.source.c_str(),
                 static_cast<long long>(o.backend.bucket_bytes >> 20), launch.comm->timeout_ms());
+    if (launch.cp_comm) {
+      std::printf("context parallel: %d ranks per sequence (zigzag rows, ring attention between them), "
+                  "%d data-parallel groups\n", launch.cp_comm->size(), world / launch.cp_comm->size());
+    }
   }
   std::printf("data: %s (%zu shards)%s%s\n", train_pattern.c_str(), shards,
               have_val ? ", validation " : "", have_val ? val_pattern.c_str() : "");
@@ -584,13 +616,19 @@ int train_command(int argc, char** argv, int first) {
   const int world = launch.world();
   if (launch.comm) {
     o.backend.comm = launch.comm.get();
+    o.backend.cp_comm = launch.cp_comm.get();
     o.backend.device_index = launch.info.local_rank;
+  } else if (f.cp.value_or(1) > 1) {
+    throw UsageError("--cp: context parallelism spans the processes of a launch (mpirun or a "
+                     "torchrun-style environment); this is one process");
   }
 
   std::unique_ptr<ft::Trainer> trainer;
   check_config(ft::Trainer::create(o, &trainer));
 
-  const ft::MemoryEstimate mem = ft::estimate_training_memory(t, o.model, world);
+  ft::TrainConfig rows = t;  // a context-parallel rank's activations: its rows of each sequence
+  if (launch.cp_comm) rows.seq = t.seq / launch.cp_comm->size();
+  const ft::MemoryEstimate mem = ft::estimate_training_memory(rows, o.model, world);
   if (lead) print_run(o, device, *trainer, mem, launch, train_pattern, shards.size(), have_val, val_pattern);
   std::fflush(stdout);
   if (f.dump_step) {

@@ -4,11 +4,11 @@
 #include "train/cpu/model.h"
 
 #include <algorithm>
-#include <numeric>
 #include <string>
 
 #include "core/message.h"
 #include "flare/attention.h"
+#include "train/dist/cp_rows.h"
 
 namespace flare::train::cpu {
 namespace {
@@ -107,17 +107,10 @@ Status CpuModel::create(const ModelConfig& config, int64_t batch, int64_t global
 
   m->tokens_.resize(sz(N));
   if (!gpt) {
-    // The table over every global position, then the rows of this model's positions.
-    const int64_t half = hd / 2;
-    std::vector<float> cos(sz(global_seq_len * half)), sin(cos.size());
-    rope_table(cos.data(), sin.data(), global_seq_len, hd, config.rope_theta, config.rope_scaling);
-    m->rope_cos_.resize(sz(seq_len * half));
-    m->rope_sin_.resize(sz(seq_len * half));
-    for (int64_t j = 0; j < seq_len; ++j) {
-      const int64_t p = m->positions_[sz(j)];
-      std::copy_n(cos.begin() + p * half, half, m->rope_cos_.begin() + j * half);
-      std::copy_n(sin.begin() + p * half, half, m->rope_sin_.begin() + j * half);
-    }
+    m->rope_cos_.resize(sz(seq_len * hd / 2));
+    m->rope_sin_.resize(sz(seq_len * hd / 2));
+    rope_table(m->rope_cos_.data(), m->rope_sin_.data(), seq_len, hd, config.rope_theta,
+               config.rope_scaling, m->positions_.data());
   }
   m->layers_.resize(sz(config.n_layer));
   for (LayerActivations& a : m->layers_) {
@@ -154,35 +147,14 @@ Status CpuModel::create(const ModelConfig& config, int64_t batch, int64_t global
 
 // This model's rows of each sequence: all of them, or a context-parallel rank's zigzag share.
 Status CpuModel::split_sequence(int64_t global_seq_len, dist::Communicator* cp) {
-  const int ranks = cp ? cp->size() : 1;
-  seq_len_ = global_seq_len;
-  positions_.resize(sz(global_seq_len));
-  std::iota(positions_.begin(), positions_.end(), int64_t{0});
-  if (ranks == 1) return Status::ok_status();
-  if (cp->device() != DeviceType::kCPU) {
+  if (cp && cp->size() > 1 && cp->device() != DeviceType::kCPU) {
     return invalid("cp: the CPU model needs a communicator over host memory, got ", cp->kind());
   }
-  if (global_seq_len % (2 * ranks) != 0) {
-    return invalid("seq_len = ", global_seq_len, " must be a multiple of 2 x ", ranks,
-                   " context-parallel ranks (the zigzag layout's equal chunks)");
-  }
-  dist::SequenceShard shard;
-  FLARE_RETURN_IF_ERROR(dist::sequence_shard(dist::Strategy::kZigzag, global_seq_len, ranks, cp->rank(), &shard));
-  seq_len_ = shard.length;
-  positions_.clear();
-  for (int c = 0; c < shard.count; ++c) {
-    for (int64_t i = 0; i < shard.chunk[c].length; ++i) positions_.push_back(shard.chunk[c].global_begin + i);
-  }
-  dist::ContextParallelConfig cfg;
-  cfg.strategy = dist::Strategy::kZigzag;
-  cfg.batch = static_cast<int>(batch_);
-  cfg.seqlen = global_seq_len;
-  cfg.heads_q = static_cast<int>(config_.n_head);
-  cfg.heads_kv = static_cast<int>(config_.n_kv_head);
-  cfg.head_dim = static_cast<int>(config_.head_dim);
-  cfg.dtype = DType::kFloat32;
-  cfg.attention = attention_;
-  return dist::ContextParallelAttention::create(cp, cfg, &cp_);
+  FLARE_RETURN_IF_ERROR(dp::context_parallel_rows(global_seq_len, cp, &positions_));
+  seq_len_ = static_cast<int64_t>(positions_.size());
+  if (!cp || cp->size() == 1) return Status::ok_status();
+  return dp::make_context_parallel_attention(cp, config_, batch_, global_seq_len, DType::kFloat32,
+                                             attention_, &cp_);
 }
 
 Status CpuModel::attend_forward(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -265,7 +265,7 @@ void swiglu_backward(const T* dout, const T* gate_up, T* dgate_up, int64_t N, in
 
 template <typename T>
 void rope_table(T* cos_table, T* sin_table, int64_t max_pos, int64_t head_dim, double theta,
-                const RopeScaling& scaling) {
+                const RopeScaling& scaling, const int64_t* positions) {
   const int64_t half = head_dim / 2;
   std::vector<double> inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
@@ -287,11 +287,12 @@ void rope_table(T* cos_table, T* sin_table, int64_t max_pos, int64_t head_dim, d
     }
     inv_freq[static_cast<size_t>(i)] = f;
   }
-  for (int64_t p = 0; p < max_pos; ++p) {
+  for (int64_t row = 0; row < max_pos; ++row) {
+    const int64_t p = positions ? positions[row] : row;
     for (int64_t i = 0; i < half; ++i) {
       const double angle = static_cast<double>(p) * inv_freq[static_cast<size_t>(i)];
-      cos_table[p * half + i] = static_cast<T>(std::cos(angle));
-      sin_table[p * half + i] = static_cast<T>(std::sin(angle));
+      cos_table[row * half + i] = static_cast<T>(std::cos(angle));
+      sin_table[row * half + i] = static_cast<T>(std::sin(angle));
     }
   }
 }
@@ -480,7 +481,7 @@ Status classifier_forward_backward(const T* logits, const int32_t* targets, Null
   template void gelu_backward<T>(const T*, const T*, T*, int64_t);                                \
   template void swiglu_forward<T>(const T*, T*, int64_t, int64_t);                                \
   template void swiglu_backward<T>(const T*, const T*, T*, int64_t, int64_t);                     \
-  template void rope_table<T>(T*, T*, int64_t, int64_t, double, const RopeScaling&);              \
+  template void rope_table<T>(T*, T*, int64_t, int64_t, double, const RopeScaling&, const int64_t*);              \
   template void rope_forward<T>(T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t,      \
                                 int64_t);                                                         \
   template void rope_backward<T>(T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t,     \

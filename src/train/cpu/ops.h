@@ -107,10 +107,12 @@ void swiglu_backward(const T* dout, const T* gate_up, T* dgate_up, int64_t N, in
 //   x'[i + D/2] = x[i + D/2] · cos + x[i] · sin
 
 // The cos/sin table: cos_table and sin_table (max_pos, head_dim / 2) written; entry (p, i) is
-// cos/sin(p · inv_freq[i]), computed in double and rounded once to T. head_dim must be even.
+// cos/sin(p · inv_freq[i]), computed in double and rounded once to T. head_dim must be even. With
+// positions (max_pos entries), row r holds position positions[r] instead (a context-parallel
+// rank's rows of a longer sequence).
 template <typename T>
 void rope_table(T* cos_table, T* sin_table, int64_t max_pos, int64_t head_dim, double theta,
-                const RopeScaling& scaling);
+                const RopeScaling& scaling, const int64_t* positions = nullptr);
 
 // Rotates, in place, the q and k heads of the qkv rows; v is untouched.
 // qkv (N, (n_head + 2·n_kv_head) · head_dim): each row holds n_head q heads, n_kv_head k heads,

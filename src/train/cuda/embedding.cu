@@ -21,8 +21,14 @@ struct EmbeddingParams {
   float* dposition_table;      // (≥ seq_len, channels) or null, backward
   int32_t* first;              // (vocab) scratch: first position of each token in the batch
   int32_t* count;              // (vocab) scratch: occurrences of each token
+  const int64_t* positions;    // (seq_len) each row's position in the table, or null: its index
   int64_t rows, seq_len, vocab, channels;
 };
+
+// The position-table row of the row at index j of its sequence.
+__device__ __forceinline__ int64_t table_row(const EmbeddingParams& p, int64_t j) {
+  return p.positions ? p.positions[j] : j;
+}
 
 template <int kVec>
 __global__ void embedding_forward_kernel(const EmbeddingParams p) {
@@ -38,7 +44,7 @@ __global__ void embedding_forward_kernel(const EmbeddingParams p) {
     load_floats<kVec>(p.token_table + token * p.channels + c, v);
     if (p.position_table) {
       float pos[kVec];
-      load_floats<kVec>(p.position_table + (n % p.seq_len) * p.channels + c, pos);
+      load_floats<kVec>(p.position_table + table_row(p, n % p.seq_len) * p.channels + c, pos);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) v[i] += pos[i];
     }
@@ -95,9 +101,10 @@ __global__ void embedding_position_backward_kernel(const EmbeddingParams p) {
   const int64_t positions = p.rows < p.seq_len ? p.rows : p.seq_len;
   if (idx >= positions * p.channels) return;
   const int64_t pos = idx / p.channels, c = idx % p.channels;
-  float acc = p.dposition_table[idx];
+  float* grad = p.dposition_table + table_row(p, pos) * p.channels + c;  // rows are distinct
+  float acc = *grad;
   for (int64_t n = pos; n < p.rows; n += p.seq_len) acc += __bfloat162float(p.dout[n * p.channels + c]);
-  p.dposition_table[idx] = acc;
+  *grad = acc;
 }
 
 Status check_sizes(const char* op, int64_t rows, int64_t seq_len, int64_t vocab, int64_t channels) {
@@ -112,7 +119,8 @@ Status check_sizes(const char* op, int64_t rows, int64_t seq_len, int64_t vocab,
 
 Status embedding_forward(const int32_t* tokens, const bf16* token_table,
                          const bf16* position_table, bf16* out, int64_t rows, int64_t seq_len,
-                         int64_t vocab_size, int64_t channels, cudaStream_t stream) {
+                         int64_t vocab_size, int64_t channels, cudaStream_t stream,
+                         const int64_t* positions) {
   const char* op = "embedding_forward";
   FLARE_RETURN_IF_ERROR(check_sizes(op, rows, seq_len, vocab_size, channels));
   if (tokens == nullptr || token_table == nullptr || out == nullptr)
@@ -121,6 +129,7 @@ Status embedding_forward(const int32_t* tokens, const bf16* token_table,
   p.tokens = tokens;
   p.token_table = token_table;
   p.position_table = position_table;
+  p.positions = positions;
   p.out = out;
   p.rows = rows;
   p.seq_len = seq_len;
@@ -142,7 +151,7 @@ int64_t embedding_backward_scratch_bytes(int64_t vocab_size) {
 Status embedding_backward(const bf16* dout, const int32_t* tokens, float* dtoken_table,
                           float* dposition_table, int64_t rows, int64_t seq_len,
                           int64_t vocab_size, int64_t channels, void* scratch,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, const int64_t* positions) {
   const char* op = "embedding_backward";
   FLARE_RETURN_IF_ERROR(check_sizes(op, rows, seq_len, vocab_size, channels));
   if (dout == nullptr || tokens == nullptr || dtoken_table == nullptr || scratch == nullptr)
@@ -152,6 +161,7 @@ Status embedding_backward(const bf16* dout, const int32_t* tokens, float* dtoken
   p.dout = dout;
   p.dtoken_table = dtoken_table;
   p.dposition_table = dposition_table;
+  p.positions = positions;
   p.first = static_cast<int32_t*>(scratch);
   p.count = p.first + vocab_size;
   p.rows = rows;

@@ -20,19 +20,22 @@
 namespace flare::train::cuda {
 
 // tokens (rows) int32; token_table (≥ vocab_size, channels); position_table (≥ seq_len, channels)
-// or null (LLaMA); out (rows, channels) written.
+// or null (LLaMA); out (rows, channels) written. positions (device, seq_len distinct entries) or
+// null: the table row of the j-th row of each sequence is positions[j], or j (a context-parallel
+// rank's rows of a longer sequence sit at their global positions; cpu/ops.h likewise).
 Status embedding_forward(const int32_t* tokens, const bf16* token_table,
                          const bf16* position_table, bf16* out, int64_t rows, int64_t seq_len,
-                         int64_t vocab_size, int64_t channels, cudaStream_t stream);
+                         int64_t vocab_size, int64_t channels, cudaStream_t stream,
+                         const int64_t* positions = nullptr);
 
 int64_t embedding_backward_scratch_bytes(int64_t vocab_size);
 
 // dout (rows, channels), tokens (rows); dtoken_table (≥ vocab_size, channels) fp32 accumulated
-// (+=) at the rows of the tokens; dposition_table (≥ seq_len, channels) fp32 accumulated in its
-// first seq_len rows, or null. Tokens outside [0, vocab_size) add nothing.
+// (+=) at the rows of the tokens; dposition_table fp32 accumulated at the rows' table rows (as the
+// forward's: positions or the first seq_len), or null. Tokens outside [0, vocab_size) add nothing.
 Status embedding_backward(const bf16* dout, const int32_t* tokens, float* dtoken_table,
                           float* dposition_table, int64_t rows, int64_t seq_len,
                           int64_t vocab_size, int64_t channels, void* scratch,
-                          cudaStream_t stream);
+                          cudaStream_t stream, const int64_t* positions = nullptr);
 
 }  // namespace flare::train::cuda

@@ -14,6 +14,7 @@
 
 #include "core/message.h"
 #include "train/cpu/model.h"
+#include "train/dist/cp_rows.h"
 #include "train/dist/dp_host.h"
 #include "train/dist/dp_plan.h"
 #include "train/loop/backend.h"
@@ -255,18 +256,9 @@ class CpuBackend final : public Backend {
     return Status::ok_status();
   }
 
-  // This rank's rows of (micro-batches · batch) sequences of seq_ tokens: all of them, or under
-  // context parallelism the model's positions of each sequence, gathered into *local.
+  // This rank's rows of (micro-batches · batch) sequences of seq_ tokens (cp_rows.h).
   std::span<const int32_t> own_rows(std::span<const int32_t> full, std::vector<int32_t>* local) const {
-    const int64_t rows = model_->seq_len();
-    if (rows == seq_) return full;
-    const std::vector<int64_t>& positions = model_->positions();
-    const int64_t sequences = static_cast<int64_t>(full.size()) / seq_;
-    local->resize(sz(sequences * rows));
-    for (int64_t q = 0; q < sequences; ++q) {
-      for (int64_t j = 0; j < rows; ++j) (*local)[sz(q * rows + j)] = full[sz(q * seq_ + positions[sz(j)])];
-    }
-    return *local;
+    return dp::gather_rows(full, seq_, model_->positions(), local);
   }
 
   Status check_batch(std::span<const int32_t> inputs, std::span<const int32_t> targets,

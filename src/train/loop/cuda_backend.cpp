@@ -32,6 +32,7 @@
 #include "train/cuda/adamw.h"
 #include "train/cuda/event_timer.h"
 #include "train/cuda/matmul.h"
+#include "train/dist/cp_rows.h"
 #include "train/dist/dp_cuda.h"
 #include "train/dist/dp_plan.h"
 #include "train/loop/backend.h"
@@ -93,6 +94,15 @@ class CudaBackend final : public Backend {
                        comm->device_index());
       }
     }
+    int cp = 1;
+    FLARE_RETURN_IF_ERROR(context_parallel_ranks(options, &cp));
+    if (cp > 1) {
+      if (options.cp_comm == comm || options.cp_comm->device() != DeviceType::kCUDA ||
+          options.cp_comm->device_index() != options.device_index) {
+        return invalid("cp_comm: the CUDA backend needs an NCCL communicator of its own on device ",
+                       options.device_index, " (not comm: the two run on different streams at once)");
+      }
+    }
     rank_ = comm ? comm->rank() : 0;
     FLARE_RETURN_IF_ERROR(dp::make_dp_plan(layout_, config.n_layer, world, options.bucket_bytes, &plan_));
     shard_layout_ = dp::shard_layout(layout_, plan_, rank_);
@@ -107,12 +117,16 @@ class CudaBackend final : public Backend {
     size_t free_bytes = 0, total_bytes = 0;
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
     const int64_t free_now = static_cast<int64_t>(free_bytes);
-    FLARE_RETURN_IF_ERROR(check_fits(estimate_training_memory(train, config, world), free_now));
-    const int64_t tokens = train.grad_accum * train.batch * train.seq;
+    // A context-parallel rank holds seq / cp rows of each sequence: memory as for that length
+    // (attention's plan adds a few blocks of K/V in flight).
+    TrainConfig rows = train;
+    rows.seq = train.seq / cp;
+    FLARE_RETURN_IF_ERROR(check_fits(estimate_training_memory(rows, config, world), free_now));
+    const int64_t tokens = train.grad_accum * train.batch * rows.seq;
     const int64_t shard = plan_.shard_size(rank_);
     const int64_t state_bytes = 3 * shard * int64_t{sizeof(float)} + 2 * tokens * int64_t{sizeof(int32_t)} + 256;
     const int64_t dp_bytes = world > 1 ? dp::CudaDataParallel::buffer_bytes(plan_, rank_) : 0;
-    const int64_t need = cuda::GpuModel::buffer_bytes(config, train.batch, train.seq, train.recompute) +
+    const int64_t need = cuda::GpuModel::buffer_bytes(config, train.batch, rows.seq, train.recompute) +
                          state_bytes + dp_bytes + cuda::MatmulContext::kWorkspaceBytes;
     if (need > free_now) {
       return Status::out_of_memory(cat("the run needs ", gib(need), " on ", name_, " (model buffers ",
@@ -128,6 +142,7 @@ class CudaBackend final : public Backend {
     mo.recompute = train.recompute;
     mo.deterministic_attention = options.deterministic_attention;
     mo.device_index = options.device_index;
+    mo.cp = cp > 1 ? options.cp_comm : nullptr;
     FLARE_RETURN_IF_ERROR(cuda::GpuModel::create(config, train.batch, train.seq, mo, stream_, &model_));
     // The optimizer's chunks walk the shard (for one rank: the whole buffer, the same chunks).
     FLARE_RETURN_IF_ERROR(table_.init(shard_layout_));
@@ -204,9 +219,8 @@ class CudaBackend final : public Backend {
   Status step_begin(std::span<const int32_t> inputs, std::span<const int32_t> targets,
                     int64_t micro_batches, const AdamWStep& step, double grad_clip) override {
     if (pending_) return invalid("step_begin: the previous step was not ended (step_end first)");
-    FLARE_RETURN_IF_ERROR(stage(inputs, targets, micro_batches));
-    const int64_t tokens = batch_ * seq_;
-    valid_ = std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -1; });
+    FLARE_RETURN_IF_ERROR(stage(inputs, targets, micro_batches, &valid_));
+    const int64_t tokens = batch_ * model_->seq();
     timer_.reset();
 
     // The gradient of the mean over the whole step's valid targets: this rank's count alone, or
@@ -276,7 +290,8 @@ class CudaBackend final : public Backend {
   Status evaluate(std::span<const int32_t> inputs, std::span<const int32_t> targets,
                   double* loss_sum, int64_t* valid) override {
     if (pending_) return invalid("evaluate: a step is in flight (step_end first)");
-    FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1));
+    int64_t staged_valid = 0;
+    FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1, &staged_valid));
     if (dp_) FLARE_RETURN_IF_ERROR(dp_->wait_for_weights());
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_), "loss"));
     FLARE_RETURN_IF_ERROR(model_->forward(tokens_, targets_, 0.0f, false, loss_sum_));
@@ -284,15 +299,18 @@ class CudaBackend final : public Backend {
                                                       cudaMemcpyDeviceToHost, stream_), "loss readback"));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "evaluation"));
     *loss_sum = readback_->totals.loss_sum;
-    *valid = std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -1; });
+    *valid = staged_valid;
     return Status::ok_status();
   }
 
   Status step_gradients(std::span<const int32_t> inputs, std::span<const int32_t> targets,
                         double* loss, float* grads, float* logits) override {
     if (pending_) return invalid("step_gradients: a step is in flight (step_end first)");
-    FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1));
-    const int64_t valid = std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -1; });
+    if (model_->seq() != seq_) {
+      return invalid("step_gradients: one rank's whole step, which a context-parallel rank does not hold");
+    }
+    int64_t valid = 0;
+    FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1, &valid));
     const ModelConfig& c = model_->config();
     if (dp_) FLARE_RETURN_IF_ERROR(dp_->wait_for_weights());
     if (logits) {
@@ -366,8 +384,10 @@ class CudaBackend final : public Backend {
                                        cudaMemcpyDeviceToHost, stream_), "totals readback");
   }
 
-  // The batch into pinned memory and up to the device (enqueued).
-  Status stage(std::span<const int32_t> inputs, std::span<const int32_t> targets, int64_t micro_batches) {
+  // The batch into pinned memory and up to the device (enqueued): this rank's rows of it under
+  // context parallelism (cp_rows.h), and *valid, their count of valid targets.
+  Status stage(std::span<const int32_t> inputs, std::span<const int32_t> targets,
+               int64_t micro_batches, int64_t* valid) {
     const int64_t want = micro_batches * batch_ * seq_;
     if (micro_batches < 1 || micro_batches > max_micro_batches_) {
       return invalid("micro_batches: ", micro_batches, " must be in [1, grad_accum = ", max_micro_batches_, "]");
@@ -376,9 +396,12 @@ class CudaBackend final : public Backend {
       return invalid("inputs/targets: ", inputs.size(), "/", targets.size(), " tokens, expected ",
                      micro_batches, " x batch ", batch_, " x seq ", seq_, " = ", want);
     }
-    std::copy(inputs.begin(), inputs.end(), host_tokens_);
-    std::copy(targets.begin(), targets.end(), host_targets_);
-    const size_t bytes = static_cast<size_t>(want) * sizeof(int32_t);
+    const std::span<const int32_t> rows = dp::gather_rows(inputs, seq_, model_->positions(), &local_rows_);
+    const size_t bytes = rows.size() * sizeof(int32_t);
+    std::copy(rows.begin(), rows.end(), host_tokens_);
+    const std::span<const int32_t> row_targets = dp::gather_rows(targets, seq_, model_->positions(), &local_rows_);
+    std::copy(row_targets.begin(), row_targets.end(), host_targets_);
+    *valid = std::count_if(row_targets.begin(), row_targets.end(), [](int32_t t) { return t != -1; });
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(tokens_, host_tokens_, bytes, cudaMemcpyHostToDevice, stream_), "tokens"));
     return cuda_status(cudaMemcpyAsync(targets_, host_targets_, bytes, cudaMemcpyHostToDevice, stream_), "targets");
   }
@@ -440,6 +463,7 @@ class CudaBackend final : public Backend {
   StepReadback* readback_ = nullptr;
   bool pending_ = false;
   int64_t valid_ = 0;
+  std::vector<int32_t> local_rows_;  // context parallel: this rank's rows of a batch (staging)
   int64_t peak_memory_ = 0;
 };
 
@@ -449,13 +473,6 @@ Status make_cuda_backend(const ModelConfig& model, const TrainConfig& train,
                          const BackendOptions& options, std::unique_ptr<Backend>* out) {
   FLARE_RETURN_IF_ERROR(validate_model_config(model));
   FLARE_RETURN_IF_ERROR(validate_train_config(train, model));
-  int cp = 1;
-  FLARE_RETURN_IF_ERROR(context_parallel_ranks(options, &cp));
-  if (cp > 1) {
-    return Status::unsupported(cat("cp_comm: context parallelism over ", cp,
-                                   " ranks runs on the CPU backend only so far (the GPU model's "
-                                   "attention is one device's)"));
-  }
   auto backend = std::make_unique<CudaBackend>();
   FLARE_RETURN_IF_ERROR(backend->init(model, train, options));
   *out = std::move(backend);

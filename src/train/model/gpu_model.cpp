@@ -17,6 +17,7 @@
 #include "train/cuda/matmul.h"
 #include "train/cuda/norm.h"
 #include "train/cuda/rope.h"
+#include "train/dist/cp_rows.h"
 #include "train/cuda/swiglu.h"
 
 namespace flare::train::cuda {
@@ -124,7 +125,14 @@ struct GpuModel::Impl {
   bf16* d_mlp_act = nullptr;   // (N, ffn) LLaMA only (GPT's DGELU epilogue skips it)
   void* norm_scratch = nullptr;
   void* embed_scratch = nullptr;
+  int64_t* positions_device = nullptr;  // (T) positions, on the device (the position embedding's)
   bool have_dlogits = false;
+
+  // Context parallelism (GpuModelOptions::cp): the rows' global positions and the group's plan.
+  std::vector<int64_t> positions;
+  std::unique_ptr<dist::ContextParallelAttention> cp;
+  // The position embedding's rows, for the kernels: null (row j is position j) unless context parallel.
+  const int64_t* embedding_positions() const { return cp ? positions_device : nullptr; }
 };
 
 namespace {
@@ -183,6 +191,7 @@ void plan_buffers(const ModelConfig& c, int64_t B, int64_t T, bool recompute, in
   if (!gpt) arena->request(&m->d_mlp_act, N * ffn);
   arena->request_bytes(&m->norm_scratch, norm_backward_scratch_bytes(N, d));
   arena->request_bytes(&m->embed_scratch, embedding_backward_scratch_bytes(c.vocab_size));
+  arena->request(&m->positions_device, T);
 }
 
 // q, k and v as (B, T, heads, hd) views into fused qkv rows (N, qkv_w) on the device.
@@ -233,11 +242,17 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
   std::unique_ptr<GpuModel> g(new GpuModel());
   g->config_ = config;
   g->batch_ = batch;
-  g->seq_ = seq;
   g->stream_ = stream;
   Impl& m = *g->impl_;
   m.options = options;
   m.layout = parameter_layout(config);
+  if (options.cp && options.cp->size() > 1 && options.cp->device() != DeviceType::kCUDA) {
+    return invalid("cp: the GPU model needs a communicator over CUDA memory (NCCL), got ", options.cp->kind());
+  }
+  FLARE_RETURN_IF_ERROR(dp::context_parallel_rows(seq, options.cp, &m.positions));
+  const int64_t global_seq = seq;
+  seq = static_cast<int64_t>(m.positions.size());  // the rows this model holds, from here on
+  g->seq_ = seq;
 
   const ParameterLayout& L = m.layout;
   m.embed = offset_of(L, "embed.weight");
@@ -278,20 +293,33 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
       cudaMemsetAsync(g->weights_, 0, static_cast<size_t>(L.total) * sizeof(bf16), stream), "GpuModel weights"));
   FLARE_RETURN_IF_ERROR(cuda_status(
       cudaMemsetAsync(g->grads_, 0, static_cast<size_t>(L.total) * sizeof(float), stream), "GpuModel grads"));
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(m.positions_device, m.positions.data(),
+                                                static_cast<size_t>(seq) * sizeof(int64_t),
+                                                cudaMemcpyHostToDevice), "GpuModel positions"));
   if (!gpt) {
-    // The RoPE tables, in double rounded once to fp32, by the CPU reference's function.
+    // The RoPE tables at the rows' positions, in double rounded once to fp32, by the CPU
+    // reference's function.
     const size_t n = static_cast<size_t>(seq * config.head_dim / 2);
     std::vector<float> cos_table(n), sin_table(n);
     cpu::rope_table(cos_table.data(), sin_table.data(), seq, config.head_dim, config.rope_theta,
-                    config.rope_scaling);
+                    config.rope_scaling, m.positions.data());
     FLARE_RETURN_IF_ERROR(cuda_status(
         cudaMemcpy(m.rope_cos, cos_table.data(), n * sizeof(float), cudaMemcpyHostToDevice), "rope table"));
     FLARE_RETURN_IF_ERROR(cuda_status(
         cudaMemcpy(m.rope_sin, sin_table.data(), n * sizeof(float), cudaMemcpyHostToDevice), "rope table"));
   }
+  if (options.cp && options.cp->size() > 1) {
+    AttentionOptions attention;
+    attention.causal = true;
+    attention.deterministic = options.deterministic_attention;
+    FLARE_RETURN_IF_ERROR(dp::make_context_parallel_attention(options.cp, config, batch, global_seq,
+                                                              DType::kBFloat16, attention, &m.cp));
+  }
   *out = std::move(g);
   return Status::ok_status();
 }
+
+const std::vector<int64_t>& GpuModel::positions() const { return impl_->positions; }
 
 Status GpuModel::zero_grads() {
   return cuda_status(cudaMemsetAsync(grads_, 0, static_cast<size_t>(impl_->layout.total) * sizeof(float), stream_),
@@ -320,6 +348,17 @@ struct Step {
     o.causal = true;  // softmax_scale 0: 1/sqrt(head_dim)
     o.deterministic = m.options.deterministic_attention;
     return o;
+  }
+  // The attention core: flare's attention on this device, or the context-parallel group's.
+  Status attend_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& o, const TensorView& lse) const {
+    return m.cp ? m.cp->forward(q, k, v, o, lse, s) : attention_forward(q, k, v, o, lse, attention_options(), {}, s);
+  }
+  Status attend_backward(const TensorView& d_o, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const TensorView& o, const TensorView& lse,
+                         const TensorView& dq, const TensorView& dk, const TensorView& dv) const {
+    return m.cp ? m.cp->backward(d_o, q, k, v, o, lse, dq, dk, dv, s)
+                : attention_backward(d_o, q, k, v, o, lse, dq, dk, dv, attention_options(), {}, s);
   }
 };
 
@@ -378,7 +417,7 @@ Status attention_block_forward(const Step& st, const LayerOffsets& w, const Laye
                                               DeviceType::kCUDA, dev);
   const TensorView lse = TensorView::contiguous(a.lse, DType::kFloat32, {st.B, c.n_head, st.T},
                                                 DeviceType::kCUDA, dev);
-  FLARE_RETURN_IF_ERROR(attention_forward(qkv.q, qkv.k, qkv.v, o, lse, st.attention_options(), {}, st.s));
+  FLARE_RETURN_IF_ERROR(st.attend_forward(qkv.q, qkv.k, qkv.v, o, lse));
   // (N, q_w) → (N, d), then mid = input + branch fused with the MLP's norm.
   FLARE_RETURN_IF_ERROR(matmul_forward(mm, a.attn_out, st.W(w.out_weight), st.W(w.out_bias),
                                        st.m.branch, nullptr, st.N, q_w, d, st.s));
@@ -473,8 +512,7 @@ Status attention_block_backward(const Step& st, const LayerOffsets& w, const Lay
                                                 DeviceType::kCUDA, dev);
   const TensorView d_o = TensorView::contiguous(m.d_attn_out, DType::kBFloat16,
                                                 {st.B, st.T, c.n_head, hd}, DeviceType::kCUDA, dev);
-  FLARE_RETURN_IF_ERROR(attention_backward(d_o, qkv.q, qkv.k, qkv.v, o, lse, dqkv.q, dqkv.k, dqkv.v,
-                                           st.attention_options(), {}, st.s));
+  FLARE_RETURN_IF_ERROR(st.attend_backward(d_o, qkv.q, qkv.k, qkv.v, o, lse, dqkv.q, dqkv.k, dqkv.v));
   if (!st.gpt()) {
     FLARE_RETURN_IF_ERROR(rope_backward(m.rope_cos, m.rope_sin, m.d_qkv, st.N, st.T, c.n_head,
                                         c.n_kv_head, hd, st.s));
@@ -527,7 +565,7 @@ Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dl
   FLARE_RETURN_IF_ERROR(stage_next(layer_stage(0)));
   LayerActivations& first = m.layers[0];
   FLARE_RETURN_IF_ERROR(embedding_forward(tokens, st.W(m.embed), st.W(m.pos_embed), first.input, st.N,
-                                          seq_, c.vocab_size, c.d_model, stream_));
+                                          seq_, c.vocab_size, c.d_model, stream_, m.embedding_positions()));
   FLARE_RETURN_IF_ERROR(norm_forward(st, m.layer_offsets[0].attn_norm, first.input, first.attn_norm,
                                      first.attn_mean, first.attn_rstd));
   for (size_t i = 0; i < m.layers.size(); ++i) {
@@ -588,7 +626,8 @@ Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
 
   // d_resid is now the gradient of the embedding output.
   FLARE_RETURN_IF_ERROR(embedding_backward(m.d_resid, tokens, st.G(m.embed), st.G(m.pos_embed), st.N,
-                                           seq_, c.vocab_size, c.d_model, m.embed_scratch, stream_));
+                                           seq_, c.vocab_size, c.d_model, m.embed_scratch, stream_,
+                                           m.embedding_positions()));
   m.have_dlogits = false;
   return stage_done(n_layer + 1);
 }

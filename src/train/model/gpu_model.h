@@ -30,7 +30,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
+#include "flare/dist.h"
 #include "flare/status.h"
 #include "train/core/model_config.h"
 #include "train/cuda/common.h"
@@ -41,6 +43,12 @@ struct GpuModelOptions {
   bool recompute = false;               // keep only each layer's input; recompute in backward
   bool deterministic_attention = true;  // bitwise-reproducible attention backward
   int device_index = 0;                 // the device the stream belongs to (current at create)
+  // Context parallel over this NCCL communicator (not owned; outlives the model; its device the
+  // model's) when it has several ranks: as cpu/model.h describes — the model holds the zigzag
+  // rows of each sequence (positions()), RoPE and the position embedding read their global
+  // positions, and attention is the group's context-parallel attention. create() is then
+  // collective over it, and its seq is the global length, a multiple of 2 · its ranks.
+  dist::Communicator* cp = nullptr;
 };
 
 class GpuModel {
@@ -99,7 +107,9 @@ class GpuModel {
   const ModelConfig& config() const { return config_; }
   const ParameterLayout& layout() const;
   int64_t batch() const { return batch_; }
-  int64_t seq() const { return seq_; }
+  int64_t seq() const { return seq_; }  // rows per sequence this model holds
+  // The global position of each of those rows (0 … seq() − 1 without context parallelism).
+  const std::vector<int64_t>& positions() const;
   cudaStream_t stream() const { return stream_; }
   bf16* weights() const { return weights_; }        // (layout().total) bf16, the forward reads
   float* grads() const { return grads_; }           // (layout().total) fp32, backward adds into
