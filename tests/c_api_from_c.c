@@ -1,7 +1,8 @@
 /* c_api_from_c.c — a caller of the C API written in C99, so that flare/c_api.h is proven to be a
  * valid C header (a C++-only construct in it would fail this compile). test_cpu_c_api calls
- * flare_c_forward, test_cpu_c_api_dist flare_c_cp_rank and test_cpu_c_api_kvcache
- * flare_c_kvcache_decode, and each checks the results against the C++ API. */
+ * flare_c_forward, test_cpu_c_api_dist flare_c_cp_rank, test_cpu_c_api_kvcache
+ * flare_c_kvcache_decode and test_cpu_c_api_block_sparse flare_c_block_sparse, and each checks
+ * the results against the C++ API. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -111,4 +112,32 @@ int flare_c_kvcache_decode(void* q, void* k_cache, void* v_cache, void* k_new, v
   args.cache_seqlens.dtype = FLARE_INT32;
   options.causal = 1;
   return flare_attention_with_kvcache(&tq, &args, &to, &tl, &options, NULL);
+}
+
+/* Block-sparse float32 forward then backward on dense buffers: q, o, dout, dq (b, s_q, h_q, d);
+ * k, v, dk, dv (b, s_k, h_kv, d); lse (b, h_q, s_q); a uint8 mask of mask_shape at
+ * block_m x block_n; causal as given, other options default. Returns the first failed call's
+ * status code. */
+int flare_c_block_sparse(void* q, void* k, void* v, void* o, void* lse, void* dout, void* dq,
+                         void* dk, void* dv, void* mask, const int64_t* q_shape,
+                         const int64_t* k_shape, const int64_t* mask_shape, int32_t block_m,
+                         int32_t block_n, int32_t causal) {
+  const int64_t lse_shape[3] = {q_shape[0], q_shape[2], q_shape[1]};
+  const flare_tensor tq = dense_f32(q, 4, q_shape), tk = dense_f32(k, 4, k_shape),
+                     tv = dense_f32(v, 4, k_shape), to = dense_f32(o, 4, q_shape),
+                     tl = dense_f32(lse, 3, lse_shape), tdo = dense_f32(dout, 4, q_shape),
+                     tdq = dense_f32(dq, 4, q_shape), tdk = dense_f32(dk, 4, k_shape),
+                     tdv = dense_f32(dv, 4, k_shape);
+  flare_attention_options options = flare_default_options();
+  flare_block_mask m;
+  int code;
+  m.mask = dense_f32(mask, 4, mask_shape);
+  m.mask.dtype = FLARE_UINT8;
+  m.block_m = block_m;
+  m.block_n = block_n;
+  options.causal = causal;
+  code = flare_block_sparse_attention_forward(&tq, &tk, &tv, &to, &tl, &m, &options, NULL, NULL);
+  if (code != FLARE_OK) return code;
+  return flare_block_sparse_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv,
+                                               &m, &options, NULL, NULL);
 }
