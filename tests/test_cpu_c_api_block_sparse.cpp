@@ -380,7 +380,7 @@ TEST(CApiBlockSparsePatterns, RejectionsAreNamedAndLeaveTheBuffer) {
     EXPECT_EQ(buf, before) << needle;
   };
   expect(flare_local_global_block_mask(4, 5, 1, 0, buf.data(), 16),
-         "capacity: 16 bytes cannot hold row_blocks × col_blocks = 4 × 5 = 20 blocks");
+         "capacity: 16 bytes cannot hold the 20 blocks of the mask");
   expect(flare_butterfly_block_mask(2, 2, buf.data(), -1), "capacity: must be >= 0 bytes, got -1");
   expect(flare_butterfly_block_mask(2, 2, nullptr, 16), "mask: output pointer is null");
   expect(flare_local_global_block_mask(-1, 4, 1, 0, buf.data(), 16), "row_blocks: must be >= 0");
@@ -389,6 +389,9 @@ TEST(CApiBlockSparsePatterns, RejectionsAreNamedAndLeaveTheBuffer) {
   expect(flare_local_global_block_mask(4, 4, 1, -1, buf.data(), 16), "global: must be >= 0");
   const int64_t huge = std::numeric_limits<int64_t>::max() / 2;
   expect(flare_butterfly_block_mask(huge, huge, buf.data(), 16), "exceeds 2^31 blocks");
+  // The sizes' rules come before the buffer's: a caller without one still learns what is wrong.
+  expect(flare_butterfly_block_mask(1 << 20, 1 << 20, nullptr, 0), "exceeds 2^31 blocks");
+  expect(flare_local_global_block_mask(-3, 4, 1, 0, nullptr, 0), "row_blocks: must be >= 0");
 }
 
 }  // namespace

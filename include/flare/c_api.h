@@ -274,7 +274,8 @@ int flare_block_sparse_attention_backward(const flare_tensor* dout, const flare_
 
 /* The fixed patterns of flare/block_sparse.h, written as a row-major (row_blocks, col_blocks)
  * uint8 mask into mask[0 .. row_blocks * col_blocks), which `capacity` bytes must hold (mask may
- * be NULL when there are no blocks). Block (r, c) is on the diagonal when c = r.
+ * be NULL when there are no blocks). row_blocks, col_blocks >= 0 and at most 2^31 blocks, checked
+ * before the buffer. Block (r, c) is on the diagonal when c = r.
  * Local + global: c - r in [-floor(band / 2), ceil(band / 2) - 1], plus the first `global` block
  * rows and columns; band >= 0, global >= 0. Butterfly: r XOR c is 0 or a power of two. */
 int flare_local_global_block_mask(int64_t row_blocks, int64_t col_blocks, int64_t band,

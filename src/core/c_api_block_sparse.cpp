@@ -3,7 +3,6 @@
 // (c_api_internal.h). The pattern helpers write into the caller's buffer instead of a vector.
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "core/c_api_internal.h"
@@ -27,26 +26,20 @@ flare::BlockMask to_block_mask(const flare_block_mask& m) {
 }
 
 // Runs a pattern helper and copies its mask into the caller's `capacity` bytes at `mask`. The
-// buffer is checked against the block count first, so a short one costs no allocation; sizes the
-// count cannot be formed from (negative, overflowing) are left to the helper, which names them.
+// helper's own rules (sizes, band, global, at most 2^31 blocks) come first, so a caller that
+// cannot size its buffer (negative or huge sizes) still hears what is wrong with them.
 template <typename MakePattern>
-Status write_pattern(int64_t row_blocks, int64_t col_blocks, uint8_t* mask, int64_t capacity,
-                     MakePattern make) {
+Status write_pattern(uint8_t* mask, int64_t capacity, MakePattern make) {
   if (capacity < 0) return flare::invalid("capacity: must be >= 0 bytes, got ", capacity);
-  const bool countable =
-      row_blocks >= 0 && col_blocks >= 0 &&
-      (col_blocks == 0 || row_blocks <= std::numeric_limits<int64_t>::max() / col_blocks);
-  if (countable) {
-    const int64_t blocks = row_blocks * col_blocks;
-    if (blocks > capacity)
-      return flare::invalid("capacity: ", capacity, " bytes cannot hold row_blocks × col_blocks = ",
-                            row_blocks, " × ", col_blocks, " = ", blocks, " blocks");
-    if (blocks > 0 && mask == nullptr)
-      return flare::invalid("mask: output pointer is null with ", blocks, " blocks to write");
-  }
   std::vector<uint8_t> m;
   FLARE_RETURN_IF_ERROR(make(&m));
-  if (!m.empty()) std::memcpy(mask, m.data(), m.size());
+  const int64_t blocks = static_cast<int64_t>(m.size());
+  if (blocks > capacity)
+    return flare::invalid("capacity: ", capacity, " bytes cannot hold the ", blocks,
+                          " blocks of the mask");
+  if (blocks > 0 && mask == nullptr)
+    return flare::invalid("mask: output pointer is null with ", blocks, " blocks to write");
+  if (blocks > 0) std::memcpy(mask, m.data(), m.size());
   return {};
 }
 
@@ -93,7 +86,7 @@ int flare_block_sparse_attention_backward(const flare_tensor* dout, const flare_
 int flare_local_global_block_mask(int64_t row_blocks, int64_t col_blocks, int64_t band,
                                   int64_t global, uint8_t* mask, int64_t capacity) {
   return flare::c_api::guarded([&] {
-    return write_pattern(row_blocks, col_blocks, mask, capacity, [&](std::vector<uint8_t>* m) {
+    return write_pattern(mask, capacity, [&](std::vector<uint8_t>* m) {
       return flare::local_global_block_mask(row_blocks, col_blocks, band, global, m);
     });
   });
@@ -102,7 +95,7 @@ int flare_local_global_block_mask(int64_t row_blocks, int64_t col_blocks, int64_
 int flare_butterfly_block_mask(int64_t row_blocks, int64_t col_blocks, uint8_t* mask,
                                int64_t capacity) {
   return flare::c_api::guarded([&] {
-    return write_pattern(row_blocks, col_blocks, mask, capacity, [&](std::vector<uint8_t>* m) {
+    return write_pattern(mask, capacity, [&](std::vector<uint8_t>* m) {
       return flare::butterfly_block_mask(row_blocks, col_blocks, m);
     });
   });
