@@ -56,22 +56,16 @@ int visible_gpus() {
       GTEST_SKIP() << "needs " << (count) << " CUDA device(s), found " << visible_gpus();     \
   } while (0)
 
-// Runs `fn(rank, comm, cp_comm)` on `world` threads, thread r on CUDA device r with an NCCL
-// communicator of the whole group (one unique id) and, with cp > 1, one of its context-parallel
-// group (ranks g·cp … g·cp + cp − 1, one id per group; else null); world 0: one thread on device 0
-// without communicators.
-using RankFn = std::function<Status(int, dist::Communicator*, dist::Communicator*)>;
-
-std::vector<Status> run_ranks(int world, int cp, const RankFn& fn) {
+// Runs `fn(rank, comm)` on `world` threads, thread r on CUDA device r with an NCCL communicator of
+// the group (one unique id); world 0: one thread on device 0 without a communicator.
+std::vector<Status> run_ranks(int world, const std::function<Status(int, dist::Communicator*)>& fn) {
   if (world == 0) {
     cudaSetDevice(0);
-    return {fn(0, nullptr, nullptr)};
+    return {fn(0, nullptr)};
   }
-  std::vector<dist::NcclId> ids(sz(1 + world / cp));  // [0] all ranks, [1 + g] group g
-  for (dist::NcclId& id : ids) {
-    const Status made = dist::nccl_unique_id(&id);
-    if (!made.ok()) return {made};
-  }
+  dist::NcclId id;
+  const Status made = dist::nccl_unique_id(&id);
+  if (!made.ok()) return {made};
   std::vector<Status> status(sz(world));
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
@@ -79,26 +73,23 @@ std::vector<Status> run_ranks(int world, int cp, const RankFn& fn) {
       cudaSetDevice(r);
       dist::CommOptions co;
       co.timeout_ms = 120000;
-      std::unique_ptr<dist::Communicator> comm, cp_comm;
-      Status& st = status[sz(r)];
-      st = dist::make_nccl_communicator(ids[0], r, world, r, co, &comm);
-      if (st.ok() && cp > 1) st = dist::make_nccl_communicator(ids[sz(1 + r / cp)], r % cp, cp, r, co, &cp_comm);
-      if (st.ok()) st = fn(r, comm.get(), cp_comm.get());
+      std::unique_ptr<dist::Communicator> comm;
+      status[sz(r)] = dist::make_nccl_communicator(id, r, world, r, co, &comm);
+      if (status[sz(r)].ok()) status[sz(r)] = fn(r, comm.get());
     });
   }
   for (std::thread& t : threads) t.join();
   return status;
 }
 
-// Trains `o` to `until` steps on `world` GPUs in context-parallel groups of `cp` (world 0: one
-// GPU, no communicator); every rank's losses must agree; rank 0's results come back.
-RunResult train(TrainerOptions o, int world, int64_t until, int cp = 1) {
+// Trains `o` to `until` steps on `world` GPUs (0: one GPU, no communicator); every rank's losses
+// must agree; rank 0's results come back.
+RunResult train(TrainerOptions o, int world, int64_t until) {
   RunResult out;
   std::vector<std::vector<double>> losses(sz(std::max(world, 1)));
-  const auto status = run_ranks(world, cp, [&](int rank, dist::Communicator* comm, dist::Communicator* cp_comm) {
+  const auto status = run_ranks(world, [&](int rank, dist::Communicator* comm) {
     TrainerOptions mine = o;
     mine.backend.comm = comm;
-    mine.backend.cp_comm = cp_comm;
     mine.backend.device_index = rank;
     return test::train_rank(mine, rank, until, &losses[sz(rank)], &out);
   });
@@ -168,49 +159,6 @@ INSTANTIATE_TEST_SUITE_P(Presets, GpuDataParallel,
                            std::string name = std::string(param_info.param.preset) + "_" +
                                               (param_info.param.world > 0 ? std::to_string(param_info.param.world) + "gpus"
                                                                     : std::string("all_gpus"));
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
-
-// ---- context parallel: groups of GPUs sharing each sequence ------------------------------------
-
-// cp GPUs per sequence (zigzag rows, flare's ring attention between them), world / cp groups data
-// parallel, against one GPU on the same global batch. The naive runs are the data-parallel test's:
-// one-GPU regroupings of the batch, whose distance measures the bf16 activations' and fp32 sums'
-// reordering noise at this problem; the context-parallel run regroups each sequence's rows by
-// rank too and merges attention from per-block partials in fp32.
-struct CpCase {
-  const char* preset;
-  int world;
-  int cp;
-};
-
-class GpuContextParallel : public ::testing::TestWithParam<CpCase> {};
-
-TEST_P(GpuContextParallel, MatchesOneGpuWithinReorderingNoise) {
-  const CpCase c = GetParam();
-  SKIP_WITHOUT_GPUS(c.world);
-  ScratchDir dir;
-  test::write_cycle_shards(dir, 300, 8192);
-  const int64_t B = 2, accum = 2, steps = 3;
-  const int dp = c.world / c.cp;
-  const RunResult ref = train(run_options(dir, c.preset, B * dp, accum, steps), 0, steps);
-  const std::vector<RunResult> naives = {train(run_options(dir, c.preset, B, accum * dp, steps), 0, steps),
-                                         train(run_options(dir, c.preset, 1, accum * dp * B, steps), 0, steps)};
-  const RunResult fast = train(run_options(dir, c.preset, B, accum, steps), c.world, steps, c.cp);
-  test::expect_within_reordering_noise(fast, ref, naives);
-  ASSERT_EQ(fast.reports.size(), sz(steps));
-  EXPECT_EQ(fast.reports[0].cp, c.cp);
-  EXPECT_NE(step_json(fast.reports[0]).find("\"cp\": " + std::to_string(c.cp)), std::string::npos);
-}
-
-INSTANTIATE_TEST_SUITE_P(Presets, GpuContextParallel,
-                         ::testing::Values(CpCase{"llama-tiny", 2, 2}, CpCase{"gpt-tiny", 2, 2},
-                                           CpCase{"llama-tiny", 4, 2}, CpCase{"gpt-tiny", 4, 4}),
-                         [](const ::testing::TestParamInfo<CpCase>& param_info) {
-                           const CpCase& p = param_info.param;
-                           std::string name = std::string(p.preset) + "_" + std::to_string(p.world) +
-                                              "gpus_cp" + std::to_string(p.cp);
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name;
                          });

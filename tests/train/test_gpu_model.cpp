@@ -28,18 +28,24 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <random>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/numeric.h"
+#include "flare/dist.h"
 #include "test_cpu_trainer_util.h"
 #include "train/core/checkpoint.h"
 #include "train/cpu/model.h"
+#include "train/dist/cp_rows.h"
 #include "train/loop/backend.h"
 #include "train/loop/init.h"
 #include "train/loop/trainer.h"
@@ -154,20 +160,30 @@ struct GpuResult {
   std::vector<float> grads;
 };
 
+// With cp (an NCCL communicator of several ranks, every rank calling this at once on its device
+// `device`): this rank's share of the step, its rows of each sequence (model->positions()), the
+// loss its rows add to the mean over all B·T tokens, and its rows' logits; *positions gets them.
 void run_gpu(const ModelConfig& c, const std::vector<uint16_t>& weights, const Batch& batch, int64_t B,
-             int64_t T, bool recompute, GpuResult* out) {
+             int64_t T, bool recompute, GpuResult* out, dist::Communicator* cp = nullptr,
+             int device = 0, std::vector<int64_t>* positions = nullptr) {
   cudaStream_t stream = nullptr;
   ASSERT_CUDA(cudaStreamCreate(&stream));
   GpuModelOptions o;
   o.recompute = recompute;
+  o.device_index = device;
+  o.cp = cp;
   std::unique_ptr<GpuModel> model;
   ASSERT_OK(GpuModel::create(c, B, T, o, stream, &model));
-  const int64_t n = model->layout().total, N = B * T;
+  if (positions) *positions = model->positions();
+  const int64_t n = model->layout().total, N = B * model->seq();
   ASSERT_CUDA(cudaMemcpy(model->weights(), weights.data(), static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice));
   DeviceBuffer<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
   DeviceBuffer<double> loss(1);
-  ASSERT_CUDA(cudaMemcpy(tokens.ptr, batch.tokens.data(), static_cast<size_t>(N) * 4, cudaMemcpyHostToDevice));
-  ASSERT_CUDA(cudaMemcpy(targets.ptr, batch.targets.data(), static_cast<size_t>(N) * 4, cudaMemcpyHostToDevice));
+  std::vector<int32_t> rows;
+  const std::span<const int32_t> token_rows = dp::gather_rows(batch.tokens, T, model->positions(), &rows);
+  ASSERT_CUDA(cudaMemcpy(tokens.ptr, token_rows.data(), static_cast<size_t>(N) * 4, cudaMemcpyHostToDevice));
+  const std::span<const int32_t> target_rows = dp::gather_rows(batch.targets, T, model->positions(), &rows);
+  ASSERT_CUDA(cudaMemcpy(targets.ptr, target_rows.data(), static_cast<size_t>(N) * 4, cudaMemcpyHostToDevice));
 
   // Logits alone first.
   ASSERT_OK(model->forward(tokens.ptr, nullptr, 0.0f, false, nullptr));
@@ -181,14 +197,15 @@ void run_gpu(const ModelConfig& c, const std::vector<uint16_t>& weights, const B
   // are zeroed as the backend does, and every gradient must come out finite.
   ASSERT_OK(model->zero_grads());
   ASSERT_CUDA(cudaMemsetAsync(loss.ptr, 0, sizeof(double), stream));
-  ASSERT_OK(model->forward(tokens.ptr, targets.ptr, static_cast<float>(1.0 / static_cast<double>(N)), true, loss.ptr));
+  const double all_tokens = static_cast<double>(B * T);  // every rank's rows together
+  ASSERT_OK(model->forward(tokens.ptr, targets.ptr, static_cast<float>(1.0 / all_tokens), true, loss.ptr));
   ASSERT_OK(model->backward(tokens.ptr));
   double loss_sum = 0.0;
   out->grads.resize(static_cast<size_t>(n));
   ASSERT_CUDA(cudaMemcpyAsync(&loss_sum, loss.ptr, sizeof(double), cudaMemcpyDeviceToHost, stream));
   ASSERT_CUDA(cudaMemcpyAsync(out->grads.data(), model->grads(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream));
   ASSERT_CUDA(cudaStreamSynchronize(stream));
-  out->loss = loss_sum / static_cast<double>(N);
+  out->loss = loss_sum / all_tokens;
   model.reset();
   ASSERT_CUDA(cudaStreamDestroy(stream));
 }
@@ -204,23 +221,10 @@ double relative_l2(const float* a, const float* ref, int64_t n) {
 
 // ---- GPU model == CPU model within the bf16 rule ------------------------------------------------
 
-class GpuModelVsCpu : public ::testing::TestWithParam<int> {};
-
-TEST_P(GpuModelVsCpu, LossLogitsAndEveryGradient) {
-  FLARE_SKIP_WITHOUT_CUDA();
-  const ModelConfig c = configs()[static_cast<size_t>(GetParam())];
-  constexpr int64_t B = 2, T = 61;  // an odd length: ragged attention tiles
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(seed));
-  std::vector<uint16_t> bits;
-  std::vector<float> weights;
-  bf16_weights(c, seed, &bits, &weights);
-  const Batch batch = random_batch(c, B, T, seed);
-
-  GpuResult gpu;
-  run_gpu(c, bits, batch, B, T, false, &gpu);
-  if (HasFatalFailure()) return;
-
+// The GPU step `gpu` (loss, logits of every row, every gradient) against the fp32 CPU model's
+// on the same bf16 weights and batch, under the rule at the top of this file.
+void expect_matches_cpu_model(const ModelConfig& c, const std::vector<float>& weights, const Batch& batch,
+                              int64_t B, int64_t T, const GpuResult& gpu) {
   std::unique_ptr<cpu::CpuModel> ref;
   ASSERT_OK(cpu::CpuModel::create(c, B, T, &ref));
   ASSERT_OK(ref->forward(weights.data(), batch.tokens.data(), nullptr, nullptr));
@@ -263,7 +267,98 @@ TEST_P(GpuModelVsCpu, LossLogitsAndEveryGradient) {
   }
 }
 
+class GpuModelVsCpu : public ::testing::TestWithParam<int> {};
+
+TEST_P(GpuModelVsCpu, LossLogitsAndEveryGradient) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  const ModelConfig c = configs()[static_cast<size_t>(GetParam())];
+  constexpr int64_t B = 2, T = 61;  // an odd length: ragged attention tiles
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(seed));
+  std::vector<uint16_t> bits;
+  std::vector<float> weights;
+  bf16_weights(c, seed, &bits, &weights);
+  const Batch batch = random_batch(c, B, T, seed);
+
+  GpuResult gpu;
+  run_gpu(c, bits, batch, B, T, false, &gpu);
+  if (HasFatalFailure()) return;
+
+  expect_matches_cpu_model(c, weights, batch, B, T, gpu);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, GpuModelVsCpu, ::testing::Range(0, 4), config_name);
+
+// ---- Context parallel: the ranks' shares together == the CPU model's step ---------------------
+
+// Two GPUs share each sequence (gpu_model.h, GpuModelOptions::cp): each rank's step gives its
+// rows' logits and their share of the loss and of every gradient. Put together — logits at their
+// rows, shares added — they are held to the same rule as one GPU's step: the ranks' fp32 sums of
+// gradients and attention's fp32 merge of partial results before O's one bf16 store add no bf16
+// store to any chain.
+class GpuModelContextParallel : public ::testing::TestWithParam<int> {};
+
+TEST_P(GpuModelContextParallel, RanksTogetherMatchTheCpuModel) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  constexpr int kRanks = 2;
+  int devices = 0;
+  if (!dist::nccl_built()) GTEST_SKIP() << "this build of flare has no NCCL";
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks)
+    GTEST_SKIP() << "needs " << kRanks << " CUDA devices, found " << devices;
+  const ModelConfig c = configs()[static_cast<size_t>(GetParam())];
+  constexpr int64_t B = 2, T = 60;  // a multiple of 2 · ranks; chunks of 15 rows: ragged tiles
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(seed));
+  std::vector<uint16_t> bits;
+  std::vector<float> weights;
+  bf16_weights(c, seed, &bits, &weights);
+  const Batch batch = random_batch(c, B, T, seed);
+
+  dist::NcclId id;
+  ASSERT_OK(dist::nccl_unique_id(&id));
+  std::vector<GpuResult> parts(kRanks);
+  std::vector<std::vector<int64_t>> positions(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      ASSERT_CUDA(cudaSetDevice(r));
+      dist::CommOptions co;
+      co.timeout_ms = 120000;
+      std::unique_ptr<dist::Communicator> comm;
+      ASSERT_OK(dist::make_nccl_communicator(id, r, kRanks, r, co, &comm));
+      run_gpu(c, bits, batch, B, T, false, &parts[static_cast<size_t>(r)], comm.get(), r,
+              &positions[static_cast<size_t>(r)]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  if (HasFailure()) return;
+
+  // The ranks' rows cover every position once; their logits go to those rows, their loss and
+  // gradient shares are added in rank order.
+  std::vector<int64_t> covered;
+  for (const std::vector<int64_t>& p : positions) covered.insert(covered.end(), p.begin(), p.end());
+  std::sort(covered.begin(), covered.end());
+  std::vector<int64_t> every(static_cast<size_t>(T));
+  std::iota(every.begin(), every.end(), int64_t{0});
+  ASSERT_EQ(covered, every) << "the ranks' rows";
+  GpuResult gpu;
+  gpu.logits.assign(static_cast<size_t>(B * T * c.padded_vocab), 0.0f);
+  gpu.grads.assign(parts[0].grads.size(), 0.0f);
+  for (size_t r = 0; r < parts.size(); ++r) {
+    gpu.loss += parts[r].loss;
+    for (size_t i = 0; i < gpu.grads.size(); ++i) gpu.grads[i] += parts[r].grads[i];
+    const auto rows = static_cast<int64_t>(positions[r].size());
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < rows; ++j) {
+        std::copy_n(parts[r].logits.begin() + (b * rows + j) * c.padded_vocab, c.padded_vocab,
+                    gpu.logits.begin() + (b * T + positions[r][static_cast<size_t>(j)]) * c.padded_vocab);
+      }
+    }
+  }
+  expect_matches_cpu_model(c, weights, batch, B, T, gpu);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, GpuModelContextParallel, ::testing::Range(0, 4), config_name);
 
 // ---- Recompute changes no bit -------------------------------------------------------------------
 
