@@ -286,9 +286,9 @@ if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$ft" ]] && comma
   "$ft" synth-data --out "$out/synth" > /dev/null 2>&1
   "$ft" synth-data --vocab 32000 --out "$out/synth32k" > /dev/null 2>&1  # LLaMA-2's vocabulary
   dp_rows=()
-  dp_run() {  # name ranks data model batch seq
+  dp_run() {  # name ranks data model batch seq [flags]
     timeout 600 "${mpi[@]}" -np "$2" "$ft" --model "$4" --data "$3" --batch "$5" --seq "$6" \
-      --steps 30 --warmup 5 --sample 0 --no-checkpoint --nondeterministic \
+      --steps 30 --warmup 5 --sample 0 --no-checkpoint --nondeterministic "${@:7}" \
       --log "$out/train_dp_$1.jsonl" > "$out/train_dp_$1.log" 2>&1 ||
       { status=1; log "flare-train $1 FAILED"; tail -5 "$out/train_dp_$1.log"; }
     log "flare-train $1: $(grep -E '^throughput' "$out/train_dp_$1.log")"
@@ -297,6 +297,8 @@ if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$ft" ]] && comma
   dp_run gpt3_1gpu 1 "$out/synth" gpt3-2.7b 4 1024
   dp_run "gpt3_${gpus}gpu" "$gpus" "$out/synth" gpt3-2.7b 4 1024
   [[ $gpus -ge 4 ]] && dp_run "llama2_7b_${gpus}gpu" "$gpus" "$out/synth32k" llama2-7b 1 1024
+  # Context parallel: one 64k-token sequence across every GPU.
+  dp_run "llama1b_s64k_cp${gpus}" "$gpus" "$out/synth" llama3.2-1b 1 65536 --cp "$gpus" --recompute
   PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 timeout 600 torchrun --standalone --nproc-per-node "$gpus" bench/train_torch.py \
     --case gpt3-2.7b:4:1024 --vocab 50257 --out "$out/torch_ddp" > "$out/train_torch_ddp.log" 2>&1 ||
     { status=1; log "train_torch.py under torchrun FAILED"; tail -5 "$out/train_torch_ddp.log"; }
