@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""plot_dp.py — the multi-GPU training study from bench/train_results.py's files: one table of
+every run (forward, backward, communication and its exposed part per step, bandwidth, tokens/s,
+MFU, memory per GPU) and two charts, tokens/s against GPUs beside the ideal of N times one GPU,
+and each run's step split into its parts.
+
+    python3 bench/plot_dp.py bench/results/2026-11-27-h200x4-train-dp-*.json \\
+        --table study.md --scaling scaling.png --breakdown breakdown.png
+
+Rows are flare-train's (with the step profile that CUDA events give) and the PyTorch peers'
+(tokens/s and memory only). A row names its card, so files from different machines can share a
+table; the scaling chart draws one line per (card, model, sequence, batch per GPU), and its ideal
+is N times that line's one-GPU row where the files hold one. Without matplotlib only the table is
+written.
+"""
+
+import argparse
+import json
+import sys
+
+PARTS = (("fwd_ms", "forward"), ("bwd_ms", "backward"), ("optimizer_ms", "optimizer"),
+         ("comm_exposed_ms", "communication, exposed"))
+
+
+def read_rows(paths):
+    """Every row of the files that ran (no "error"), each with its file's card."""
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        for row in doc.get("rows", []):
+            if "error" in row or "tokens_per_s" not in row:
+                continue
+            rows.append(dict(row, card=doc.get("card", "?"), gpus=row.get("gpus", 1)))
+    return rows
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows):
+    """The study's table as Markdown."""
+    head = ("| card | impl | model | GPUs | dp × cp | seq | batch/GPU | tokens/s | MFU | step ms | "
+            "fwd ms | bwd ms | comm ms | exposed ms | GB/s | memory/GPU GiB |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in sorted(rows, key=lambda r: (r["card"], r["model"], r["seq"], r["gpus"], r["impl"])):
+        mem = r.get("peak_mem_bytes")
+        mfu = r.get("mfu")
+        layout = f"{r.get('dp', r['gpus'])} × {r.get('cp', 1)}" if r["impl"] == "flare-train" else "-"
+        lines.append(
+            f"| {r['card']} | {r['impl']} | {r['model']} | {r['gpus']} | {layout} | {r['seq']} | "
+            f"{r['batch_per_gpu']} | {r['tokens_per_s']:,.0f} | {fmt(mfu and 100 * mfu, '.1f')}% | "
+            f"{fmt(r.get('step_ms'), '.1f')} | {fmt(r.get('fwd_ms'), '.1f')} | {fmt(r.get('bwd_ms'), '.1f')} | "
+            f"{fmt(r.get('comm_ms'), '.1f')} | {fmt(r.get('comm_exposed_ms'), '.1f')} | "
+            f"{fmt(r.get('comm_gbps'), '.0f')} | {fmt(mem and mem / 2**30, '.1f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def scaling_lines(rows):
+    """{(card, model, seq, batch): [(gpus, tokens/s), ...]} of flare-train rows, and the ideal
+    (N × one GPU) where a one-GPU row exists."""
+    lines = {}
+    for r in rows:
+        if r["impl"] == "flare-train" and r.get("cp", 1) == 1:
+            lines.setdefault((r["card"], r["model"], r["seq"], r["batch_per_gpu"]), []).append(
+                (r["gpus"], r["tokens_per_s"]))
+    return {key: sorted(points) for key, points in lines.items()}
+
+
+def plot_scaling(rows, out, plt):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (card, model, seq, batch), points in scaling_lines(rows).items():
+        gpus = [g for g, _ in points]
+        label = f"{model} s{seq} b{batch} ({card})"
+        ax.plot(gpus, [t for _, t in points], marker="o", label=f"flare-train {label}")
+        one = dict(points).get(1)
+        if one:
+            ax.plot(gpus, [g * one for g in gpus], linestyle=":", color="gray")
+        for r in rows:
+            if r["impl"] != "flare-train" and (r["card"], r["model"], r["seq"], r["batch_per_gpu"]) == (card, model, seq, batch):
+                ax.scatter([r["gpus"]], [r["tokens_per_s"]], marker="x", label=f"{r['impl']} {label}")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Data-parallel scaling (dotted: N × one GPU)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def plot_breakdown(rows, out, plt):
+    profiled = [r for r in rows if r["impl"] == "flare-train" and r.get("fwd_ms") is not None]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(profiled)), 4.5))
+    labels = [f"{r['model']}\ns{r['seq']} b{r['batch_per_gpu']}\n{r['gpus']} GPU cp{r.get('cp', 1)}"
+              for r in profiled]
+    x = range(len(profiled))
+    bottom = [0.0] * len(profiled)
+    for key, name in PARTS:
+        values = [r.get(key) or 0.0 for r in profiled]
+        ax.bar(x, values, bottom=bottom, label=name, width=0.5)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar([i + 0.3 for i in x], [r.get("comm_ms") or 0.0 for r in profiled], width=0.12,
+           color="gray", alpha=0.5, label="communication, all (mostly overlapped)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("ms per step (device time)")
+    ax.set_title("Where a step's time goes")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="bench/train_results.py JSON files")
+    p.add_argument("--table", help="write the table here (Markdown); default: print it")
+    p.add_argument("--scaling", help="PNG: tokens/s against GPUs")
+    p.add_argument("--breakdown", help="PNG: each flare-train run's step split into its parts")
+    args = p.parse_args(argv)
+    rows = read_rows(args.results)
+    if not rows:
+        p.error("no rows that ran in " + ", ".join(args.results))
+    text = table(rows)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    if args.scaling or args.breakdown:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("plot_dp.py: matplotlib is missing; table only", file=sys.stderr)
+            return 0
+        if args.scaling:
+            plot_scaling(rows, args.scaling, plt)
+        if args.breakdown:
+            plot_breakdown(rows, args.breakdown, plt)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
