@@ -54,7 +54,9 @@ const char* device_kind_name(DeviceKind kind);
 // agreements, every bucket's reduce-scatter, the weights' all-gather), most of it overlapped with
 // the backward; comm_exposed_ms the time the compute stream stood waiting for the communication
 // stream (communication not hidden behind compute); optimizer_ms the gradient norm, clip and
-// AdamW. comm_bytes: what this rank sent in the step's collectives.
+// AdamW. comm_bytes: what this rank sent in the step's collectives. Context parallel: cp_comm_ms
+// the attention plan's K/V and dK/dV exchanges (its own stream, overlapped with the blocks'
+// attention, within fwd_ms and bwd_ms), cp_comm_bytes what this rank sent in them.
 struct StepTiming {
   bool measured = false;  // false on the CPU backend
   double fwd_ms = 0.0;
@@ -63,6 +65,8 @@ struct StepTiming {
   double comm_exposed_ms = 0.0;
   double optimizer_ms = 0.0;
   int64_t comm_bytes = 0;
+  double cp_comm_ms = 0.0;
+  int64_t cp_comm_bytes = 0;
 };
 
 struct StepResult {

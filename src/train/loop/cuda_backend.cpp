@@ -283,6 +283,10 @@ class CudaBackend final : public Backend {
     t.comm_exposed_ms = ms[EventTimer::kCommExposed];
     t.optimizer_ms = ms[EventTimer::kOptimizer];
     t.comm_bytes = dp_ ? dp_->bytes_per_step() : 0;
+    dist::CpTiming cp;
+    FLARE_RETURN_IF_ERROR(model_->take_cp_timing(&cp));  // the step is done: no wait
+    t.cp_comm_ms = cp.comm_ms;
+    t.cp_comm_bytes = cp.bytes_sent;
     sample_peak_memory();
     return Status::ok_status();
   }
@@ -298,6 +302,8 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
                                                       cudaMemcpyDeviceToHost, stream_), "loss readback"));
     FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "evaluation"));
+    dist::CpTiming not_a_step;  // evaluation's exchanges are not the next step's
+    FLARE_RETURN_IF_ERROR(model_->take_cp_timing(&not_a_step));
     *loss_sum = readback_->totals.loss_sum;
     *valid = staged_valid;
     return Status::ok_status();

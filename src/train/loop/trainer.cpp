@@ -141,6 +141,10 @@ std::string format_step(const StepReport& r) {
     std::snprintf(buf, sizeof buf, " | comm %.1f ms, %.1f exposed", r.timing.comm_ms, r.timing.comm_exposed_ms);
     line += buf;
   }
+  if (r.cp > 1 && r.timing.measured) {
+    std::snprintf(buf, sizeof buf, " | attention comm %.1f ms", r.timing.cp_comm_ms);
+    line += buf;
+  }
   if (r.has_val) {
     std::snprintf(buf, sizeof buf, " | val %.4f", r.val_loss);
     line += buf;
@@ -163,6 +167,7 @@ std::string step_json(const StepReport& r) {
       << ", \"bwd_ms\": " << json_number(t.bwd_ms) << ", \"comm_ms\": " << json_number(t.comm_ms)
       << ", \"comm_exposed_ms\": " << json_number(t.comm_exposed_ms)
       << ", \"optimizer_ms\": " << json_number(t.optimizer_ms) << ", \"comm_bytes\": " << t.comm_bytes
+      << ", \"cp_comm_ms\": " << json_number(t.cp_comm_ms) << ", \"cp_comm_bytes\": " << t.cp_comm_bytes
       << ", \"comm_gbps\": " << json_number(gbps) << ", \"peak_memory_bytes\": " << r.peak_memory_bytes;
   }
   if (r.has_val) s << ", \"val_loss\": " << json_number(r.val_loss);

@@ -314,12 +314,18 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
     attention.deterministic = options.deterministic_attention;
     FLARE_RETURN_IF_ERROR(dp::make_context_parallel_attention(options.cp, config, batch, global_seq,
                                                               DType::kBFloat16, attention, &m.cp));
+    FLARE_RETURN_IF_ERROR(m.cp->set_timing(true));  // the step's profile reports the exchanges
   }
   *out = std::move(g);
   return Status::ok_status();
 }
 
 const std::vector<int64_t>& GpuModel::positions() const { return impl_->positions; }
+
+Status GpuModel::take_cp_timing(dist::CpTiming* out) {
+  *out = {};
+  return impl_->cp ? impl_->cp->take_timing(out) : Status::ok_status();
+}
 
 Status GpuModel::zero_grads() {
   return cuda_status(cudaMemsetAsync(grads_, 0, static_cast<size_t>(impl_->layout.total) * sizeof(float), stream_),

@@ -104,6 +104,10 @@ class GpuModel {
   // grads() = 0 (enqueued).
   Status zero_grads();
 
+  // Context parallel: the attention plan's exchanges since the last call (dist.h CpTiming; zeros
+  // without context parallelism). Waits for their events, so call it once the step is done.
+  Status take_cp_timing(dist::CpTiming* out);
+
   const ModelConfig& config() const { return config_; }
   const ParameterLayout& layout() const;
   int64_t batch() const { return batch_; }
