@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """plot_dp.py — the multi-GPU training study from bench/train_results.py's files: one table of
-every run (forward, backward, communication and its exposed part per step, bandwidth, tokens/s,
-MFU, memory per GPU) and two charts, tokens/s against GPUs beside the ideal of N times one GPU,
+every run (forward, backward, communication and its exposed part per step, bandwidth, the
+context-parallel attention's own exchanges, tokens/s, MFU, memory per GPU) and two charts, tokens/s against GPUs beside the ideal of N times one GPU,
 and each run's step split into its parts.
 
     python3 bench/plot_dp.py bench/results/2026-11-27-h200x4-train-dp-*.json \\
@@ -42,7 +42,7 @@ def fmt(value, spec):
 def table(rows):
     """The study's table as Markdown."""
     head = ("| card | impl | model | GPUs | dp × cp | seq | batch/GPU | tokens/s | MFU | step ms | "
-            "fwd ms | bwd ms | comm ms | exposed ms | GB/s | memory/GPU GiB |")
+            "fwd ms | bwd ms | comm ms | exposed ms | GB/s | attention comm ms | memory/GPU GiB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in sorted(rows, key=lambda r: (r["card"], r["model"], r["seq"], r["gpus"], r["impl"])):
         mem = r.get("peak_mem_bytes")
@@ -53,7 +53,8 @@ def table(rows):
             f"{r['batch_per_gpu']} | {r['tokens_per_s']:,.0f} | {fmt(mfu and 100 * mfu, '.1f')}% | "
             f"{fmt(r.get('step_ms'), '.1f')} | {fmt(r.get('fwd_ms'), '.1f')} | {fmt(r.get('bwd_ms'), '.1f')} | "
             f"{fmt(r.get('comm_ms'), '.1f')} | {fmt(r.get('comm_exposed_ms'), '.1f')} | "
-            f"{fmt(r.get('comm_gbps'), '.0f')} | {fmt(mem and mem / 2**30, '.1f')} |")
+            f"{fmt(r.get('comm_gbps'), '.0f')} | {fmt(r.get('cp_comm_ms'), '.1f')} | "
+            f"{fmt(mem and mem / 2**30, '.1f')} |")
     return "\n".join(lines) + "\n"
 
 

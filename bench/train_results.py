@@ -39,7 +39,8 @@ THROUGHPUT = re.compile(r"^throughput: median of steps (\d+)-(\d+): ([0-9.]+) ms
 FLARE_MEM_KIND = "device memory in use (total - free, CUDA context included)"
 TORCH_MEM_KIND = "torch.cuda.max_memory_allocated"
 RUN_RANKS = re.compile(r" x (\d+) GPUs = \d+ tokens/step")
-PROFILE_FIELDS = ("fwd_ms", "bwd_ms", "comm_ms", "comm_exposed_ms", "optimizer_ms", "comm_gbps")
+PROFILE_FIELDS = ("fwd_ms", "bwd_ms", "comm_ms", "comm_exposed_ms", "optimizer_ms", "comm_gbps",
+                  "cp_comm_ms")
 TORCH_IMPLS = ("torch-compile", "torch-ddp-compile", "torch-fsdp-compile")
 
 
