@@ -2,7 +2,9 @@
 
 Drop-in for flash_attn 2.x's functions (flare/interface.py) over any DLPack framework, with
 autograd for PyTorch; attention_forward / attention_backward are the plain calls for
-frameworks without autograd (NumPy). flare.bert_padding holds flash_attn.bert_padding's helpers
+frameworks without autograd (NumPy). block_sparse_attn_func (and _varlen_func) is block-sparse
+attention over a block mask, with block_sparse_attention_forward / _backward as its plain calls
+and local_global_block_mask / butterfly_block_mask making the usual patterns. flare.bert_padding holds flash_attn.bert_padding's helpers
 (torch only; import it explicitly). flare.dist is context parallelism — one sequence split
 across GPUs (ring_flash_attn_func, communicators from torch.distributed groups or the launch
 environment; import it explicitly). A bad argument raises TypeError (wrong kind of value: None,
@@ -15,8 +17,17 @@ argument's name.
 import os as _os
 
 from . import _ext
-from ._core import attention_backward, attention_forward
+from ._core import (
+    attention_backward,
+    attention_forward,
+    block_sparse_attention_backward,
+    block_sparse_attention_forward,
+    butterfly_block_mask,
+    local_global_block_mask,
+)
 from .interface import (
+    block_sparse_attn_func,
+    block_sparse_attn_varlen_func,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -48,6 +59,11 @@ def cuda_built():
 __all__ = [
     "attention_backward",
     "attention_forward",
+    "block_sparse_attention_backward",
+    "block_sparse_attention_forward",
+    "block_sparse_attn_func",
+    "block_sparse_attn_varlen_func",
+    "butterfly_block_mask",
     "cuda_built",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
@@ -56,4 +72,5 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "local_global_block_mask",
 ]

@@ -7,9 +7,10 @@ NumPy, cupy.empty for CuPy), picks the stream (the caller's current stream for P
 or an explicit ``stream=``), and calls forward / backward. It does not import torch: PyTorch
 tensors are recognised through ``sys.modules``, so NumPy-only installs work without it.
 
-attention_forward / attention_backward are the plain (no autograd) entry points; the
-flash_attn-compatible functions in flare/interface.py and the torch custom ops in
-flare/_torch.py are built on the same helpers.
+attention_forward / attention_backward are the plain (no autograd) entry points, and
+block_sparse_attention_forward / _backward their block-sparse forms (with the mask patterns
+local_global_block_mask and butterfly_block_mask); the flash_attn-compatible functions in
+flare/interface.py and the torch custom ops in flare/_torch.py are built on the same helpers.
 
 JAX arrays are accepted on the CPU: they are read through NumPy without a copy and the results
 come back as JAX arrays. JAX arrays on a GPU are refused (JAX buffers are immutable, so flare
@@ -166,6 +167,27 @@ class Options:
         self.backend = _BACKENDS.get(backend) if type(backend) is str else None
         if self.backend is None:
             self.backend = backend_code(backend)
+
+
+class BlockMask:
+    """A block-sparse call's mask with its block sizes (ints >= 1; the library checks the mask
+    itself: dtype, rank, shape against the block sizes, device)."""
+
+    __slots__ = ("mask", "block_m", "block_n")
+
+    def __init__(self, mask, block_size_q, block_size_k):
+        self.mask = mask
+        self.block_m = integer(block_size_q, "block_size_q", 1)
+        self.block_n = integer(block_size_k, "block_size_k", 1)
+
+
+def block_mask_view(mask):
+    """The mask as the library reads it: a bool mask becomes a uint8 view of the same bytes (0 / 1,
+    no copy); uint8 and int32 masks pass unchanged, any other dtype is the library's to name."""
+    if is_torch(mask):
+        torch = sys.modules["torch"]
+        return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    return mask.view("uint8") if mask.dtype.kind == "b" else mask
 
 
 # ---- framework detection -----------------------------------------------------------------------
@@ -366,8 +388,9 @@ class _Call:
     (uint64) pair the library gets; drawing or requiring a seed is the caller's business."""
 
     def __init__(self, *, options, alibi_slopes, seed, offset, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k):
+                 max_seqlen_q, max_seqlen_k, block_mask=None):
         self.options = options
+        self.block_mask = block_mask  # a BlockMask: the call is block-sparse
         self.alibi_slopes = alibi_slopes
         self.seed, self.offset = seed_pair(seed, offset)
         self.cu_seqlens_q = cu_seqlens_q
@@ -388,6 +411,11 @@ class _Call:
             dropout_p=o.dropout_p, seed=self.seed, offset=self.offset,
             deterministic=o.deterministic, backend=o.backend, stream=frame.stream)
 
+    def block_mask_args(self, frame):
+        """The mask and its block sizes, as the extension's block-sparse calls take them."""
+        m = self.block_mask
+        return block_mask_view(frame.prepare(m.mask)), m.block_m, m.block_n
+
 
 def forward_into(frame, call, q, k, v):
     """Allocates o and lse in `frame`'s framework and runs the forward. Returns (o, lse)."""
@@ -395,7 +423,11 @@ def forward_into(frame, call, q, k, v):
     o = frame.empty(q.shape, q.dtype)
     lse = frame.empty(lse_shape(q, call.is_varlen), frame.float32())
     with frame.device_guard():
-        _ext.forward(q, k, v, o, lse, **call.kwargs(frame))
+        if call.block_mask is None:
+            _ext.forward(q, k, v, o, lse, **call.kwargs(frame))
+        else:
+            _ext.block_sparse_forward(q, k, v, o, lse, *call.block_mask_args(frame),
+                                      **call.kwargs(frame))
     return o, lse
 
 
@@ -406,11 +438,78 @@ def backward_into(frame, call, dout, q, k, v, o, lse):
     dk = frame.empty(k.shape, k.dtype)
     dv = frame.empty(v.shape, v.dtype)
     with frame.device_guard():
-        _ext.backward(dout, q, k, v, o, lse, dq, dk, dv, **call.kwargs(frame))
+        if call.block_mask is None:
+            _ext.backward(dout, q, k, v, o, lse, dq, dk, dv, **call.kwargs(frame))
+        else:
+            _ext.block_sparse_backward(dout, q, k, v, o, lse, dq, dk, dv,
+                                       *call.block_mask_args(frame), **call.kwargs(frame))
     return dq, dk, dv
 
 
 # ---- public, no-autograd entry points ----------------------------------------------------------
+
+def _forward(q, k, v, block_mask, *, softmax_scale, causal, window_size, softcap, alibi_slopes,
+             dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             backend, stream, return_rng_state):
+    """attention_forward, block-sparse where block_mask (a BlockMask) is given."""
+    required = (("q", q), ("k", k), ("v", v))
+    if block_mask is not None:
+        required += (("block_mask", block_mask.mask),)
+    group = check_arrays(required,
+                         (("alibi_slopes", alibi_slopes), ("cu_seqlens_q", cu_seqlens_q),
+                          ("cu_seqlens_k", cu_seqlens_k)))
+    options = Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, dropout_p=dropout_p, deterministic=False,
+                      backend=backend)
+    return_rng_state = flag(return_rng_state, "return_rng_state")
+    if seed is None:
+        seed = draw_seed(group) if options.dropout_p > 0.0 else 0
+    jax = _is_jax(q)
+    q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _from_jax(
+        (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+    if block_mask is not None:
+        block_mask.mask = _from_jax((block_mask.mask,))[0]
+    call = _Call(options=options, alibi_slopes=alibi_slopes, seed=seed, offset=offset,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_mask=block_mask)
+    out, lse = forward_into(_Frame(group, q, stream_value(stream)), call, q, k, v)
+    if jax:
+        out, lse = _to_jax((out, lse))
+    return (out, lse, (call.seed, call.offset)) if return_rng_state else (out, lse)
+
+
+def _backward(dout, q, k, v, out, softmax_lse, block_mask, *, softmax_scale, causal,
+              window_size, softcap, alibi_slopes, dropout_p, seed, offset, deterministic,
+              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, stream):
+    """attention_backward, block-sparse where block_mask (a BlockMask) is given."""
+    required = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
+                ("softmax_lse", softmax_lse))
+    if block_mask is not None:
+        required += (("block_mask", block_mask.mask),)
+    group = check_arrays(required,
+                         (("alibi_slopes", alibi_slopes), ("cu_seqlens_q", cu_seqlens_q),
+                          ("cu_seqlens_k", cu_seqlens_k)))
+    options = Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, dropout_p=dropout_p, deterministic=deterministic,
+                      backend=backend)
+    if seed is None:
+        if options.dropout_p > 0.0:
+            raise ValueError(
+                "seed: required when dropout_p > 0: pass the seed and offset the forward used "
+                "(attention_forward(..., return_rng_state=True) returns them)")
+        seed = 0
+    jax = _is_jax(q)
+    dout, q, k, v, out, softmax_lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _from_jax(
+        (dout, q, k, v, out, softmax_lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+    if block_mask is not None:
+        block_mask.mask = _from_jax((block_mask.mask,))[0]
+    call = _Call(options=options, alibi_slopes=alibi_slopes, seed=seed, offset=offset,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_mask=block_mask)
+    grads = backward_into(_Frame(group, q, stream_value(stream)), call, dout, q, k, v, out,
+                          softmax_lse)
+    return _to_jax(grads) if jax else grads
+
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
@@ -432,25 +531,12 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     For CUDA arrays the work is queued on `stream` (an integer cudaStream_t), by default the
     framework's current stream (torch, CuPy). No autograd: see flash_attn_func for that.
     """
-    group = check_arrays((("q", q), ("k", k), ("v", v)),
-                         (("alibi_slopes", alibi_slopes), ("cu_seqlens_q", cu_seqlens_q),
-                          ("cu_seqlens_k", cu_seqlens_k)))
-    options = Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                      softcap=softcap, dropout_p=dropout_p, deterministic=False,
-                      backend=backend)
-    return_rng_state = flag(return_rng_state, "return_rng_state")
-    if seed is None:
-        seed = draw_seed(group) if options.dropout_p > 0.0 else 0
-    jax = _is_jax(q)
-    q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _from_jax(
-        (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
-    call = _Call(options=options, alibi_slopes=alibi_slopes, seed=seed, offset=offset,
-                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    out, lse = forward_into(_Frame(group, q, stream_value(stream)), call, q, k, v)
-    if jax:
-        out, lse = _to_jax((out, lse))
-    return (out, lse, (call.seed, call.offset)) if return_rng_state else (out, lse)
+    return _forward(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                    dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, backend=backend, stream=stream,
+                    return_rng_state=return_rng_state)
 
 
 def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False,
@@ -463,25 +549,87 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, c
     out and softmax_lse are attention_forward's results for the same inputs and options. With
     dropout_p > 0, seed (required) and offset are the pair the forward used: its rng_state.
     """
-    group = check_arrays((("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
-                          ("softmax_lse", softmax_lse)),
-                         (("alibi_slopes", alibi_slopes), ("cu_seqlens_q", cu_seqlens_q),
-                          ("cu_seqlens_k", cu_seqlens_k)))
-    options = Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                      softcap=softcap, dropout_p=dropout_p, deterministic=deterministic,
-                      backend=backend)
-    if seed is None:
-        if options.dropout_p > 0.0:
-            raise ValueError(
-                "seed: required when dropout_p > 0: pass the seed and offset the forward used "
-                "(attention_forward(..., return_rng_state=True) returns them)")
-        seed = 0
-    jax = _is_jax(q)
-    dout, q, k, v, out, softmax_lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _from_jax(
-        (dout, q, k, v, out, softmax_lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
-    call = _Call(options=options, alibi_slopes=alibi_slopes, seed=seed, offset=offset,
-                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    grads = backward_into(_Frame(group, q, stream_value(stream)), call, dout, q, k, v, out,
-                          softmax_lse)
-    return _to_jax(grads) if jax else grads
+    return _backward(dout, q, k, v, out, softmax_lse, None, softmax_scale=softmax_scale,
+                     causal=causal, window_size=window_size, softcap=softcap,
+                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,
+                     deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k, backend=backend, stream=stream)
+
+
+# ---- block-sparse attention (docs/block-sparse.md) ----------------------------------------------
+
+def block_sparse_attention_forward(q, k, v, block_mask, *, block_size_q=128, block_size_k=128,
+                                   softmax_scale=None, causal=False, window_size=(-1, -1),
+                                   softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None,
+                                   offset=0, cu_seqlens_q=None, cu_seqlens_k=None,
+                                   max_seqlen_q=None, max_seqlen_k=None, backend="auto",
+                                   stream=None, return_rng_state=False):
+    """attention_forward in which only the blocks of the score matrix that block_mask turns on
+    are computed: returns (out, softmax_lse), or (out, softmax_lse, rng_state).
+
+    block_mask: bool, uint8 or int32 (nonzero = on), shape (b or 1, h or 1,
+    ceil(s_q / block_size_q), ceil(s_k / block_size_k)); an extent-1 batch or head dimension
+    broadcasts. Block (r, c) covers query rows [r·block_size_q, (r+1)·block_size_q) and keys
+    [c·block_size_k, (c+1)·block_size_k), the last ones ragged. A key is visible to a row iff its
+    block is on AND causal / window_size keep it; a row that sees no key gets out = 0 and
+    softmax_lse = -inf. Varlen: b is the number of sequences, s_q / s_k are max_seqlen_q /
+    max_seqlen_k, and blocks count from each sequence's start. Under GQA the mask is per query
+    head. Errors about the mask itself come from the library, which calls it `mask` (and the
+    block sizes block_m / block_n). CPU arrays only for now: CUDA arrays raise
+    NotImplementedError.
+    """
+    return _forward(q, k, v, BlockMask(block_mask, block_size_q, block_size_k),
+                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                    offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend,
+                    stream=stream, return_rng_state=return_rng_state)
+
+
+def block_sparse_attention_backward(dout, q, k, v, out, softmax_lse, block_mask, *,
+                                    block_size_q=128, block_size_k=128, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                                    deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                                    max_seqlen_q=None, max_seqlen_k=None, backend="auto",
+                                    stream=None):
+    """Gradients of block_sparse_attention_forward with the same mask, block sizes and options:
+    returns (dq, dk, dv). Keys no row sees get dk = dv = 0; rows that see no key get dq = 0."""
+    return _backward(dout, q, k, v, out, softmax_lse,
+                     BlockMask(block_mask, block_size_q, block_size_k),
+                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                     offset=offset, deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k, backend=backend, stream=stream)
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _pattern(data, row_blocks, col_blocks):
+    np = _numpy()
+    return np.frombuffer(data, dtype=np.uint8).reshape(1, 1, row_blocks, col_blocks).copy()
+
+
+def local_global_block_mask(row_blocks, col_blocks, band, global_blocks):
+    """The FlashAttention paper's local + global pattern as a NumPy uint8 block mask of shape
+    (1, 1, row_blocks, col_blocks), ready to pass as block_mask (shared by every batch and head):
+    block (r, c) is on when c - r lies in [-(band // 2), band - band // 2 - 1] (band 1: the
+    diagonal; 3: it and one block either side), or r < global_blocks (those rows see every key),
+    or c < global_blocks (every row sees those keys). All four are ints >= 0, at most 2**31
+    blocks in all."""
+    rows = integer(row_blocks, "row_blocks", 0, _INT64_MAX)
+    cols = integer(col_blocks, "col_blocks", 0, _INT64_MAX)
+    band = integer(band, "band", 0, _INT64_MAX)
+    global_blocks = integer(global_blocks, "global_blocks", 0, _INT64_MAX)
+    return _pattern(_ext.local_global_block_mask(rows, cols, band, global_blocks), rows, cols)
+
+
+def butterfly_block_mask(row_blocks, col_blocks):
+    """The butterfly pattern as a NumPy uint8 block mask of shape (1, 1, row_blocks, col_blocks):
+    block (r, c) is on when r and c differ in at most one bit (log2(n) + 1 blocks per row of n)."""
+    rows = integer(row_blocks, "row_blocks", 0, _INT64_MAX)
+    cols = integer(col_blocks, "col_blocks", 0, _INT64_MAX)
+    return _pattern(_ext.butterfly_block_mask(rows, cols), rows, cols)

@@ -22,6 +22,9 @@ strides it gets. Work is queued on the current stream of
 the tensors' device and nothing synchronises or allocates through anything but torch's caching
 allocator, so calls can be captured in a CUDA graph.
 
+Block-sparse attention (flare.block_sparse_attn_func) takes the same two roads through its own
+Function and operators, block_sparse_fwd / block_sparse_bwd (the end of this file).
+
 Dropout: rng_state is an int64 CPU tensor [seed, offset] drawn from torch's default generator
 (torch.manual_seed reproduces it) and saved for the backward, which regenerates the same mask from
 it. Without dropout rng_state is None.
@@ -213,18 +216,24 @@ class Attention(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * (_N_FWD_INPUTS - 3)
 
 
+def _max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """max_seqlen_q / max_seqlen_k as ints: required for a varlen batch, 0 otherwise."""
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("max_seqlen_q / max_seqlen_k: required for a varlen batch")
+        return int(max_seqlen_q), int(max_seqlen_k)
+    return 0, 0
+
+
 def attention(q, k, v, options, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               alibi_slopes):
     """The differentiable call behind every flash_attn_* function for torch tensors; `options`
     is a checked _core.Options."""
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        if max_seqlen_q is None or max_seqlen_k is None:
-            raise ValueError("max_seqlen_q / max_seqlen_k: required for a varlen batch")
-    else:
-        max_seqlen_q = max_seqlen_k = 0
+    max_seqlen_q, max_seqlen_k = _max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     o = options
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             o.dropout_p, o.softmax_scale, o.causal, o.window_left, o.window_right, o.softcap,
             alibi_slopes, o.deterministic, draw_rng_state(o.dropout_p), o.backend)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -232,3 +241,127 @@ def attention(q, k, v, options, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     if torch.compiler.is_compiling():
         return _compiled_forward(*args)
     return forward(*args)
+
+
+# ---- block-sparse attention ----------------------------------------------------------------------
+# flare.block_sparse_attn_func takes the same two roads: BlockSparseAttention calls the extension
+# eagerly and, while torch.compile traces it, the operators torch.ops.flare.block_sparse_fwd /
+# block_sparse_bwd (fwd / bwd's schema with the mask and its block sizes after the outputs, as in
+# the C ABI). The mask is an input without a gradient; a bool mask arrives as its uint8 view.
+
+def run_block_sparse_forward(q, k, v, out, lse, block_mask, block_m, block_n, cu_seqlens_q,
+                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                             causal, window_left, window_right, softcap, alibi_slopes,
+                             deterministic, rng_state, backend):
+    """run_forward with a block mask at block_m x block_n."""
+    seed, offset = _seeds(rng_state)
+    _ext.block_sparse_forward(q, k, v, out, lse, block_mask, block_m, block_n, cu_seqlens_q,
+                              cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                              window_left, window_right, softcap, alibi_slopes, dropout_p, seed,
+                              offset, deterministic, backend, _stream(q))
+
+
+def run_block_sparse_backward(dout, q, k, v, out, lse, dq, dk, dv, block_mask, block_m, block_n,
+                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                              softmax_scale, causal, window_left, window_right, softcap,
+                              alibi_slopes, deterministic, rng_state, backend):
+    """run_backward with the forward's block mask."""
+    seed, offset = _seeds(rng_state)
+    _ext.block_sparse_backward(dout, q, k, v, out, lse, dq, dk, dv, block_mask, block_m, block_n,
+                               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, window_left, window_right, softcap,
+                               alibi_slopes, dropout_p, seed, offset, deterministic, backend,
+                               _stream(q))
+
+
+_BLOCK_MASK = "Tensor block_mask, int block_m, int block_n, "
+_lib.define("block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, " +
+            _BLOCK_MASK + _OPTIONS + ") -> ()")
+_lib.define("block_sparse_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, " + _BLOCK_MASK + _OPTIONS + ") -> ()")
+for _key in ("CPU", "CUDA"):
+    _lib.impl("block_sparse_fwd", run_block_sparse_forward, _key)
+    _lib.impl("block_sparse_bwd", run_block_sparse_backward, _key)
+
+
+@torch.library.register_fake("flare::block_sparse_fwd")
+def _block_sparse_fwd_fake(*args):
+    return None
+
+
+@torch.library.register_fake("flare::block_sparse_bwd")
+def _block_sparse_bwd_fake(*args):
+    return None
+
+
+def block_sparse_forward(q, k, v, block_mask, block_m, block_n, cu_seqlens_q, cu_seqlens_k,
+                         *args):
+    """Allocates out and lse and runs the block-sparse forward: eagerly through the extension,
+    under torch.compile through the operator. Returns (out, lse)."""
+    out, lse = forward_outputs(q, cu_seqlens_q is not None or cu_seqlens_k is not None)
+    run = (torch.ops.flare.block_sparse_fwd if torch.compiler.is_compiling()
+           else run_block_sparse_forward)
+    run(q, k, v, out, lse, block_mask, block_m, block_n, cu_seqlens_q, cu_seqlens_k, *args)
+    return out, lse
+
+
+def block_sparse_backward(dout, q, k, v, out, lse, block_mask, block_m, block_n, *args):
+    """Allocates dq, dk, dv and runs the block-sparse backward (dout made unit-stride, as in
+    backward()). Returns (dq, dk, dv)."""
+    dout = _unit_last_stride(dout)
+    dq, dk, dv = backward_outputs(q, k, v)
+    run = (torch.ops.flare.block_sparse_bwd if torch.compiler.is_compiling()
+           else run_block_sparse_backward)
+    run(dout, q, k, v, out, lse, dq, dk, dv, block_mask, block_m, block_n, *args)
+    return dq, dk, dv
+
+
+class BlockSparseAttention(torch.autograd.Function):
+    """Block-sparse attention with autograd, as Attention is for dense attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_mask, block_m, block_n, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                window_right, softcap, alibi_slopes, deterministic, rng_state, backend):
+        scalars = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                   window_right, softcap)
+        out, lse = block_sparse_forward(q, k, v, block_mask, block_m, block_n, cu_seqlens_q,
+                                        cu_seqlens_k, *scalars, alibi_slopes, deterministic,
+                                        rng_state, backend)
+        ctx.save_for_backward(q, k, v, out, lse, block_mask, cu_seqlens_q, cu_seqlens_k,
+                              alibi_slopes, rng_state)
+        ctx.scalars = (block_m, block_n, scalars, deterministic, backend)
+        ctx.mark_non_differentiable(lse)
+        if not torch.compiler.is_compiling():  # as in Attention: no zero-filled dlse
+            ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        inputs = 20  # forward's arguments after ctx: one gradient (or None) each
+        if dout is None:
+            return (None,) * inputs
+        (q, k, v, out, lse, block_mask, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+         rng_state) = ctx.saved_tensors
+        block_m, block_n, scalars, deterministic, backend = ctx.scalars
+        dq, dk, dv = block_sparse_backward(dout, q, k, v, out, lse, block_mask, block_m, block_n,
+                                           cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes,
+                                           deterministic, rng_state, backend)
+        return (dq, dk, dv) + (None,) * (inputs - 3)
+
+
+def block_sparse_attention(q, k, v, block_mask, options, *, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, alibi_slopes):
+    """attention() with a checked _core.BlockMask: the call behind block_sparse_attn_func and
+    block_sparse_attn_varlen_func for torch tensors."""
+    max_seqlen_q, max_seqlen_k = _max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k)
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    o = options
+    args = (q, k, v, _core.block_mask_view(block_mask.mask.detach()), block_mask.block_m,
+            block_mask.block_n, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            o.dropout_p, o.softmax_scale, o.causal, o.window_left, o.window_right, o.softcap,
+            alibi_slopes, o.deterministic, draw_rng_state(o.dropout_p), o.backend)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return BlockSparseAttention.apply(*args)
+    return block_sparse_forward(*args)

@@ -19,6 +19,9 @@ raises ValueError, as they would do nothing there):
 and, for every framework:
     backend  "auto" (default), "flash" or "reference" (CPU float64 ground truth).
 
+block_sparse_attn_func and block_sparse_attn_varlen_func are flash_attn_func and
+flash_attn_varlen_func with a block mask (docs/block-sparse.md), with the same extras.
+
 Every bad argument raises TypeError (not a tensor, not a number, …) or ValueError (a value the
 library rejects) with a message that starts with the argument's name.
 """
@@ -28,12 +31,15 @@ from . import _core, _ext
 
 def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-               return_attn_probs, seed, backend, stream, varlen):
+               return_attn_probs, seed, backend, stream, varlen, block_mask=None):
     # Every argument is checked here, before any work, so a bad one raises TypeError /
-    # ValueError naming it whichever framework the arrays come from.
+    # ValueError naming it whichever framework the arrays come from. block_mask (a
+    # _core.BlockMask) makes the call block-sparse.
     required = [("q", q), ("k", k), ("v", v)]
     if varlen:
         required += [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
+    if block_mask is not None:
+        required += [("block_mask", block_mask.mask)]
     group = _core.check_arrays(required, [("alibi_slopes", alibi_slopes)])
     return_attn_probs = _core.flag(return_attn_probs, "return_attn_probs")
     if group == "torch":
@@ -50,17 +56,22 @@ def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError("stream: applies to non-torch arrays; torch tensors run on "
                              "torch.cuda.current_stream()")
         from . import _torch
-        out, lse = _torch.attention(q, k, v, options, cu_seqlens_q=cu_seqlens_q,
-                                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                    max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes)
+        varlen_args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                           alibi_slopes=alibi_slopes)
+        if block_mask is None:
+            out, lse = _torch.attention(q, k, v, options, **varlen_args)
+        else:
+            out, lse = _torch.block_sparse_attention(q, k, v, block_mask, options, **varlen_args)
     else:
         # deterministic only matters to the backward, which these arrays do not get here.
         _core.flag(deterministic, "deterministic")
-        out, lse = _core.attention_forward(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, backend=backend, stream=stream)
+        out, lse = _core._forward(
+            q, k, v, block_mask, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            dropout_p=dropout_p, seed=seed, offset=0, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            backend=backend, stream=stream, return_rng_state=False)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -159,6 +170,53 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs,
                                   seed=seed, backend=backend, stream=stream)
+
+
+# ---- block-sparse attention ----------------------------------------------------------------------
+
+def block_sparse_attn_func(q, k, v, block_mask, block_size_q=128, block_size_k=128,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, *, seed=None, backend="auto", stream=None):
+    """flash_attn_func in which only the blocks of the score matrix that block_mask turns on are
+    computed (an off block costs nothing: its keys are never read). Returns out like q.
+
+    q (b, s_q, h, d), k / v (b, s_k, h_kv, d). block_mask: bool, uint8 or int32 (nonzero = on),
+    shape (b or 1, h or 1, ceil(s_q / block_size_q), ceil(s_k / block_size_k)), an extent-1
+    batch or head dimension broadcasting; block (r, c) covers query rows
+    [r·block_size_q, (r+1)·block_size_q) and keys [c·block_size_k, (c+1)·block_size_k), the last
+    ones ragged. A key is visible to a row iff its block is on AND causal / window_size keep it
+    (both aligned bottom-right); softcap, ALiBi and dropout apply as in flash_attn_func. A row
+    that sees no key gets out = 0 (softmax_lse = -inf). Under GQA the mask is per query head.
+    flare.local_global_block_mask and flare.butterfly_block_mask make the FlashAttention paper's
+    patterns. torch tensors get autograd (the mask gets no gradient). CPU only for now: CUDA
+    tensors raise NotImplementedError. The library names the mask `mask` in its errors.
+    """
+    return _attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                      max_seqlen_k=None, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                      causal=causal, window_size=window_size, softcap=softcap,
+                      alibi_slopes=alibi_slopes, deterministic=deterministic,
+                      return_attn_probs=return_attn_probs, seed=seed, backend=backend,
+                      stream=stream, varlen=False,
+                      block_mask=_core.BlockMask(block_mask, block_size_q, block_size_k))
+
+
+def block_sparse_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, block_mask, block_size_q=128, block_size_k=128,
+                                  dropout_p=0.0, softmax_scale=None, causal=False,
+                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                  deterministic=False, return_attn_probs=False, *, seed=None,
+                                  backend="auto", stream=None):
+    """block_sparse_attn_func over packed q (total_q, h, d), k / v (total_k, h_kv, d) with int32
+    cu_seqlens (batch + 1): block_mask is (batch or 1, h or 1, ceil(max_seqlen_q / block_size_q),
+    ceil(max_seqlen_k / block_size_k)) and its blocks count from each sequence's start."""
+    return _attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                      return_attn_probs=return_attn_probs, seed=seed, backend=backend,
+                      stream=stream, varlen=True,
+                      block_mask=_core.BlockMask(block_mask, block_size_q, block_size_k))
 
 
 # ---- KV-cache decoding ---------------------------------------------------------------------------

@@ -6,7 +6,8 @@
 // their own attributes (data_ptr(), dtype, get_device(), shape, stride()), which costs about a
 // microsecond where a DLPack capsule costs several — it matters on the training hot path, where
 // the host must stay ahead of the GPU. Either way this file builds flare_tensor views and calls
-// flare_attention_forward / _backward. Nothing here allocates tensors; the Python layer
+// flare_attention_forward / _backward (and the KV-cache and block-sparse entry points, with the
+// pattern helpers of the latter). Nothing here allocates tensors; the Python layer
 // (flare/_core.py, flare/_torch.py) allocates outputs in the caller's framework and passes the
 // caller's stream as an integer. The module never links against torch and never imports it: a
 // tensor is recognised as torch's only when torch is already loaded.
@@ -65,6 +66,11 @@ std::string dlpack_dtype_name(nb::dlpack::dtype t) {
   return s;
 }
 
+// What the dtype errors list: the library's rules per argument give the exact one.
+constexpr const char* kDtypesTaken =
+    "flare takes float32, float16 or bfloat16 tensors (int32 for cu_seqlens, uint8 or int32 for "
+    "block masks)";
+
 int32_t to_flare_dtype(nb::dlpack::dtype t, const char* name) {
   using code = nb::dlpack::dtype_code;
   if (t.lanes == 1) {
@@ -72,10 +78,10 @@ int32_t to_flare_dtype(nb::dlpack::dtype t, const char* name) {
     if (t.code == static_cast<uint8_t>(code::Float) && t.bits == 16) return FLARE_FLOAT16;
     if (t.code == static_cast<uint8_t>(code::Bfloat) && t.bits == 16) return FLARE_BFLOAT16;
     if (t.code == static_cast<uint8_t>(code::Int) && t.bits == 32) return FLARE_INT32;
+    if (t.code == static_cast<uint8_t>(code::UInt) && t.bits == 8) return FLARE_UINT8;
   }
   raise(PyExc_ValueError, std::string(name) + ": dtype " + dlpack_dtype_name(t) +
-                              " is not supported; flare takes float32, float16 or bfloat16 "
-                              "tensors (int32 for cu_seqlens)");
+                              " is not supported; " + kDtypesTaken);
 }
 
 // Converts one DLPack view. Pinned host memory (cuda_host) is ordinary CPU memory to flare.
@@ -116,7 +122,7 @@ flare_tensor to_flare_tensor(const Array& a, const char* name) {
 // torch.Tensor and the dtypes flare takes, looked up once torch is loaded (never imported here).
 struct TorchTypes {
   nb::object tensor;
-  nb::object float32, float16, bfloat16, int32;
+  nb::object float32, float16, bfloat16, int32, uint8;
 };
 
 const TorchTypes* torch_types() {
@@ -129,7 +135,7 @@ const TorchTypes* torch_types() {
   }
   nb::object mod = nb::steal(torch);
   types = new TorchTypes{mod.attr("Tensor"), mod.attr("float32"), mod.attr("float16"),
-                         mod.attr("bfloat16"), mod.attr("int32")};
+                         mod.attr("bfloat16"), mod.attr("int32"), mod.attr("uint8")};
   return types;
 }
 
@@ -144,11 +150,11 @@ int32_t torch_dtype(nb::handle dtype, const char* name) {
   if (dtype.is(t->float16)) return FLARE_FLOAT16;
   if (dtype.is(t->bfloat16)) return FLARE_BFLOAT16;
   if (dtype.is(t->int32)) return FLARE_INT32;
+  if (dtype.is(t->uint8)) return FLARE_UINT8;
   std::string label = nb::cast<std::string>(nb::str(dtype));  // "torch.float64" → "float64"
   if (label.rfind("torch.", 0) == 0) label.erase(0, 6);
-  raise(PyExc_ValueError, std::string(name) + ": dtype " + label +
-                              " is not supported; flare takes float32, float16 or bfloat16 "
-                              "tensors (int32 for cu_seqlens)");
+  raise(PyExc_ValueError, std::string(name) + ": dtype " + label + " is not supported; " +
+                              kDtypesTaken);
 }
 
 flare_tensor torch_view(nb::handle obj, const char* name) {
@@ -580,6 +586,83 @@ void kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle k_
   check(code);
 }
 
+// ---- block-sparse attention (flare_block_sparse_attention_*) -----------------------------------
+// forward()'s and backward()'s arguments plus the block mask and its block sizes, which follow the
+// outputs as in the C ABI. The mask is an input (uint8 or int32; flare/_core.py views bool masks
+// as uint8).
+
+flare_block_mask make_block_mask(nb::handle mask, int block_m, int block_n) {
+  flare_block_mask m{};
+  m.mask = to_flare_tensor(mask, "block_mask");
+  m.block_m = block_m;
+  m.block_n = block_n;
+  return m;
+}
+
+void block_sparse_forward(nb::handle q, nb::handle k, nb::handle v, nb::handle o, nb::handle lse,
+                          nb::handle mask, int block_m, int block_n, nb::handle cu_seqlens_q,
+                          nb::handle cu_seqlens_k, int max_seqlen_q, int max_seqlen_k,
+                          float softmax_scale, bool causal, int window_left, int window_right,
+                          float softcap, nb::handle alibi_slopes, float dropout_p, uint64_t seed,
+                          uint64_t offset, bool deterministic, int backend, uintptr_t stream) {
+  const flare_tensor tq = to_flare_tensor(q, "q"), tk = to_flare_tensor(k, "k"),
+                     tv = to_flare_tensor(v, "v"), to = to_flare_tensor(o, "o", true),
+                     tl = to_flare_tensor(lse, "lse", true);
+  const flare_block_mask m = make_block_mask(mask, block_m, block_n);
+  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, window_left, window_right, softcap,
+                               alibi_slopes, dropout_p, seed, offset, deterministic, backend);
+  int code;
+  {
+    nb::gil_scoped_release release;
+    code = flare_block_sparse_attention_forward(&tq, &tk, &tv, &to, &tl, &m, &a.options,
+                                                a.is_varlen ? &a.varlen : nullptr,
+                                                reinterpret_cast<void*>(stream));
+  }
+  check(code);
+}
+
+void block_sparse_backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v,
+                           nb::handle o, nb::handle lse, nb::handle dq, nb::handle dk,
+                           nb::handle dv, nb::handle mask, int block_m, int block_n,
+                           nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, int max_seqlen_q,
+                           int max_seqlen_k, float softmax_scale, bool causal, int window_left,
+                           int window_right, float softcap, nb::handle alibi_slopes,
+                           float dropout_p, uint64_t seed, uint64_t offset, bool deterministic,
+                           int backend, uintptr_t stream) {
+  const flare_tensor tdo = to_flare_tensor(dout, "dout"), tq = to_flare_tensor(q, "q"),
+                     tk = to_flare_tensor(k, "k"), tv = to_flare_tensor(v, "v"),
+                     to = to_flare_tensor(o, "o"), tl = to_flare_tensor(lse, "lse"),
+                     tdq = to_flare_tensor(dq, "dq", true), tdk = to_flare_tensor(dk, "dk", true),
+                     tdv = to_flare_tensor(dv, "dv", true);
+  const flare_block_mask m = make_block_mask(mask, block_m, block_n);
+  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, window_left, window_right, softcap,
+                               alibi_slopes, dropout_p, seed, offset, deterministic, backend);
+  int code;
+  {
+    nb::gil_scoped_release release;
+    code = flare_block_sparse_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv,
+                                                 &m, &a.options,
+                                                 a.is_varlen ? &a.varlen : nullptr,
+                                                 reinterpret_cast<void*>(stream));
+  }
+  check(code);
+}
+
+// A pattern helper's row-major (row_blocks, col_blocks) mask as bytes. Only sizes the library
+// can be asked for (at most 2^31 blocks) get a buffer; others get none, and the library's
+// message says what is wrong with them.
+template <typename Pattern>
+nb::bytes pattern_mask(int64_t row_blocks, int64_t col_blocks, Pattern pattern) {
+  constexpr int64_t kMaxBlocks = int64_t{1} << 31;
+  const bool sized = row_blocks >= 0 && col_blocks >= 0 &&
+                     (col_blocks == 0 || row_blocks <= kMaxBlocks / col_blocks);
+  std::string mask(sized ? static_cast<size_t>(row_blocks * col_blocks) : 0, '\0');
+  check(pattern(reinterpret_cast<uint8_t*>(mask.data()), static_cast<int64_t>(mask.size())));
+  return nb::bytes(mask.data(), mask.size());
+}
+
 // flare's dtype code of a tensor argument (float32, float16, bfloat16, int32).
 int dtype_code(nb::handle x, const char* name) { return to_flare_tensor(x, name).dtype; }
 
@@ -619,6 +702,46 @@ NB_MODULE(_ext, m) {
         nb::arg("alibi_slopes").none(), nb::arg("backend"), nb::arg("stream"),
         "Appends k / v to the cache (if given) and writes o and lse (if not None). Errors as for "
         "forward(); nothing is written then.");
+
+  m.def("block_sparse_forward", &block_sparse_forward, nb::arg("q").none(), nb::arg("k").none(),
+        nb::arg("v").none(), nb::arg("o").none(), nb::arg("lse").none(),
+        nb::arg("block_mask").none(), nb::arg("block_m"), nb::arg("block_n"),
+        nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(),
+        nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("softmax_scale"),
+        nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"),
+        nb::arg("alibi_slopes").none(), nb::arg("dropout_p"), nb::arg("seed"),
+        nb::arg("offset"), nb::arg("deterministic"), nb::arg("backend"), nb::arg("stream"),
+        "forward() with a block mask at block_m x block_n. Errors as for forward().");
+
+  m.def("block_sparse_backward", &block_sparse_backward, nb::arg("dout").none(),
+        nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(), nb::arg("o").none(),
+        nb::arg("lse").none(), nb::arg("dq").none(), nb::arg("dk").none(),
+        nb::arg("dv").none(), nb::arg("block_mask").none(), nb::arg("block_m"),
+        nb::arg("block_n"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(),
+        nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("softmax_scale"),
+        nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"),
+        nb::arg("alibi_slopes").none(), nb::arg("dropout_p"), nb::arg("seed"),
+        nb::arg("offset"), nb::arg("deterministic"), nb::arg("backend"), nb::arg("stream"),
+        "backward() with the forward's block mask. Errors as for forward().");
+
+  m.def(
+      "local_global_block_mask",
+      [](int64_t row_blocks, int64_t col_blocks, int64_t band, int64_t global) {
+        return pattern_mask(row_blocks, col_blocks, [&](uint8_t* mask, int64_t capacity) {
+          return flare_local_global_block_mask(row_blocks, col_blocks, band, global, mask,
+                                               capacity);
+        });
+      },
+      nb::arg("row_blocks"), nb::arg("col_blocks"), nb::arg("band"), nb::arg("global_blocks"),
+      "The local + global pattern, row-major uint8 bytes.");
+  m.def(
+      "butterfly_block_mask",
+      [](int64_t row_blocks, int64_t col_blocks) {
+        return pattern_mask(row_blocks, col_blocks, [&](uint8_t* mask, int64_t capacity) {
+          return flare_butterfly_block_mask(row_blocks, col_blocks, mask, capacity);
+        });
+      },
+      nb::arg("row_blocks"), nb::arg("col_blocks"), "The butterfly pattern, row-major uint8 bytes.");
 
   m.def("version", [] { return std::string(flare_version()); });
   m.def("cuda_built", [] { return flare_cuda_built() != 0; });
