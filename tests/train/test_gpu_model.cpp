@@ -153,6 +153,23 @@ void bf16_weights(const ModelConfig& c, uint64_t seed, std::vector<uint16_t>* bi
   }
 }
 
+// A step's inputs from a fresh seed (printed by the tests on failure): the initial weights as
+// bf16 bits and their values, and a random batch.
+struct StepInputs {
+  uint64_t seed = 0;
+  std::vector<uint16_t> bits;
+  std::vector<float> weights;
+  Batch batch;
+};
+
+StepInputs step_inputs(const ModelConfig& c, int64_t B, int64_t T) {
+  StepInputs in;
+  in.seed = std::random_device{}();
+  bf16_weights(c, in.seed, &in.bits, &in.weights);
+  in.batch = random_batch(c, B, T, in.seed);
+  return in;
+}
+
 // One forward + backward of the GPU model: loss, logits (float) and gradients (host).
 struct GpuResult {
   double loss = 0.0;
@@ -273,12 +290,11 @@ TEST_P(GpuModelVsCpu, LossLogitsAndEveryGradient) {
   FLARE_SKIP_WITHOUT_CUDA();
   const ModelConfig c = configs()[static_cast<size_t>(GetParam())];
   constexpr int64_t B = 2, T = 61;  // an odd length: ragged attention tiles
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(seed));
-  std::vector<uint16_t> bits;
-  std::vector<float> weights;
-  bf16_weights(c, seed, &bits, &weights);
-  const Batch batch = random_batch(c, B, T, seed);
+  const StepInputs in = step_inputs(c, B, T);
+  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(in.seed));
+  const std::vector<uint16_t>& bits = in.bits;
+  const std::vector<float>& weights = in.weights;
+  const Batch& batch = in.batch;
 
   GpuResult gpu;
   run_gpu(c, bits, batch, B, T, false, &gpu);
@@ -307,12 +323,11 @@ TEST_P(GpuModelContextParallel, RanksTogetherMatchTheCpuModel) {
     GTEST_SKIP() << "needs " << kRanks << " CUDA devices, found " << devices;
   const ModelConfig c = configs()[static_cast<size_t>(GetParam())];
   constexpr int64_t B = 2, T = 60;  // a multiple of 2 · ranks; chunks of 15 rows: ragged tiles
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(seed));
-  std::vector<uint16_t> bits;
-  std::vector<float> weights;
-  bf16_weights(c, seed, &bits, &weights);
-  const Batch batch = random_batch(c, B, T, seed);
+  const StepInputs in = step_inputs(c, B, T);
+  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(in.seed));
+  const std::vector<uint16_t>& bits = in.bits;
+  const std::vector<float>& weights = in.weights;
+  const Batch& batch = in.batch;
 
   dist::NcclId id;
   ASSERT_OK(dist::nccl_unique_id(&id));
@@ -369,12 +384,10 @@ TEST_P(GpuModelRecompute, SameLossAndGradientsBitForBit) {
   ModelConfig c = configs()[static_cast<size_t>(GetParam())];
   c.n_layer = 3;  // a middle layer that is recomputed between two others
   constexpr int64_t B = 2, T = 64;
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(seed));
-  std::vector<uint16_t> bits;
-  std::vector<float> weights;
-  bf16_weights(c, seed, &bits, &weights);
-  const Batch batch = random_batch(c, B, T, seed);
+  const StepInputs in = step_inputs(c, B, T);
+  SCOPED_TRACE("model " + c.name + ", seed " + std::to_string(in.seed));
+  const std::vector<uint16_t>& bits = in.bits;
+  const Batch& batch = in.batch;
   GpuResult plain, again, recomputed;
   run_gpu(c, bits, batch, B, T, false, &plain);
   run_gpu(c, bits, batch, B, T, false, &again);
