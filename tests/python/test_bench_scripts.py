@@ -1,0 +1,55 @@
+"""The CPU benchmark scripts run end to end in their smallest form, so they do not rot between the
+runs that use them: bench/cpu_compare.py --tiny (flare's CPU attention against torch's, two
+cells, one iteration each) writes its JSON with every field the results schema names, and
+bench/plot_dp.py turns a training result file into its table. The numbers are not checked: they
+are measurements, not tests."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+
+
+def run(script, *args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, os.path.join(BENCH, script), *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_cpu_compare_tiny_writes_the_schema(tmp_path):
+    pytest.importorskip("torch")
+    done = run("cpu_compare.py", "--out", str(tmp_path), "--tiny", "--threads", "1")
+    assert done.returncode == 0, done.stderr
+    (path,) = tmp_path.glob("cpu_compare-*.json")
+    result = json.loads(path.read_text())
+    assert {"card", "date", "commit", "software", "threads", "rows", "ratios"} <= result.keys()
+    assert {r["impl"] for r in result["rows"]} == {"flare", "torch-cpu"}
+    for row in result["rows"]:
+        assert {"impl", "pass", "dtype", "b", "s_q", "s_k", "h", "h_kv", "d", "causal", "ms", "gflops",
+                "threads", "peak_mem_bytes"} <= row.keys()
+        assert row["ms"] > 0 and row["threads"] == 1
+    assert len(result["ratios"]) == len(result["rows"]) // 2
+
+
+def test_plot_dp_table_from_a_result_file(tmp_path):
+    rows = [{"impl": "flare-train", "model": "gpt2", "gpus": 1, "seq": 1024, "batch_per_gpu": 8,
+             "tokens_per_s": 1000.0, "mfu": 0.4, "step_ms": 10.0, "peak_mem_bytes": 2**30},
+            {"impl": "flare-train", "model": "gpt2", "gpus": 2, "dp": 2, "cp": 1, "seq": 1024,
+             "batch_per_gpu": 8, "tokens_per_s": 1900.0, "mfu": 0.38, "step_ms": 10.5, "fwd_ms": 3.0,
+             "bwd_ms": 6.0, "comm_ms": 5.0, "comm_exposed_ms": 0.5, "comm_gbps": 90.0},
+            {"impl": "torch-ddp-compile", "model": "gpt2", "gpus": 2, "seq": 1024, "batch_per_gpu": 8,
+             "tokens_per_s": 1500.0},
+            {"impl": "flare-train", "model": "gpt2", "gpus": 4, "seq": 1024, "batch_per_gpu": 8,
+             "error": "timed out"}]
+    src = tmp_path / "train.json"
+    src.write_text(json.dumps({"card": "test card", "rows": rows}))
+    table = tmp_path / "table.md"
+    done = run("plot_dp.py", str(src), "--table", str(table))
+    assert done.returncode == 0, done.stderr
+    lines = table.read_text().splitlines()
+    assert len(lines) == 2 + 3  # header, rule, the three rows that ran
+    assert any("1,900" in line and "2 × 1" in line for line in lines)
