@@ -2,7 +2,8 @@
 runs that use them: bench/cpu_compare.py --tiny (flare's CPU attention against torch's, two
 cells, one iteration each) writes its JSON with every field the results schema names, and
 bench/plot_dp.py turns a training result file into its table. The numbers are not checked: they
-are measurements, not tests."""
+are measurements, not tests. cpu_compare needs torch (its peer), which CI does not install (PyPI's
+torch wheels are the CUDA builds); scripts/gpu-check.sh runs these tests with torch."""
 
 import json
 import os
