@@ -11,7 +11,8 @@ scaled_dot_product_attention held to its flash backend (torch.nn.attention.sdpa_
 time is the median of --iters runs after --warmup; "bwd" repeats the backward of one forward
 (retain_graph), as bench_common.pass_step does on the GPU. Peak memory is the process's resident
 high-water mark over the cell's runs beyond what it held before them (Linux: VmHWM, reset through
-/proc/self/clear_refs), so it counts the work buffers either side allocates.
+/proc/self/clear_refs): it counts work buffers that make new memory resident, not those an
+allocator serves from pages the process already holds (torch's often are: it then shows 0).
 
 Beside them, the physical limit: the machine's fp32 FMA peak for the same threads, from a small
 loop of independent FMAs compiled here (cc -O3 -march=native), and the fraction of it each row
