@@ -22,7 +22,7 @@ extern "C" int flare_c_forward(void* q, void* k, void* v, void* o, void* lse,
 namespace flare::test {
 namespace {
 
-using test::to_c;  // test_c_api_util.h's, overloaded below for this file's structs
+using test::to_c;  // test_c_api_util.h's, for tensors, options and varlen arguments
 
 // The C enums are the C++ enums by value; bindings rely on it.
 static_assert(FLARE_OK == static_cast<int>(StatusCode::kOk));
@@ -41,31 +41,6 @@ static_assert(FLARE_BACKEND_AUTO == static_cast<int>(Backend::kAuto));
 static_assert(FLARE_BACKEND_REFERENCE == static_cast<int>(Backend::kReference));
 static_assert(FLARE_BACKEND_FLASH == static_cast<int>(Backend::kFlash));
 static_assert(kMaxDims == 4, "flare_tensor holds 4 dimensions");
-
-flare_attention_options to_c(const AttentionOptions& o) {
-  flare_attention_options c = flare_default_options();
-  c.softmax_scale = o.softmax_scale;
-  c.causal = o.causal;
-  c.window_left = o.window_left;
-  c.window_right = o.window_right;
-  c.softcap = o.softcap;
-  c.alibi_slopes = to_c(o.alibi_slopes);
-  c.dropout_p = o.dropout_p;
-  c.dropout_seed = o.dropout_seed;
-  c.dropout_offset = o.dropout_offset;
-  c.deterministic = o.deterministic;
-  c.backend = static_cast<int32_t>(o.backend);
-  return c;
-}
-
-flare_varlen to_c(const VarlenArgs& v) {
-  flare_varlen c{};
-  c.cu_seqlens_q = to_c(v.cu_seqlens_q);
-  c.cu_seqlens_k = to_c(v.cu_seqlens_k);
-  c.max_seqlen_q = v.max_seqlen_q;
-  c.max_seqlen_k = v.max_seqlen_k;
-  return c;
-}
 
 // Every argument of a C call, held as C structs so a test can break any one of them.
 struct CCall {

@@ -30,33 +30,6 @@ namespace {
 
 static_assert(FLARE_UINT8 == static_cast<int>(DType::kUInt8));
 
-// The C structs of a C++ call, written field by field here (not by the library's converters, so
-// a converter that drops a field fails the byte comparison).
-flare_attention_options c_options(const AttentionOptions& o) {
-  flare_attention_options c = flare_default_options();
-  c.softmax_scale = o.softmax_scale;
-  c.causal = o.causal;
-  c.window_left = o.window_left;
-  c.window_right = o.window_right;
-  c.softcap = o.softcap;
-  c.alibi_slopes = to_c(o.alibi_slopes);
-  c.dropout_p = o.dropout_p;
-  c.dropout_seed = o.dropout_seed;
-  c.dropout_offset = o.dropout_offset;
-  c.deterministic = o.deterministic;
-  c.backend = static_cast<int32_t>(o.backend);
-  return c;
-}
-
-flare_varlen c_varlen(const VarlenArgs& v) {
-  flare_varlen c{};
-  c.cu_seqlens_q = to_c(v.cu_seqlens_q);
-  c.cu_seqlens_k = to_c(v.cu_seqlens_k);
-  c.max_seqlen_q = v.max_seqlen_q;
-  c.max_seqlen_k = v.max_seqlen_k;
-  return c;
-}
-
 flare_block_mask c_mask(const BlockMask& m) { return {to_c(m.mask), m.block_m, m.block_n}; }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -120,8 +93,8 @@ struct CCall {
         dk(to_c(pr.dk.view)),
         dv(to_c(pr.dv.view)),
         mask(c_mask(m)),
-        options(c_options(pr.options)),
-        varlen(c_varlen(pr.varlen)),
+        options(to_c(pr.options)),
+        varlen(to_c(pr.varlen)),
         is_varlen(pr.is_varlen()) {}
 
   int forward(const flare_block_mask* m) const {
