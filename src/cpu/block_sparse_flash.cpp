@@ -192,6 +192,22 @@ int thread_count(size_t tasks) {
                                                                   static_cast<int64_t>(tasks))));
 }
 
+// Calls visit(tile) for each key tile of query block qb that the mask turns on and that holds a
+// visible key, with its K and V rows loaded into sc->k and sc->v; counted in block_sparse_tiles_run.
+template <typename Visit>
+void for_each_key_tile(const AttentionParams& p, const HeadLocation& hd, int qb, Scratch* sc, Visit visit) {
+  const int key_blocks = static_cast<int>(ceil_div(hd.seq.len_k, p.block_n));
+  for (int kb = 0; kb < key_blocks; ++kb) {
+    if (!block_on(p, hd.b, hd.h, qb, kb)) continue;
+    const Tile& t = tile_at(p, hd.seq, qb, kb, &sc->tile);
+    if (!t.any) continue;
+    block_sparse_tiles_run.fetch_add(1, std::memory_order_relaxed);
+    load_rows(p.k, p.dtype, hd.k + t.j0 * p.k_row_stride, p.k_row_stride, t.cols, p.head_dim, sc->k.data());
+    load_rows(p.v, p.dtype, hd.v + t.j0 * p.v_row_stride, p.v_row_stride, t.cols, p.head_dim, sc->v.data());
+    visit(t);
+  }
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 
 void forward_block(const AttentionParams& p, const Task& task, Scratch* sc) {
@@ -204,14 +220,7 @@ void forward_block(const AttentionParams& p, const Task& task, Scratch* sc) {
   std::fill(sc->l.begin(), sc->l.begin() + rows, 0.0f);
   std::fill(sc->seen.begin(), sc->seen.begin() + rows, 0);
 
-  const int key_blocks = static_cast<int>(ceil_div(hd.seq.len_k, p.block_n));
-  for (int kb = 0; kb < key_blocks; ++kb) {
-    if (!block_on(p, hd.b, hd.h, qb, kb)) continue;
-    const Tile& t = tile_at(p, hd.seq, qb, kb, &sc->tile);
-    if (!t.any) continue;
-    block_sparse_tiles_run.fetch_add(1, std::memory_order_relaxed);
-    load_rows(p.k, p.dtype, hd.k + t.j0 * p.k_row_stride, p.k_row_stride, t.cols, d, sc->k.data());
-    load_rows(p.v, p.dtype, hd.v + t.j0 * p.v_row_stride, p.v_row_stride, t.cols, d, sc->v.data());
+  for_each_key_tile(p, hd, qb, sc, [&](const Tile& t) {
     for (int r = 0; r < rows; ++r) {
       if (t.lo[r] >= t.hi[r]) continue;
       sc->seen[r] = 1;
@@ -239,7 +248,7 @@ void forward_block(const AttentionParams& p, const Task& task, Scratch* sc) {
       sc->l[r] = sc->l[r] * alpha + sum;
       sc->m[r] = m_new;
     }
-  }
+  });
 
   for (int r = 0; r < rows; ++r) {
     // As flash.cpp: l = 0 for a row that met keys only when every score was −inf, 0/0 = NaN.
@@ -352,14 +361,7 @@ void query_block_backward(const AttentionParams& p, const Task& task, const floa
   const int i0 = qb * p.block_m, rows = std::min(p.block_m, hd.seq.len_q - i0);
   load_query_side(p, hd, i0, rows, delta, sc);
   std::fill(sc->acc.begin(), sc->acc.begin() + int64_t{rows} * d, 0.0f);
-  const int key_blocks = static_cast<int>(ceil_div(hd.seq.len_k, p.block_n));
-  for (int kb = 0; kb < key_blocks; ++kb) {
-    if (!block_on(p, hd.b, hd.h, qb, kb)) continue;
-    const Tile& t = tile_at(p, hd.seq, qb, kb, &sc->tile);
-    if (!t.any) continue;
-    block_sparse_tiles_run.fetch_add(1, std::memory_order_relaxed);
-    load_rows(p.k, p.dtype, hd.k + t.j0 * p.k_row_stride, p.k_row_stride, t.cols, d, sc->k.data());
-    load_rows(p.v, p.dtype, hd.v + t.j0 * p.v_row_stride, p.v_row_stride, t.cols, d, sc->v.data());
+  for_each_key_tile(p, hd, qb, sc, [&](const Tile& t) {
     for (int r = 0; r < rows; ++r) {
       const float* qr = &sc->q[int64_t{r} * d];
       const float* dor = &sc->dout[int64_t{r} * d];
@@ -370,7 +372,7 @@ void query_block_backward(const AttentionParams& p, const Task& task, const floa
         axpy(g.ds, kj, &sc->acc[int64_t{r} * d], d);
       }
     }
-  }
+  });
   store_rows(sc->acc.data(), p.scale, rows, d, p.dq, p.dtype, hd.dq + i0 * p.dq_row_stride,
              p.dq_row_stride);
 }
