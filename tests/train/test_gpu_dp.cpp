@@ -1,7 +1,8 @@
 // test_gpu_dp.cpp — data parallel on the CUDA backend: one thread per GPU, each with its own NCCL
 // communicator made from one unique id, one Trainer per rank; against one GPU on the same global
 // batch (2 GPUs, and every visible GPU when there are more), with gradient accumulation, for a
-// small GPT and a small LLaMA; a checkpoint written by 2 GPUs resumed on 1 against a straight
+// small GPT and a small LLaMA; context-parallel groups (alone and beside data parallelism) against
+// one GPU likewise; a checkpoint written by 2 GPUs resumed on 1 against a straight
 // run; a one-rank communicator against none (bit for bit); the step's profile; the rank-ordered
 // slice sum against the host.
 //
@@ -56,16 +57,22 @@ int visible_gpus() {
       GTEST_SKIP() << "needs " << (count) << " CUDA device(s), found " << visible_gpus();     \
   } while (0)
 
-// Runs `fn(rank, comm)` on `world` threads, thread r on CUDA device r with an NCCL communicator of
-// the group (one unique id); world 0: one thread on device 0 without a communicator.
-std::vector<Status> run_ranks(int world, const std::function<Status(int, dist::Communicator*)>& fn) {
+// Runs `fn(rank, comm, cp_comm)` on `world` threads, thread r on CUDA device r with an NCCL
+// communicator of the group (one unique id) and one of its context-parallel group, the `cp`
+// consecutive ranks around it (the same communicator when cp == world; none when cp == 1);
+// world 0: one thread on device 0 without communicators.
+std::vector<Status> run_ranks(int world, int cp,
+                              const std::function<Status(int, dist::Communicator*, dist::Communicator*)>& fn) {
   if (world == 0) {
     cudaSetDevice(0);
-    return {fn(0, nullptr)};
+    return {fn(0, nullptr, nullptr)};
   }
-  dist::NcclId id;
-  const Status made = dist::nccl_unique_id(&id);
-  if (!made.ok()) return {made};
+  const bool separate_groups = cp > 1 && cp < world;
+  std::vector<dist::NcclId> ids(separate_groups ? sz(1 + world / cp) : 1);
+  for (dist::NcclId& id : ids) {
+    const Status made = dist::nccl_unique_id(&id);
+    if (!made.ok()) return {made};
+  }
   std::vector<Status> status(sz(world));
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
@@ -73,23 +80,29 @@ std::vector<Status> run_ranks(int world, const std::function<Status(int, dist::C
       cudaSetDevice(r);
       dist::CommOptions co;
       co.timeout_ms = 120000;
-      std::unique_ptr<dist::Communicator> comm;
-      status[sz(r)] = dist::make_nccl_communicator(id, r, world, r, co, &comm);
-      if (status[sz(r)].ok()) status[sz(r)] = fn(r, comm.get());
+      std::unique_ptr<dist::Communicator> comm, group;
+      Status& st = status[sz(r)];
+      st = dist::make_nccl_communicator(ids[0], r, world, r, co, &comm);
+      if (st.ok() && separate_groups) {
+        st = dist::make_nccl_communicator(ids[sz(1 + r / cp)], r % cp, cp, r, co, &group);
+      }
+      dist::Communicator* cp_comm = separate_groups ? group.get() : cp > 1 ? comm.get() : nullptr;
+      if (st.ok()) st = fn(r, comm.get(), cp_comm);
     });
   }
   for (std::thread& t : threads) t.join();
   return status;
 }
 
-// Trains `o` to `until` steps on `world` GPUs (0: one GPU, no communicator); every rank's losses
-// must agree; rank 0's results come back.
-RunResult train(TrainerOptions o, int world, int64_t until) {
+// Trains `o` to `until` steps on `world` GPUs (0: one GPU, no communicator) in context-parallel
+// groups of `cp`; every rank's losses must agree; rank 0's results come back.
+RunResult train(TrainerOptions o, int world, int64_t until, int cp = 1) {
   RunResult out;
   std::vector<std::vector<double>> losses(sz(std::max(world, 1)));
-  const auto status = run_ranks(world, [&](int rank, dist::Communicator* comm) {
+  const auto status = run_ranks(world, cp, [&](int rank, dist::Communicator* comm, dist::Communicator* cp_comm) {
     TrainerOptions mine = o;
     mine.backend.comm = comm;
+    mine.backend.cp_comm = cp_comm;
     mine.backend.device_index = rank;
     return test::train_rank(mine, rank, until, &losses[sz(rank)], &out);
   });
@@ -159,6 +172,56 @@ INSTANTIATE_TEST_SUITE_P(Presets, GpuDataParallel,
                            std::string name = std::string(param_info.param.preset) + "_" +
                                               (param_info.param.world > 0 ? std::to_string(param_info.param.world) + "gpus"
                                                                     : std::string("all_gpus"));
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// ---- Context parallel: groups of GPUs share each sequence -------------------------------------
+
+// `cp` GPUs share each sequence (zigzag rows, flare's ring attention between them) in world / cp
+// data-parallel groups, against one GPU on the same global batch. The naive runs are the
+// data-parallel suite's regroupings: a context-parallel step regroups the same sums (token losses
+// and gradient contributions added per rank, then across ranks), and its attention adds fp32
+// merges of per-block partials before O's one bf16 store (test_gpu_model.cpp checks that alone),
+// a regrouping far below the bf16 noise the naive runs measure.
+struct CpCase {
+  const char* preset;
+  int world;  // 0: every visible GPU (run only when there are more than 2)
+  int cp;     // 0: world
+};
+
+class GpuContextParallel : public ::testing::TestWithParam<CpCase> {};
+
+TEST_P(GpuContextParallel, MatchesOneGpuWithinReorderingNoise) {
+  const CpCase c = GetParam();
+  SKIP_WITHOUT_GPUS(std::max(c.world, 2));
+  const int world = c.world > 0 ? c.world : visible_gpus();
+  if (c.world == 0 && world <= 2) GTEST_SKIP() << "every visible GPU: " << world << ", covered by the 2-GPU case";
+  const int cp = c.cp > 0 ? c.cp : world;
+  const int dp = world / cp;
+  ScratchDir dir;
+  test::write_cycle_shards(dir, 300, 8192);
+  const int64_t B = 2, accum = 1, steps = 3;
+  const RunResult ref = train(run_options(dir, c.preset, B * dp, accum, steps), 0, steps);
+  const std::vector<RunResult> naives = {train(run_options(dir, c.preset, B, accum * dp, steps), 0, steps),
+                                         train(run_options(dir, c.preset, 1, accum * dp * B, steps), 0, steps)};
+  const RunResult fast = train(run_options(dir, c.preset, B, accum, steps), world, steps, cp);
+  test::expect_within_reordering_noise(fast, ref, naives);
+  ASSERT_EQ(fast.reports.size(), sz(steps));
+  for (const StepReport& r : fast.reports) {
+    EXPECT_GT(r.timing.cp_comm_ms, 0.0);
+    EXPECT_GT(r.timing.cp_comm_bytes, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, GpuContextParallel,
+                         ::testing::Values(CpCase{"llama-tiny", 2, 2}, CpCase{"gpt-tiny", 2, 2},
+                                           CpCase{"llama-tiny", 0, 0}, CpCase{"llama-tiny", 4, 2}),
+                         [](const ::testing::TestParamInfo<CpCase>& param_info) {
+                           const CpCase& p = param_info.param;
+                           std::string name = std::string(p.preset) + "_" +
+                                              (p.world > 0 ? std::to_string(p.world) + "gpus" : std::string("all_gpus")) +
+                                              "_cp" + (p.cp > 0 ? std::to_string(p.cp) : std::string("all"));
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name;
                          });
