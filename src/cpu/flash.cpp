@@ -4,61 +4,62 @@
 // AttentionParams (varlen, GQA/MQA, any head_dim 1..256, s_q != s_k, strides, causal/sliding
 // window, softcap, ALiBi, dropout), never materialising an s_q × s_k matrix. Extra memory is the
 // per-thread tiles below plus, in the backward, one fp32 per (query row, head) for
-// D = rowsum(dO∘O): O(seqlen).
+// D = rowsum(dO∘O) and, when the backward runs in one pass, an fp32 dQ of the heads a thread
+// works on: O(seqlen).
 //
-// Tiling. Query rows come in blocks of kBlockQ = 128, keys in tiles of kBlockK = 4 vectors (64
-// with AVX-512). Inputs are converted to fp32 as tiles are loaded; K and V are stored transposed,
-// (d, kBlockK), when they are the right-hand side of a score-like product, so that a row of
-// scores is an axpy over keys with a broadcast query element. Both products are register-blocked
-// micro-kernels on the Vec type of flash_simd.h (the hot loops are zmm FMAs with broadcast
-// operands from memory; checked with objdump):
-//   rows_times_tile   S(R, kBlockK) = A(R, d) · Bᵀ(d, kBlockK)        S = Q Kᵀ, dP = dO Vᵀ
-//   accumulate_block  C(R, V·lanes) += A(R, n) · B(n, V·lanes)        O += P V, dQ += dS K, and,
-//                                                                     reading A down its columns,
-//                                                                     dV += P̃ᵀ dO, dK += dSᵀ Q
-// R = 6 rows with AVX-512: 24 accumulators + 4 operands + 1 broadcast of the 32 registers.
-// exp and tanh are vector polynomials (flash_simd.h). Scores stay in natural units and the
-// weights are p = exp(s − m); the backward recomputes the bit-identical fp32 score (same kernel,
-// same summation order) and forms exp(s − LSE), so for magnitude-1e3 inputs, whose softmax is
-// one-hot, the winning key gets exactly P = 1 in both passes, and D = dO·O is summed exactly as
-// dP is, so dP − D cancels to 0 there as it does in exact arithmetic.
-// Against the float64 reference, fp32 errors are 0.7–0.9× (RMS) those of the naive fp32 kernel
-// of the tolerance rule in docs/architecture.md (final O scaling and LSE in double, FMA products
-// throughout).
+// One micro-kernel. Every matrix product is C(R, N·lanes) (=, +=, or ·col_scale +=) A · B with
+// A's elements broadcast from memory at any row and inner stride and B read as rows of
+// contiguous vectors (mm_block). R × N accumulators stay in registers (6 × 2 ymm with AVX2: 12
+// accumulators cover the FMA latency of two pipes, and one step loads 2 B vectors and 6
+// broadcasts for 12 FMAs; 6 × 4 zmm with AVX-512); the B vectors are pinned in registers, since
+// GCC otherwise folds their load into each FMA (one load per row, and the kernel is load-bound:
+// that was the previous kernels' 2 × 4 blocks at 33% of the FMA peak).
+//
+// Forward: queries in lanes. A task is one block of kFwdQ query rows; Qᵀ (d, kFwdQ) is packed
+// once per task, and each key tile of kFwdK keys is used in place (fp32, or converted once):
+//   Sᵀ(key, q) = K · Qᵀ          rows are keys, K broadcast: no transpose of K
+//   softmax down the columns      running max, sum and rescale factor are vectors of 8 queries,
+//                                 so the row maxima and sums need no horizontal reductions, and
+//                                 keys no query of a vector sees are skipped, not exponentiated
+//   Oᵀ(dim, q) = α·Oᵀ + Vᵀ · Pᵀ    V broadcast in place, α folded into the kernel's store
+// and Oᵀ is transposed into O once per task.
+// Backward: keys in lanes, one pass when the heads balance the threads. A task is one (batch,
+// kv head): for each key block it packs Kᵀ, Vᵀ (d, kBwdK) once, then for every query head of
+// the group and query block that sees the block computes S = Q Kᵀ, dP = dO Vᵀ, dS, and
+// dV += P̃ᵀ dO, dK += dSᵀ Q (complete when the block ends) and dQ += dS K into an fp32 dQ of the
+// task's heads: 10 of FlashAttention's s_q·s_k·d FLOP units. When (batch, kv head) tasks are too
+// few to keep the threads busy (one head, or MQA with batch 1) it runs two passes instead: a
+// task per key block for dK and dV, then one per query block for dQ (14 units, but as many
+// tasks as blocks). Both run the same pair function over the same aligned blocks in the same
+// order, so every output element is summed in one fixed order whichever runs and whatever the
+// thread count (a test checks the bits across thread counts and modes).
+// Scores stay in natural units and the weights are p = exp(s − m); the backward recomputes the
+// bit-identical fp32 score (the same FMA chain over the head dim from 0: fma is symmetric in its
+// product's operands, so K·Qᵀ and Q·Kᵀ agree) and forms exp(s − LSE), so for magnitude-1e3
+// inputs, whose softmax is one-hot, the winning key gets exactly P = 1 in both passes, and
+// D = dO·O is summed exactly as dP is, so dP − D cancels to 0 there as it does in exact
+// arithmetic. Against the float64 reference, fp32 errors stay within the tolerance rule of
+// docs/architecture.md (final O scaling and LSE in double, FMA products throughout).
 // Key tiles outside the union of a query block's visible ranges are never visited, and within a
-// tile only the rows that see one of its keys are computed (visible ranges grow with the row, so
-// those rows are contiguous).
+// tile only the rows (forward: the vectors of rows) that see one of its keys are computed
+// (visible ranges grow with the row, so those rows are contiguous).
 //
 // NaN and ±Inf propagate as in the reference (tests/test_cpu_nonfinite.cpp): exp keeps NaN; a row
 // that sees keys gets NaN when its sum is NaN or 0 (all visible scores −inf: 0/0); keys a row does
 // not see get probability and dS exactly 0 by select, never by a product. A product of those
 // zeros with an infinite V, dO, Q or K entry would still be NaN (0·Inf) inside the tile's matrix
-// products, so a tile whose operand holds a non-finite value (checked as it is loaded, 1/rows of
-// the product's cost) takes a per-row path that sums the visible keys alone.
+// products, so a tile whose operand holds a non-finite value (checked only on tiles with masked
+// entries, 1/rows of the product's cost) takes a per-row path that sums the visible keys alone.
 //
 // Threads (OpenMP, dynamic schedule). Tasks are counted from each sequence's own lengths, so a
-// varlen call costs what its tokens cost whatever its max_seqlen (BlockTasks; the count is kept
-// in cpu/flash_tasks.h for tests). Forward: one task per (batch, query head, query block),
-// heaviest (last) blocks first for causal balance. Backward, deterministic by construction: each
-// output element is summed by one task in a fixed order, whatever the thread count (a test checks
-// the bits with 1 and 4 threads):
-//   0. D_i = dO_i·O_i for every row (O read from params), into a (heads_q, total_q) buffer.
-//   1. one task per (batch, kv head, key tile): loops over the query heads of its group and the
-//      query blocks that see the tile, accumulating dK and dV of its keys in tiles.
-//   2. one task per (batch, query head, query block): loops over key tiles, accumulating dQ.
-// Pass 1 does S, dP, dV, dK (8 of FlashAttention's s_q·s_k·d FLOP units), pass 2 redoes S and dP
-// and adds dQ (6), so 14 units are computed where 10 are counted. In exchange there are no
-// atomics, no thread-private dQ copies to reduce, and the result does not depend on scheduling.
+// varlen call costs what its tokens cost whatever its max_seqlen; cpu/flash_tasks.h counts the
+// units of work (one per sequence, head and block of each pass, in either backward mode) for
+// tests. Forward: one task per (batch, query head, query block), heaviest (last) blocks first for
+// causal balance. Backward: D_i = dO_i·O_i first, then the pass(es) above; deterministic by
+// construction.
 //
-// Measured on an AMD EPYC (Zen 4) VM, 2 cores, AVX-512, GCC 12 -O3 -march=native; fp32, b=1, h=8,
-// s_q=s_k=2048, non-causal; FLOPs as FlashAttention counts them (forward 4·b·s²·h·d, backward
-// 2.5×); median of 5 calls after a warm-up, timed around attention_forward/attention_backward.
-// Other jobs shared the two cores while this was measured (load average 2.6–4), so the
-// wall-clock figures are a floor; FLOPs per second of process CPU time show what one core does:
-//                 wall, 2 threads (shared)      per core (FLOPs / CPU time)
-//     d=64:       forward 63, backward 52      forward 63, backward 52     GFLOP/s
-//     d=128:      forward 65, backward 53      forward 73, backward 59     GFLOP/s
-// kBlockQ = 128 over 64: +10% forward, +5% backward (fewer K/V tile conversions per query row).
+// Measured on an AMD EPYC (Zen 2 class) VM, 2 cores, AVX2+FMA, GCC 12 -O3; fp32, b=1, h=8,
+// non-causal, 2 threads, through bench/cpu_compare.py (see the commit messages for each step).
 
 #include <omp.h>
 
@@ -68,6 +69,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -92,97 +94,132 @@ using simd::kLanes;
 using simd::Vec;
 
 // ---- tile sizes -------------------------------------------------------------------------------
-constexpr int kKeyVecs = 4;                   // vectors per row of a score tile
-constexpr int kBlockK = kKeyVecs * kLanes;    // keys per tile (64 with AVX-512)
-constexpr int kBlockQ = 128;                  // query rows per tile (64: −10% forward, see top)
-constexpr int kMicroRows = (simd::kRegisters - kKeyVecs - 4) / kKeyVecs;  // 6 with AVX-512
-constexpr int kDimVecs = 4;                   // head-dim vectors per accumulate register block
+// Register block of the micro-kernel: R rows × N vectors of accumulators, with N B vectors and
+// one broadcast beside them (16 registers with AVX2: 12 + 2 + 1; 32 with AVX-512: 24 + 4 + 1).
+constexpr int kMicroRows = 6;
+constexpr int kMicroVecs = simd::kRegisters == 32 ? 4 : 2;
+constexpr int kFwdQ = 128;  // query rows per forward task (Qᵀ, Sᵀ, Oᵀ are kFwdQ wide)
+constexpr int kFwdK = 64;   // keys per forward tile
+constexpr int kBwdQ = 64;   // query rows per backward block
+constexpr int kBwdK = 64;   // keys per backward block (S, dP are kBwdK wide)
 constexpr float kInf = std::numeric_limits<float>::infinity();
+static_assert(kFwdQ % kLanes == 0 && kBwdK % kLanes == 0, "tiles are whole vectors wide");
 
 int round_up(int x, int m) { return (x + m - 1) / m * m; }
 int ceil_div(int x, int m) { return (x + m - 1) / m; }
 
-// ---- micro-kernels ------------------------------------------------------------------------------
+// ---- micro-kernel -------------------------------------------------------------------------------
 
-// c(r, :) = Σ_kk a(r, kk) · bt(kk, :) for R rows: a score row is an axpy of transposed key-tile
-// rows with a broadcast query element. bt is (depth, kBlockK); c is (R, kBlockK).
-template <int R>
-void rows_times_tile(const float* a, int lda, const float* bt, int depth, float* c) {
-  Vec acc[R][kKeyVecs];
+// Keeps a loaded vector in a register: without it GCC folds the load into every FMA that uses it.
+inline void pin(Vec& v) {
+#if (defined(__x86_64__) || defined(__i386__)) && FLARE_SIMD_LANES == 16
+  __asm__("" : "+v"(v));
+#elif defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
+// How a product meets its destination: C = AB, C += AB, or C = C·col_scale + AB (col_scale one
+// value per column: the forward's rescale of Oᵀ by α).
+enum class Store { kSet, kAdd, kScaleAdd };
+
+// C(rows, vecs·lanes) op= A(rows, inner) · B(inner, vecs·lanes), where A(r, i) = a[r·a_row +
+// i·a_inner] (so one kernel reads A by rows or down its columns) and B's row i starts at b + i·ldb.
+struct Product {
+  const float* a;
+  int64_t a_row, a_inner;
+  const float* b;
+  int64_t ldb;
+  int inner;
+  float* c;
+  int64_t ldc;
+  const float* col_scale;  // kScaleAdd only
+};
+
+// One register block: R rows, N vectors. The sum over `inner` is one FMA chain per element,
+// starting from 0, in order; the destination is met once at the end.
+template <Store kMode, int R, int N>
+void mm_block(const Product& m) {
+  Vec acc[R][N];
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < kKeyVecs; ++n) acc[r][n] = Vec{};
-  for (int kk = 0; kk < depth; ++kk) {
-    Vec b[kKeyVecs];
-    for (int n = 0; n < kKeyVecs; ++n) b[n] = simd::load(bt + kk * kBlockK + n * kLanes);
+    for (int n = 0; n < N; ++n) acc[r][n] = Vec{};
+  const float* a = m.a;
+  const float* b = m.b;
+  for (int i = 0; i < m.inner; ++i, a += m.a_inner, b += m.ldb) {
+    Vec bv[N];
+    for (int n = 0; n < N; ++n) {
+      bv[n] = simd::load(b + n * kLanes);
+      pin(bv[n]);
+    }
     for (int r = 0; r < R; ++r) {
-      const Vec x = simd::splat(a[r * lda + kk]);
-      for (int n = 0; n < kKeyVecs; ++n) acc[r][n] = simd::fma(x, b[n], acc[r][n]);
+      const Vec x = simd::splat(a[r * m.a_row]);
+      for (int n = 0; n < N; ++n) acc[r][n] = simd::fma(x, bv[n], acc[r][n]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < kKeyVecs; ++n) simd::store(c + r * kBlockK + n * kLanes, acc[r][n]);
-}
-
-// c(r, :) += Σ_i a(r, i) · b(i, :) over `inner` terms, for R rows and V vectors of the head dim.
-// a(r, i) = a[r·a_row + i·a_inner], so one kernel serves P·V (a = P by rows) and Pᵀ·dO (a = P
-// read down its columns).
-template <int R, int V>
-void accumulate_block(const float* a, int a_row, int a_inner, const float* b, int ldb, int inner,
-                      float* c, int ldc) {
-  Vec acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
-  for (int i = 0; i < inner; ++i) {
-    Vec bv[V];
-    for (int v = 0; v < V; ++v) bv[v] = simd::load(b + i * ldb + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec x = simd::splat(a[r * a_row + i * a_inner]);
-      for (int v = 0; v < V; ++v) acc[r][v] = simd::fma(x, bv[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) {
-      float* out = c + r * ldc + v * kLanes;
-      simd::store(out, simd::load(out) + acc[r][v]);
+    for (int n = 0; n < N; ++n) {
+      float* out = m.c + r * m.ldc + n * kLanes;
+      if constexpr (kMode == Store::kSet) {
+        simd::store(out, acc[r][n]);
+      } else if constexpr (kMode == Store::kAdd) {
+        simd::store(out, simd::load(out) + acc[r][n]);
+      } else {
+        simd::store(out, simd::load(out) * simd::load(m.col_scale + n * kLanes) + acc[r][n]);
+      }
     }
 }
 
-// accumulate_block over every head-dim vector of R rows.
-template <int R>
-void accumulate_rows(const float* a, int a_row, int a_inner, const float* b, int ldb, int inner,
-                     float* c, int ldc, int dim_vecs) {
-  int v = 0;
-  for (; v + kDimVecs <= dim_vecs; v += kDimVecs)
-    accumulate_block<R, kDimVecs>(a, a_row, a_inner, b + v * kLanes, ldb, inner, c + v * kLanes,
-                                  ldc);
-  b += v * kLanes;
-  c += v * kLanes;
-  static_assert(kDimVecs == 4, "the tail below handles 1..3 vectors");
-  switch (dim_vecs - v) {
-    case 1: accumulate_block<R, 1>(a, a_row, a_inner, b, ldb, inner, c, ldc); break;
-    case 2: accumulate_block<R, 2>(a, a_row, a_inner, b, ldb, inner, c, ldc); break;
-    case 3: accumulate_block<R, 3>(a, a_row, a_inner, b, ldb, inner, c, ldc); break;
-    default: break;
-  }
-}
-
-template <int R, typename F>
-void row_block_tail(int rest, int r0, F& f) {
+// The last rows (fewer than kMicroRows): R = rest.
+template <Store kMode, int N, int R>
+void mm_row_tail(int rest, const Product& m) {
   if constexpr (R > 0) {
     if (rest == R) {
-      f(std::integral_constant<int, R>{}, r0);
+      mm_block<kMode, R, N>(m);
     } else {
-      row_block_tail<R - 1>(rest, r0, f);
+      mm_row_tail<kMode, N, R - 1>(rest, m);
     }
   }
 }
 
-// Calls f(integral_constant<R>, r0) over rows [0, rows) in register blocks of kMicroRows rows.
-template <typename F>
-void for_row_blocks(int rows, F&& f) {
+template <Store kMode, int N>
+void mm_rows(int rows, Product m) {
   int r = 0;
-  for (; r + kMicroRows <= rows; r += kMicroRows) f(std::integral_constant<int, kMicroRows>{}, r);
-  row_block_tail<kMicroRows - 1>(rows - r, r, f);
+  for (; r + kMicroRows <= rows; r += kMicroRows) {
+    mm_block<kMode, kMicroRows, N>(m);
+    m.a += kMicroRows * m.a_row;
+    m.c += kMicroRows * m.ldc;
+  }
+  mm_row_tail<kMode, N, kMicroRows - 1>(rows - r, m);
+}
+
+template <Store kMode, int N>
+void mm_vec_tail(int rest, int rows, const Product& m) {
+  if constexpr (N > 0) {
+    if (rest == N) {
+      mm_rows<kMode, N>(rows, m);
+    } else {
+      mm_vec_tail<kMode, N - 1>(rest, rows, m);
+    }
+  }
+}
+
+// The whole product, column groups outer (a group's B columns stay in L1 across the row blocks).
+template <Store kMode>
+void matmul(int rows, int vecs, Product m) {
+  if (rows <= 0 || vecs <= 0) return;
+  for (int v = 0; v < vecs; v += kMicroVecs) {
+    Product g = m;
+    g.b += v * kLanes;
+    g.c += v * kLanes;
+    if (g.col_scale != nullptr) g.col_scale += v * kLanes;
+    if (vecs - v >= kMicroVecs) {
+      mm_rows<kMode, kMicroVecs>(rows, g);
+    } else {
+      mm_vec_tail<kMode, kMicroVecs - 1>(vecs - v, rows, g);
+    }
+  }
 }
 
 // ---- tile loads and stores ----------------------------------------------------------------------
@@ -209,15 +246,28 @@ void load_rows(const void* src, DType dtype, int64_t offset, int64_t stride, int
   }
 }
 
-// `rows` rows into a transposed tile (d, kBlockK); key columns [rows, kBlockK) zeroed.
+// `rows` rows into a transposed tile (d, width); columns [rows, width) zeroed.
 void load_transposed(const void* src, DType dtype, int64_t offset, int64_t stride, int rows, int d,
-                     float* dst, float* row_buffer) {
+                     float* dst, int width, float* row_buffer) {
   for (int r = 0; r < rows; ++r) {
     load_row(src, dtype, offset + r * stride, d, row_buffer);
-    for (int c = 0; c < d; ++c) dst[c * kBlockK + r] = row_buffer[c];
+    for (int c = 0; c < d; ++c) dst[c * width + r] = row_buffer[c];
   }
-  if (rows < kBlockK)
-    for (int c = 0; c < d; ++c) std::fill(dst + c * kBlockK + rows, dst + (c + 1) * kBlockK, 0.0f);
+  if (rows < width)
+    for (int c = 0; c < d; ++c) std::fill(dst + c * width + rows, dst + (c + 1) * width, 0.0f);
+}
+
+// A key-side tile of `rows` rows as fp32 rows of d elements: the user's memory itself when it is
+// fp32 (no copy), else converted into `tile` (row stride d). Returns the rows and sets *ld.
+const float* key_rows(const void* src, DType dtype, int64_t offset, int64_t stride, int rows, int d,
+                      float* tile, int64_t* ld) {
+  if (dtype == DType::kFloat32) {
+    *ld = stride;
+    return static_cast<const float*>(src) + offset;
+  }
+  for (int r = 0; r < rows; ++r) load_row(src, dtype, offset + r * stride, d, tile + r * d);
+  *ld = d;
+  return tile;
 }
 
 // `rows` rows of a dense tile (row stride ld), times `factor` (rounded once), into a user tensor.
@@ -236,14 +286,18 @@ void store_rows(const float* src, int ld, double factor, int rows, int d, void* 
   }
 }
 
-// Whether n floats are all finite: x·0 is 0 for finite x and NaN for ±Inf and NaN. Run on a tile
-// just loaded, it costs one multiply-add per vector, 1/rows of the matrix product that reads it.
-bool all_finite(const float* x, int64_t n) {
+// Whether `rows` rows of n floats (row stride ld) are all finite: x·0 is 0 for finite x and NaN
+// for ±Inf and NaN. Run on a tile with masked entries, it costs one multiply-add per vector,
+// 1/rows of the matrix product that reads it.
+bool all_finite(const float* x, int64_t ld, int rows, int n) {
   Vec acc = Vec{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += simd::load(x + i) * 0.0f;
   float tail = 0.0f;
-  for (; i < n; ++i) tail += x[i] * 0.0f;
+  for (int r = 0; r < rows; ++r) {
+    const float* row = x + r * ld;
+    int i = 0;
+    for (; i + kLanes <= n; i += kLanes) acc += simd::load(row + i) * 0.0f;
+    for (; i < n; ++i) tail += row[i] * 0.0f;
+  }
   return simd::reduce_sum(acc) + tail == 0.0f;
 }
 
@@ -268,10 +322,11 @@ Head make_head(const AttentionParams& p, int b, int h) {
   return hd;
 }
 
-// Scores (natural units) of row `row` for kLanes keys from absolute key j, in attention.h's
-// order: scale, softcap, ALiBi; keys outside [lo, hi) become −inf. *dcap receives the softcap
-// chain-rule factor 1 − tanh² (left alone when softcap is off).
-inline Vec scores(Vec raw, const Head& hd, int row, int j, int lo, int hi, Vec* dcap) {
+// Scores (natural units) of raw dot products, in attention.h's order: scale, softcap, ALiBi.
+// `dist` is row + shift − key per lane (read only with ALiBi). *dcap receives the softcap
+// chain-rule factor 1 − tanh² (left alone when softcap is off). The forward (queries in lanes)
+// and the backward (keys in lanes) both come here, so a score is the same bits in both.
+inline Vec modified_scores(Vec raw, const Head& hd, IVec dist, Vec* dcap) {
   Vec s = raw * hd.scale;
   if (!hd.plain) {
     if (hd.softcap > 0.0f) {
@@ -279,18 +334,22 @@ inline Vec scores(Vec raw, const Head& hd, int row, int j, int lo, int hi, Vec* 
       s = th * hd.softcap;
       *dcap = 1.0f - th * th;
     }
-    if (hd.slope != 0.0f) {
-      const IVec dist = simd::splat_int(row + hd.shift - j) - simd::lane_index();
-      s = s - hd.slope * simd::abs(__builtin_convertvector(dist, Vec));
-    }
+    if (hd.slope != 0.0f) s = s - hd.slope * simd::abs(__builtin_convertvector(dist, Vec));
   }
+  return s;
+}
+
+// Scores of row `row` for kLanes keys from absolute key j; keys outside [lo, hi) become −inf.
+inline Vec scores(Vec raw, const Head& hd, int row, int j, int lo, int hi, Vec* dcap) {
+  const Vec s = modified_scores(raw, hd, simd::splat_int(row + hd.shift - j) - simd::lane_index(),
+                                dcap);
   const IVec col = simd::lane_index() + j;
   return simd::select((col >= lo) & (col < hi), s, simd::splat(-kInf));
 }
 
-// z[c] = keep_value where key j0 + c of `row` survives dropout, else 0; zero beyond n.
+// z[c] = keep_value where key j0 + c of `row` survives dropout, else 0; zero from n to width.
 void dropout_row(const AttentionParams& p, uint32_t bh, int row, int j0, int n, float keep_value,
-                 float* z) {
+                 float* z, int width) {
   int c = 0;
   while (c < n) {
     const int j = j0 + c;
@@ -299,7 +358,7 @@ void dropout_row(const AttentionParams& p, uint32_t bh, int row, int j0, int n, 
     for (int lane = j & 3; lane < 4 && c < n; ++lane, ++c)
       z[c] = dropout_uniform(philox_word(w, lane)) >= p.dropout_p ? keep_value : 0.0f;
   }
-  std::fill(z + n, z + kBlockK, 0.0f);
+  std::fill(z + n, z + width, 0.0f);
 }
 
 // Visible key range of every row of a query block, and its union [*klo, *khi) (empty: klo ≥ khi).
@@ -335,6 +394,21 @@ void rows_meeting(const int* lo, const int* hi, int rows, int j0, int j1, int* r
 // ranges grow with the row, so the first row has the smallest hi and the last the largest lo.
 bool tile_masked(const int* lo, const int* hi, int ra, int rb, int j0, int j1) {
   return lo[rb - 1] > j0 || hi[ra] < j1;
+}
+
+// First query row of [0, len) for which pred holds, given pred is false…false true…true.
+template <typename Pred>
+int first_row(int len, Pred pred) {
+  int a = 0, b = len;
+  while (a < b) {
+    const int mid = a + (b - a) / 2;
+    if (pred(mid)) {
+      b = mid;
+    } else {
+      a = mid + 1;
+    }
+  }
+  return a;
 }
 
 // Per-thread fp32 scratch carved into 64-byte aligned tiles.
@@ -415,102 +489,150 @@ class BlockTasks {
 
 // ---- forward ------------------------------------------------------------------------------------
 
-int64_t forward_scratch_floats(int d, int dpad) {
-  return Carver::size({int64_t{kBlockQ} * dpad, int64_t{d} * kBlockK, int64_t{kBlockK} * dpad,
-                       int64_t{kBlockQ} * kBlockK, int64_t{kBlockQ} * dpad, kBlockK, kBlockQ,
-                       kBlockQ, kBlockQ, kBlockQ, dpad});
+int64_t forward_scratch_floats(int d) {
+  return Carver::size({int64_t{d} * kFwdQ, int64_t{kFwdK} * kFwdQ, int64_t{d} * kFwdQ,
+                       int64_t{kFwdK} * d, int64_t{kFwdK} * d, int64_t{kFwdK} * kFwdQ, kFwdQ,
+                       kFwdQ, kFwdQ, round_up(std::max(d, kFwdK), kLanes)});
 }
 
+// Rows [i0, i0 + kFwdQ) of query head h, queries in lanes (see the top of the file).
 void forward_block(const AttentionParams& p, int b, int h, int qblock, float* scratch) {
   flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const Head hd = make_head(p, b, h);
-  const int i0 = qblock * kBlockQ;
+  const int i0 = qblock * kFwdQ;
   if (i0 >= hd.seq.len_q) return;
-  const int nq = std::min(kBlockQ, hd.seq.len_q - i0);
-  const int d = p.head_dim, dpad = round_up(d, kLanes), dvecs = dpad / kLanes;
+  const int nq = std::min(kFwdQ, hd.seq.len_q - i0);
+  const int d = p.head_dim;
+  const int qvecs = ceil_div(nq, kLanes);
+  constexpr int ld = kFwdQ;  // row stride of Qᵀ, Sᵀ, Oᵀ and the dropout tile
+  const bool dropout = p.dropout_p > 0.0f;
 
   Carver carve(scratch);
-  float* tq = carve.take(int64_t{kBlockQ} * dpad);    // (kBlockQ, dpad)
-  float* tkt = carve.take(int64_t{d} * kBlockK);      // (d, kBlockK)
-  float* tv = carve.take(int64_t{kBlockK} * dpad);    // (kBlockK, dpad)
-  float* ts = carve.take(int64_t{kBlockQ} * kBlockK); // (kBlockQ, kBlockK) scores → probabilities
-  float* acc = carve.take(int64_t{kBlockQ} * dpad);   // (kBlockQ, dpad) unnormalised O
-  float* z = carve.take(kBlockK);                     // (kBlockK) dropout multipliers
-  float* m = carve.take(kBlockQ);                     // (kBlockQ) running max, natural units
-  float* l = carve.take(kBlockQ);                     // (kBlockQ) running Σ exp(s − m)
-  int lo[kBlockQ], hi[kBlockQ];
-  float* row_buffer = carve.take(dpad);
+  float* qt = carve.take(int64_t{d} * ld);      // (d, kFwdQ) Qᵀ; columns from nq zeroed
+  float* st = carve.take(int64_t{kFwdK} * ld);  // (kFwdK, kFwdQ) Sᵀ → Pᵀ
+  float* ot = carve.take(int64_t{d} * ld);      // (d, kFwdQ) unnormalised Oᵀ
+  float* ktile = carve.take(int64_t{kFwdK} * d);  // (kFwdK, d) K converted from fp16/bf16
+  float* vtile = carve.take(int64_t{kFwdK} * d);  // (kFwdK, d) V likewise
+  float* zt = carve.take(int64_t{kFwdK} * ld);  // (kFwdK, kFwdQ) dropout multipliers
+  float* m = carve.take(ld);                    // running max per query, natural units
+  float* l = carve.take(ld);                    // running Σ exp(s − m)
+  float* alpha = carve.take(ld);                // this tile's rescale of the running sums
+  float* row_buffer = carve.take(round_up(std::max(d, kFwdK), kLanes));
+  int lo[kFwdQ], hi[kFwdQ];
+  // Per vector of queries: the union of their visible ranges [vis_lo, vis_hi), and the bounds
+  // [lo_max, hi_min) that every query of the vector sees.
+  constexpr int kVecs = kFwdQ / kLanes;
+  int vis_lo[kVecs], vis_hi[kVecs], lo_max[kVecs], hi_min[kVecs];
 
   int klo, khi;
   block_ranges(p, hd, i0, nq, lo, hi, &klo, &khi);
-  std::fill(m, m + nq, -kInf);
-  std::fill(l, l + nq, 0.0f);
-  std::fill(acc, acc + int64_t{nq} * dpad, 0.0f);
-  load_rows(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, nq, d, tq, dpad);
-
-  for (int j0 = klo; j0 < khi; j0 += kBlockK) {
-    const int nk = std::min(kBlockK, khi - j0);
-    int ra, rb;
-    rows_meeting(lo, hi, nq, j0, j0 + nk, &ra, &rb);
-    if (ra == rb) continue;
-    load_transposed(p.k, p.dtype, hd.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, tkt,
-                    row_buffer);
-    load_rows(p.v, p.dtype, hd.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, tv, dpad);
-    // A masked key's weight is 0, and 0·Inf = NaN: a non-finite value may reach only the rows
-    // that see its key, so then each row sums its visible keys alone, as the reference does.
-    const bool per_row = tile_masked(lo, hi, ra, rb, j0, j0 + nk) &&
-                         !all_finite(tv, int64_t{nk} * dpad);
-
-    for_row_blocks(rb - ra, [&](auto rows, int r0) {
-      constexpr int R = decltype(rows)::value;
-      const int r = ra + r0;
-      rows_times_tile<R>(tq + r * dpad, dpad, tkt, d, ts + r * kBlockK);
-    });
-
-    for (int r = ra; r < rb; ++r) {
-      float* srow = ts + r * kBlockK;
-      const int row = i0 + r;
-      Vec unused_dcap;
-      Vec vmax = simd::splat(-kInf);
-      for (int n = 0; n < kKeyVecs; ++n) {
-        const int j = j0 + n * kLanes;
-        const Vec s = scores(simd::load(srow + n * kLanes), hd, row, j, lo[r], hi[r], &unused_dcap);
-        simd::store(srow + n * kLanes, s);
-        vmax = simd::max(vmax, s);
-      }
-      const float m_new = std::max(m[r], simd::reduce_max(vmax));
-      // A row that has seen no key yet keeps m = −inf; exponentiating against 0 keeps p = 0.
-      const float m_use = m_new == -kInf ? 0.0f : m_new;
-      const float alpha = std::exp(m[r] - m_use);
-      if (p.dropout_p > 0.0f) dropout_row(p, hd.bh, row, j0, nk, 1.0f, z);
-      Vec vsum = Vec{};
-      for (int n = 0; n < kKeyVecs; ++n) {
-        Vec e = simd::exp(simd::load(srow + n * kLanes) - m_use);
-        vsum += e;
-        if (p.dropout_p > 0.0f) e *= simd::load(z + n * kLanes);
-        simd::store(srow + n * kLanes, e);
-      }
-      l[r] = l[r] * alpha + simd::reduce_sum(vsum);
-      m[r] = m_new;
-      if (alpha != 1.0f) {
-        float* arow = acc + r * dpad;
-        for (int v = 0; v < dvecs; ++v)
-          simd::store(arow + v * kLanes, simd::load(arow + v * kLanes) * alpha);
+  std::fill(lo + nq, lo + ld, 0);  // padding lanes: an empty range, never stored
+  std::fill(hi + nq, hi + ld, 0);
+  for (int c = 0; c < qvecs; ++c) {
+    vis_lo[c] = hd.seq.len_k;
+    vis_hi[c] = 0;
+    lo_max[c] = 0;
+    hi_min[c] = hd.seq.len_k;
+    for (int r = c * kLanes; r < std::min((c + 1) * kLanes, nq); ++r) {
+      lo_max[c] = std::max(lo_max[c], lo[r]);
+      hi_min[c] = std::min(hi_min[c], hi[r]);
+      if (lo[r] < hi[r]) {
+        vis_lo[c] = std::min(vis_lo[c], lo[r]);
+        vis_hi[c] = std::max(vis_hi[c], hi[r]);
       }
     }
+  }
+  load_transposed(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, nq, d, qt, ld,
+                  row_buffer);
+  std::fill(m, m + ld, -kInf);
+  std::fill(l, l + ld, 0.0f);
+  std::fill(ot, ot + int64_t{d} * ld, 0.0f);
 
+  for (int j0 = klo; j0 < khi; j0 += kFwdK) {
+    const int nk = std::min(kFwdK, khi - j0), j1 = j0 + nk;
+    int ra, rb;
+    rows_meeting(lo, hi, nq, j0, j1, &ra, &rb);
+    if (ra == rb) continue;
+    const int ca = ra / kLanes, cb = ceil_div(rb, kLanes);  // vectors of queries computed
+    int64_t ldk, ldv;
+    const float* kr = key_rows(p.k, p.dtype, hd.k + j0 * p.k_row_stride, p.k_row_stride, nk, d,
+                               ktile, &ldk);
+    const float* vr = key_rows(p.v, p.dtype, hd.v + j0 * p.v_row_stride, p.v_row_stride, nk, d,
+                               vtile, &ldv);
+    bool masked = false;
+    for (int c = ca; c < cb; ++c) masked = masked || lo_max[c] > j0 || hi_min[c] < j1;
+    // A masked key's weight is 0, and 0·Inf = NaN: a non-finite value may reach only the rows
+    // that see its key, so then each row sums its visible keys alone, as the reference does.
+    const bool per_row = masked && !all_finite(vr, ldv, nk, d);
+
+    // Sᵀ(key, q) = K · Qᵀ.
+    matmul<Store::kSet>(nk, cb - ca, {kr, ldk, 1, qt + ca * kLanes, ld, d, st + ca * kLanes, ld,
+                                      nullptr});
+    if (dropout)
+      for (int r = ca * kLanes; r < std::min(cb * kLanes, nq); ++r) {
+        dropout_row(p, hd.bh, i0 + r, j0, nk, 1.0f, row_buffer, nk);
+        for (int k = 0; k < nk; ++k) zt[k * ld + r] = row_buffer[k];
+      }
+
+    // Online softmax down each vector of queries: Sᵀ becomes Pᵀ (keys no query of the vector
+    // sees are 0 without an exp), and α rescales the running sums.
+    for (int c = ca; c < cb; ++c) {
+      const int q0 = c * kLanes;
+      const bool full = lo_max[c] <= j0 && hi_min[c] >= j1;
+      int ka = full ? 0 : std::clamp(vis_lo[c] - j0, 0, nk);
+      const int kb = full ? nk : std::clamp(vis_hi[c] - j0, 0, nk);
+      ka = std::min(ka, kb);
+      IVec lov, hiv;
+      std::memcpy(&lov, lo + q0, sizeof lov);
+      std::memcpy(&hiv, hi + q0, sizeof hiv);
+      const IVec dist0 = simd::splat_int(i0 + q0 + hd.shift - j0) + simd::lane_index();
+      Vec vmax = simd::splat(-kInf);
+      for (int k = ka; k < kb; ++k) {
+        Vec unused_dcap;
+        Vec s = modified_scores(simd::load(st + k * ld + q0), hd, dist0 - k, &unused_dcap);
+        if (!full) {
+          const IVec j = simd::splat_int(j0 + k);
+          s = simd::select((lov <= j) & (hiv > j), s, simd::splat(-kInf));
+        }
+        simd::store(st + k * ld + q0, s);
+        vmax = simd::max(vmax, s);
+      }
+      const Vec m_old = simd::load(m + q0);
+      const Vec m_new = simd::max(m_old, vmax);
+      // A query that has seen no key yet keeps m = −inf; exponentiating against 0 keeps p = 0.
+      const Vec m_use = simd::select(m_new == -kInf, Vec{}, m_new);
+      const Vec a = simd::exp(m_old - m_use);
+      Vec sum = Vec{};
+      for (int k = 0; k < ka; ++k) simd::store(st + k * ld + q0, Vec{});
+      for (int k = ka; k < kb; ++k) {
+        Vec e = simd::exp(simd::load(st + k * ld + q0) - m_use);
+        sum += e;
+        if (dropout) e *= simd::load(zt + k * ld + q0);
+        simd::store(st + k * ld + q0, e);
+      }
+      for (int k = kb; k < nk; ++k) simd::store(st + k * ld + q0, Vec{});
+      simd::store(l + q0, simd::load(l + q0) * a + sum);
+      simd::store(m + q0, m_new);
+      simd::store(alpha + q0, a);
+    }
+
+    // Oᵀ(dim, q) = α·Oᵀ + Vᵀ · Pᵀ.
     if (!per_row) {
-      for_row_blocks(rb - ra, [&](auto rows, int r0) {
-        constexpr int R = decltype(rows)::value;
-        const int r = ra + r0;
-        accumulate_rows<R>(ts + r * kBlockK, kBlockK, 1, tv, dpad, nk, acc + r * dpad, dpad,
-                           dvecs);
-      });
+      matmul<Store::kScaleAdd>(d, cb - ca, {vr, 1, ldv, st + ca * kLanes, ld, nk,
+                                            ot + ca * kLanes, ld, alpha + ca * kLanes});
     } else {
+      for (int dim = 0; dim < d; ++dim)
+        for (int c = ca; c < cb; ++c) {
+          float* o = ot + dim * ld + c * kLanes;
+          simd::store(o, simd::load(o) * simd::load(alpha + c * kLanes));
+        }
       for (int r = ra; r < rb; ++r) {
-        const int a = std::max(lo[r], j0) - j0, e = std::min(hi[r], j0 + nk) - j0;
-        accumulate_rows<1>(ts + r * kBlockK + a, kBlockK, 1, tv + a * dpad, dpad, e - a,
-                           acc + r * dpad, dpad, dvecs);
+        const int a = std::max(lo[r], j0) - j0, e = std::min(hi[r], j1) - j0;
+        for (int dim = 0; dim < d; ++dim) {
+          float acc = 0.0f;
+          for (int k = a; k < e; ++k) acc = simd::fma(st[k * ld + r], vr[k * ldv + dim], acc);
+          ot[dim * ld + r] += acc;
+        }
       }
     }
   }
@@ -521,8 +643,9 @@ void forward_block(const AttentionParams& p, int b, int h, int qblock, float* sc
     const bool sees_keys = lo[r] < hi[r];
     const double l_row = l[r] > 0.0f ? l[r] : std::numeric_limits<double>::quiet_NaN();
     const double factor = sees_keys ? static_cast<double>(p.dropout_scale) / l_row : 0.0;
-    store_rows(acc + r * dpad, dpad, factor, 1, d, p.o, p.dtype,
-               hd.o + int64_t{i0 + r} * p.o_row_stride, p.o_row_stride);
+    for (int dim = 0; dim < d; ++dim) row_buffer[dim] = ot[dim * ld + r];
+    store_rows(row_buffer, d, factor, 1, d, p.o, p.dtype, hd.o + int64_t{i0 + r} * p.o_row_stride,
+               p.o_row_stride);
     p.lse[hd.lse + i0 + r] =
         sees_keys ? static_cast<float>(static_cast<double>(m[r]) + std::log(l_row)) : -kInf;
   }
@@ -530,78 +653,124 @@ void forward_block(const AttentionParams& p, int b, int h, int qblock, float* sc
 
 // ---- backward -----------------------------------------------------------------------------------
 
-// Tiles shared by both backward passes.
+// Per-thread tiles of the backward.
 struct BackwardTiles {
-  float* q;      // (kBlockQ, dpad)
-  float* dout;   // (kBlockQ, dpad)
-  float* kt;     // (d, kBlockK)
-  float* vt;     // (d, kBlockK)
-  float* k;      // (kBlockK, dpad)     pass 2 only
-  float* s;      // (kBlockQ, kBlockK)  scores → dropped, rescaled probabilities
-  float* dp;     // (kBlockQ, kBlockK)  dO Vᵀ → dS
-  float* acc0;   // pass 1: dK (kBlockK, dpad); pass 2: dQ (kBlockQ, dpad)
-  float* acc1;   // pass 1: dV (kBlockK, dpad)
-  float* z;      // (kBlockK)
-  float* lse;    // (kBlockQ) LSE, +inf for rows that see no key
-  float* delta;  // (kBlockQ) D
-  float* row_buffer;  // (dpad)
+  float* q;      // (kBwdQ, dpad)
+  float* dout;   // (kBwdQ, dpad)
+  float* kt;     // (d, kBwdK)     Kᵀ
+  float* vt;     // (d, kBwdK)     Vᵀ
+  float* k;      // (kBwdK, dpad)  K by rows, converted or padded (dQ only)
+  float* s;      // (kBwdQ, kBwdK) scores → dropped, rescaled probabilities P̃
+  float* dp;     // (kBwdQ, kBwdK) dO Vᵀ → dS
+  float* dk;     // (kBwdK, dpad)
+  float* dv;     // (kBwdK, dpad)
+  float* dq;     // (kBwdQ, dpad)  the two-pass mode's dQ of one block
+  float* z;      // (kBwdK)
+  float* row_buffer;  // (max(dpad, kBwdK))
 };
 
 int64_t backward_scratch_floats(int d, int dpad) {
-  const int64_t acc = int64_t{std::max(kBlockQ, kBlockK)} * dpad;
-  return Carver::size({int64_t{kBlockQ} * dpad, int64_t{kBlockQ} * dpad, int64_t{d} * kBlockK,
-                       int64_t{d} * kBlockK, int64_t{kBlockK} * dpad, int64_t{kBlockQ} * kBlockK,
-                       int64_t{kBlockQ} * kBlockK, acc, acc, kBlockK, kBlockQ, kBlockQ, dpad});
+  return Carver::size({int64_t{kBwdQ} * dpad, int64_t{kBwdQ} * dpad, int64_t{d} * kBwdK,
+                       int64_t{d} * kBwdK, int64_t{kBwdK} * dpad, int64_t{kBwdQ} * kBwdK,
+                       int64_t{kBwdQ} * kBwdK, int64_t{kBwdK} * dpad, int64_t{kBwdK} * dpad,
+                       int64_t{kBwdQ} * dpad, kBwdK, std::max(dpad, kBwdK)});
 }
 
 BackwardTiles carve_backward(float* scratch, int d, int dpad) {
-  const int64_t acc = int64_t{std::max(kBlockQ, kBlockK)} * dpad;
   Carver carve(scratch);
   BackwardTiles t;
-  t.q = carve.take(int64_t{kBlockQ} * dpad);
-  t.dout = carve.take(int64_t{kBlockQ} * dpad);
-  t.kt = carve.take(int64_t{d} * kBlockK);
-  t.vt = carve.take(int64_t{d} * kBlockK);
-  t.k = carve.take(int64_t{kBlockK} * dpad);
-  t.s = carve.take(int64_t{kBlockQ} * kBlockK);
-  t.dp = carve.take(int64_t{kBlockQ} * kBlockK);
-  t.acc0 = carve.take(acc);
-  t.acc1 = carve.take(acc);
-  t.z = carve.take(kBlockK);
-  t.lse = carve.take(kBlockQ);
-  t.delta = carve.take(kBlockQ);
-  t.row_buffer = carve.take(dpad);
+  t.q = carve.take(int64_t{kBwdQ} * dpad);
+  t.dout = carve.take(int64_t{kBwdQ} * dpad);
+  t.kt = carve.take(int64_t{d} * kBwdK);
+  t.vt = carve.take(int64_t{d} * kBwdK);
+  t.k = carve.take(int64_t{kBwdK} * dpad);
+  t.s = carve.take(int64_t{kBwdQ} * kBwdK);
+  t.dp = carve.take(int64_t{kBwdQ} * kBwdK);
+  t.dk = carve.take(int64_t{kBwdK} * dpad);
+  t.dv = carve.take(int64_t{kBwdK} * dpad);
+  t.dq = carve.take(int64_t{kBwdQ} * dpad);
+  t.z = carve.take(kBwdK);
+  t.row_buffer = carve.take(std::max(dpad, kBwdK));
   return t;
 }
 
-// Loads the query-side tiles of rows [i0, i0 + nq): Q, dO, LSE and D.
-void load_query_side(const AttentionParams& p, const Head& hd, int i0, int nq, int dpad,
-                     const float* delta, BackwardTiles* t) {
-  const int d = p.head_dim;
-  load_rows(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, nq, d, t->q, dpad);
-  load_rows(p.dout, p.dtype, hd.dout + i0 * p.do_row_stride, p.do_row_stride, nq, d, t->dout, dpad);
-  for (int r = 0; r < nq; ++r) {
-    const float lse = p.lse[hd.lse + i0 + r];
-    t->lse[r] = lse == -kInf ? kInf : lse;  // p = exp(s − (+inf)) = 0 instead of NaN
-    t->delta[r] = delta[hd.lse + i0 + r];
+// Keys [j0, j0 + nk) of one kv head: Kᵀ and Vᵀ for S and dP, K by rows (B of dQ += dS K).
+struct KeyBlock {
+  int j0 = 0, nk = 0;
+  const float* k = nullptr;  // K by rows, dpad readable columns (zero from d)
+  int64_t ldk = 0;
+};
+
+// `head` is any query head of the kv head (they share its K and V). K by rows only with `rows`.
+KeyBlock load_key_block(const AttentionParams& p, const Head& head, int j0, int nk, bool rows,
+                        BackwardTiles* t) {
+  const int d = p.head_dim, dpad = round_up(d, kLanes);
+  KeyBlock kb;
+  kb.j0 = j0;
+  kb.nk = nk;
+  const int64_t k0 = head.k + j0 * p.k_row_stride;
+  load_transposed(p.k, p.dtype, k0, p.k_row_stride, nk, d, t->kt, kBwdK, t->row_buffer);
+  load_transposed(p.v, p.dtype, head.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, t->vt, kBwdK,
+                  t->row_buffer);
+  if (rows) {
+    if (p.dtype == DType::kFloat32 && d == dpad) {  // the user's rows as they are
+      kb.k = static_cast<const float*>(p.k) + k0;
+      kb.ldk = p.k_row_stride;
+    } else {
+      load_rows(p.k, p.dtype, k0, p.k_row_stride, nk, d, t->k, dpad);
+      kb.k = t->k;
+      kb.ldk = dpad;
+    }
   }
+  return kb;
+}
+
+// Rows [i0, i0 + nq) of one query head: Q, dO (in the tiles), LSE, D and visible ranges.
+struct QueryBlock {
+  int i0 = 0, nq = 0;
+  int klo = 0, khi = 0;  // union of the rows' visible keys
+  int lo[kBwdQ], hi[kBwdQ];
+  float lse[kBwdQ];      // +inf for rows that see no key
+  float delta[kBwdQ];    // D
+};
+
+void load_query_block(const AttentionParams& p, const Head& hd, int i0, const float* delta,
+                      BackwardTiles* t, QueryBlock* qb) {
+  const int d = p.head_dim, dpad = round_up(d, kLanes);
+  qb->i0 = i0;
+  qb->nq = std::min(kBwdQ, hd.seq.len_q - i0);
+  load_rows(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, qb->nq, d, t->q, dpad);
+  load_rows(p.dout, p.dtype, hd.dout + i0 * p.do_row_stride, p.do_row_stride, qb->nq, d, t->dout,
+            dpad);
+  for (int r = 0; r < qb->nq; ++r) {
+    const float lse = p.lse[hd.lse + i0 + r];
+    qb->lse[r] = lse == -kInf ? kInf : lse;  // p = exp(s − (+inf)) = 0 instead of NaN
+    qb->delta[r] = delta[hd.lse + i0 + r];
+  }
+  block_ranges(p, hd, i0, qb->nq, qb->lo, qb->hi, &qb->klo, &qb->khi);
 }
 
 // Row r of the S and dP tiles (keys from j0): S becomes P̃ = P·z (for dV) and dP becomes
 // dS = P ∘ (z·dP − D), times the softcap factor (for dK, dQ; the softmax scale is applied on
 // output). Both are exactly 0 on keys the row does not see: P is 0 there, but z·dP − D need not
-// be finite (an Inf in dO, V or O), and a masked key must not turn that into NaN.
+// be finite (an Inf in dO, V or O), and a masked key must not turn that into NaN. Vectors of
+// keys the row does not see at all are zeroed without an exp.
 void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int nk, int lo, int hi,
                   float lse, float delta, BackwardTiles* t, int r) {
-  float* srow = t->s + r * kBlockK;
-  float* dprow = t->dp + r * kBlockK;
+  float* srow = t->s + r * kBwdK;
+  float* dprow = t->dp + r * kBwdK;
   const bool dropout = p.dropout_p > 0.0f;
   const bool masked = lo > j0 || hi < j0 + nk;  // lanes from nk on are never read
-  if (dropout) dropout_row(p, hd.bh, row, j0, nk, p.dropout_scale, t->z);
-  for (int n = 0; n < kKeyVecs; ++n) {
+  if (dropout) dropout_row(p, hd.bh, row, j0, nk, p.dropout_scale, t->z, kBwdK);
+  for (int n = 0; n < ceil_div(nk, kLanes); ++n) {
+    const int j = j0 + n * kLanes;
+    if (masked && (j + kLanes <= lo || j >= hi)) {
+      simd::store(srow + n * kLanes, Vec{});
+      simd::store(dprow + n * kLanes, Vec{});
+      continue;
+    }
     Vec dcap = simd::splat(1.0f);
-    const Vec s =
-        scores(simd::load(srow + n * kLanes), hd, row, j0 + n * kLanes, lo, hi, &dcap);
+    const Vec s = scores(simd::load(srow + n * kLanes), hd, row, j, lo, hi, &dcap);
     const Vec prob = simd::exp(s - lse);
     Vec dpv = simd::load(dprow + n * kLanes);
     Vec pz = prob;
@@ -612,7 +781,7 @@ void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int
     }
     Vec ds = prob * (dpv - delta) * dcap;
     if (masked) {
-      const IVec col = simd::lane_index() + (j0 + n * kLanes);
+      const IVec col = simd::lane_index() + j;
       const IVec visible = (col >= lo) & (col < hi);
       pz = simd::select(visible, pz, Vec{});
       ds = simd::select(visible, ds, Vec{});
@@ -622,15 +791,77 @@ void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int
   }
 }
 
-// Pass 0: D_i = dO_i · O_i for rows [i0, i0 + kBlockQ) of one head, summed exactly as
-// rows_times_tile sums dP_ij = dO_i · V_j (fp32 FMA chain in head-dim order). Where a row's
-// probability is 1 on one key (a single visible key, or inputs of magnitude 1e3), O_i = V_j
-// exactly and dP_ij − D_i cancels to 0 as it does in exact arithmetic.
+// The contribution of key block kb to query block qb of head hd, over the rows [ra, rb) of qb
+// that see one of its keys: S, dP, P̃ and dS, then dV and dK of the keys (dk, dv: (kBwdK, dpad)
+// accumulators, or null) and dQ of the rows (dq: qb's (kBwdQ, dpad) accumulator, or null). Both
+// backward modes sum every output element through here, in the same order.
+void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& qb,
+                   const KeyBlock& kb, BackwardTiles* t, float* dk, float* dv, float* dq) {
+  const int d = p.head_dim, dpad = round_up(d, kLanes), dvecs = dpad / kLanes;
+  const int j0 = kb.j0, nk = kb.nk, j1 = j0 + nk;
+  int ra, rb;
+  rows_meeting(qb.lo, qb.hi, qb.nq, j0, j1, &ra, &rb);
+  if (ra == rb) return;
+  const int rows = rb - ra, kvecs = ceil_div(nk, kLanes);
+  float* q = t->q + ra * dpad;
+  float* dout = t->dout + ra * dpad;
+  float* s = t->s + ra * kBwdK;
+  float* dp = t->dp + ra * kBwdK;
+  matmul<Store::kSet>(rows, kvecs, {q, dpad, 1, t->kt, kBwdK, d, s, kBwdK, nullptr});
+  matmul<Store::kSet>(rows, kvecs, {dout, dpad, 1, t->vt, kBwdK, d, dp, kBwdK, nullptr});
+  for (int r = ra; r < rb; ++r)
+    backward_row(p, hd, qb.i0 + r, j0, nk, qb.lo[r], qb.hi[r], qb.lse[r], qb.delta[r], t, r);
+  const bool masked = tile_masked(qb.lo, qb.hi, ra, rb, j0, j1);
+
+  // dV(c, :) += Σ_r P̃(r, c) dO(r, :) and dK(c, :) += Σ_r dS(r, c) Q(r, :), c over the keys. P̃
+  // and dS are 0 where row r does not see key c, and 0·Inf = NaN: where dO or Q holds a
+  // non-finite value, each key sums the rows that see it alone, as the reference does.
+  if (dk != nullptr) {
+    const bool per_key =
+        masked && !(all_finite(q, dpad, rows, dpad) && all_finite(dout, dpad, rows, dpad));
+    if (!per_key) {
+      matmul<Store::kAdd>(nk, dvecs, {s, 1, kBwdK, dout, dpad, rows, dv, dpad, nullptr});
+      matmul<Store::kAdd>(nk, dvecs, {dp, 1, kBwdK, q, dpad, rows, dk, dpad, nullptr});
+    } else {
+      for (int c = 0; c < nk; ++c) {
+        // Rows [a, e) see key j0 + c: visible ranges grow with the row.
+        int a = ra;
+        while (a < rb && qb.hi[a] <= j0 + c) ++a;
+        int e = a;
+        while (e < rb && qb.lo[e] <= j0 + c) ++e;
+        const int off = (a - ra) * kBwdK + c;
+        matmul<Store::kAdd>(1, dvecs, {s + off, 1, kBwdK, t->dout + a * dpad, dpad, e - a,
+                                       dv + c * dpad, dpad, nullptr});
+        matmul<Store::kAdd>(1, dvecs, {dp + off, 1, kBwdK, t->q + a * dpad, dpad, e - a,
+                                       dk + c * dpad, dpad, nullptr});
+      }
+    }
+  }
+  // dQ(r, :) += Σ_c dS(r, c) K(c, :); as above, with a non-finite K each row sums its keys alone.
+  if (dq != nullptr) {
+    const bool per_row = masked && !all_finite(kb.k, kb.ldk, nk, d);
+    if (!per_row) {
+      matmul<Store::kAdd>(rows, dvecs, {dp, kBwdK, 1, kb.k, kb.ldk, nk, dq + ra * dpad, dpad,
+                                        nullptr});
+    } else {
+      for (int r = ra; r < rb; ++r) {
+        const int a = std::max(qb.lo[r], j0) - j0, e = std::min(qb.hi[r], j1) - j0;
+        matmul<Store::kAdd>(1, dvecs, {t->dp + r * kBwdK + a, kBwdK, 1, kb.k + a * kb.ldk, kb.ldk,
+                                       e - a, dq + r * dpad, dpad, nullptr});
+      }
+    }
+  }
+}
+
+// D_i = dO_i · O_i for rows [i0, i0 + kBwdQ) of one head, summed exactly as the products sum
+// dP_ij = dO_i · V_j (fp32 FMA chain in head-dim order from 0). Where a row's probability is 1
+// on one key (a single visible key, or inputs of magnitude 1e3), O_i = V_j exactly and
+// dP_ij − D_i cancels to 0 as it does in exact arithmetic.
 void delta_block(const AttentionParams& p, int b, int h, int qblock, float* delta, float* scratch) {
   flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const Head hd = make_head(p, b, h);
-  const int i0 = qblock * kBlockQ;
-  const int rows = std::min(kBlockQ, hd.seq.len_q - i0);
+  const int i0 = qblock * kBwdQ;
+  const int rows = std::min(kBwdQ, hd.seq.len_q - i0);
   const int d = p.head_dim;
   float* o = scratch;
   float* dout = scratch + round_up(d, kLanes);
@@ -643,151 +874,116 @@ void delta_block(const AttentionParams& p, int b, int h, int qblock, float* delt
   }
 }
 
-// First query row of [0, len) for which pred holds, given pred is false…false true…true.
-template <typename Pred>
-int first_row(int len, Pred pred) {
-  int a = 0, b = len;
-  while (a < b) {
-    const int mid = a + (b - a) / 2;
-    if (pred(mid)) {
-      b = mid;
-    } else {
-      a = mid + 1;
-    }
-  }
-  return a;
-}
-
-// Pass 1: dK and dV of keys [j0, j0 + kBlockK) of kv head kvh, over every query head of its group.
+// dK and dV of keys [j0, j0 + kBwdK) of kv head kvh, over every query head of its group and
+// every query block that sees them; with dq_heads (the group's dQ, (head_group, len_q, dpad)
+// fp32), also their dQ contributions (the one-pass mode).
 void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, const float* delta,
-                        float* scratch) {
+                        BackwardTiles* t, float* dq_heads) {
   flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const SequenceInfo seq = sequence_info(p, b);
-  const int j0 = kblock * kBlockK;
+  const int j0 = kblock * kBwdK;
   if (j0 >= seq.len_k) return;
-  const int nk = std::min(kBlockK, seq.len_k - j0);
-  const int d = p.head_dim, dpad = round_up(d, kLanes), dvecs = dpad / kLanes;
-  BackwardTiles t = carve_backward(scratch, d, dpad);
-  const Head first = make_head(p, b, kvh * p.head_group);
-  load_transposed(p.k, p.dtype, first.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, t.kt,
-                  t.row_buffer);
-  load_transposed(p.v, p.dtype, first.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, t.vt,
-                  t.row_buffer);
-  std::fill(t.acc0, t.acc0 + int64_t{kBlockK} * dpad, 0.0f);
-  std::fill(t.acc1, t.acc1 + int64_t{kBlockK} * dpad, 0.0f);
-  int lo[kBlockQ], hi[kBlockQ];
+  const int nk = std::min(kBwdK, seq.len_k - j0);
+  const int d = p.head_dim, dpad = round_up(d, kLanes);
+  const int h0 = kvh * p.head_group;
+  const Head first = make_head(p, b, h0);
+  const KeyBlock kb = load_key_block(p, first, j0, nk, dq_heads != nullptr, t);
+  std::fill(t->dk, t->dk + int64_t{kBwdK} * dpad, 0.0f);
+  std::fill(t->dv, t->dv + int64_t{kBwdK} * dpad, 0.0f);
 
   auto range = [&](int i) {
     return visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
   };
-  // Rows that see a key of the tile: hi > j0 (a suffix of rows) and lo < j0 + nk (a prefix).
+  // Rows that see a key of the block: hi > j0 (a suffix of rows) and lo < j0 + nk (a prefix).
   const int qa = first_row(seq.len_q, [&](int i) { return range(i).hi > j0; });
-  const int qb = std::max(qa, first_row(seq.len_q, [&](int i) { return range(i).lo >= j0 + nk; }));
+  const int qe = std::max(qa, first_row(seq.len_q, [&](int i) { return range(i).lo >= j0 + nk; }));
 
-  for (int h = kvh * p.head_group; h < (kvh + 1) * p.head_group; ++h) {
-    const Head hd = make_head(p, b, h);
-    for (int i0 = qa; i0 < qb; i0 += kBlockQ) {
-      const int nq = std::min(kBlockQ, qb - i0);
-      load_query_side(p, hd, i0, nq, dpad, delta, &t);
-      int klo, khi;
-      block_ranges(p, hd, i0, nq, lo, hi, &klo, &khi);
-      // P̃ and dS are 0 where row r does not see key c, and 0·Inf = NaN: where dO or Q holds a
-      // non-finite value, each key sums the rows that see it alone, as the reference does.
-      const bool per_key = tile_masked(lo, hi, 0, nq, j0, j0 + nk) &&
-                           !(all_finite(t.q, int64_t{nq} * dpad) &&
-                             all_finite(t.dout, int64_t{nq} * dpad));
-      for_row_blocks(nq, [&](auto rows, int r) {
-        constexpr int R = decltype(rows)::value;
-        rows_times_tile<R>(t.q + r * dpad, dpad, t.kt, d, t.s + r * kBlockK);
-        rows_times_tile<R>(t.dout + r * dpad, dpad, t.vt, d, t.dp + r * kBlockK);
-      });
-      for (int r = 0; r < nq; ++r)
-        backward_row(p, hd, i0 + r, j0, nk, lo[r], hi[r], t.lse[r], t.delta[r], &t, r);
-      // dV(c, :) += Σ_r P̃(r, c) dO(r, :) and dK(c, :) += Σ_r dS(r, c) Q(r, :), c over the keys.
-      if (!per_key) {
-        for_row_blocks(nk, [&](auto rows, int c) {
-          constexpr int R = decltype(rows)::value;
-          accumulate_rows<R>(t.s + c, 1, kBlockK, t.dout, dpad, nq, t.acc1 + c * dpad, dpad,
-                             dvecs);
-          accumulate_rows<R>(t.dp + c, 1, kBlockK, t.q, dpad, nq, t.acc0 + c * dpad, dpad, dvecs);
-        });
-      } else {
-        for (int c = 0; c < nk; ++c) {
-          // Rows [a, e) of the block see key j0 + c: visible ranges grow with the row.
-          int a = 0;
-          while (a < nq && hi[a] <= j0 + c) ++a;
-          int e = a;
-          while (e < nq && lo[e] <= j0 + c) ++e;
-          const int a_off = a * kBlockK + c;
-          accumulate_rows<1>(t.s + a_off, 1, kBlockK, t.dout + a * dpad, dpad, e - a,
-                             t.acc1 + c * dpad, dpad, dvecs);
-          accumulate_rows<1>(t.dp + a_off, 1, kBlockK, t.q + a * dpad, dpad, e - a,
-                             t.acc0 + c * dpad, dpad, dvecs);
-        }
-      }
+  QueryBlock qb;
+  for (int h = h0; h < h0 + p.head_group; ++h) {
+    const Head hd = h == h0 ? first : make_head(p, b, h);
+    for (int i0 = qa / kBwdQ * kBwdQ; i0 < qe; i0 += kBwdQ) {
+      load_query_block(p, hd, i0, delta, t, &qb);
+      float* dq = dq_heads == nullptr
+                      ? nullptr
+                      : dq_heads + (int64_t{h - h0} * seq.len_q + i0) * dpad;
+      backward_pair(p, hd, qb, kb, t, t->dk, t->dv, dq);
     }
   }
-  store_rows(t.acc0, dpad, p.scale, nk, d, p.dk, p.dtype, first.dk + j0 * p.dk_row_stride,
+  store_rows(t->dk, dpad, p.scale, nk, d, p.dk, p.dtype, first.dk + j0 * p.dk_row_stride,
              p.dk_row_stride);
-  store_rows(t.acc1, dpad, 1.0f, nk, d, p.dv, p.dtype, first.dv + j0 * p.dv_row_stride,
+  store_rows(t->dv, dpad, 1.0f, nk, d, p.dv, p.dtype, first.dv + j0 * p.dv_row_stride,
              p.dv_row_stride);
 }
 
-// Pass 2: dQ of rows [i0, i0 + kBlockQ) of query head h.
+// The two-pass mode's second pass: dQ of rows [i0, i0 + kBwdQ) of query head h, over the same
+// aligned key blocks, in the same order, as the one-pass mode.
 void query_block_backward(const AttentionParams& p, int b, int h, int qblock, const float* delta,
-                          float* scratch) {
+                          BackwardTiles* t) {
   flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const Head hd = make_head(p, b, h);
-  const int i0 = qblock * kBlockQ;
+  const int i0 = qblock * kBwdQ;
   if (i0 >= hd.seq.len_q) return;
-  const int nq = std::min(kBlockQ, hd.seq.len_q - i0);
-  const int d = p.head_dim, dpad = round_up(d, kLanes), dvecs = dpad / kLanes;
-  BackwardTiles t = carve_backward(scratch, d, dpad);
-  load_query_side(p, hd, i0, nq, dpad, delta, &t);
-  std::fill(t.acc0, t.acc0 + int64_t{kBlockQ} * dpad, 0.0f);
-  int lo[kBlockQ], hi[kBlockQ];
-  int klo, khi;
-  block_ranges(p, hd, i0, nq, lo, hi, &klo, &khi);
-
-  for (int j0 = klo; j0 < khi; j0 += kBlockK) {
-    const int nk = std::min(kBlockK, khi - j0);
+  const int d = p.head_dim, dpad = round_up(d, kLanes);
+  QueryBlock qb;
+  load_query_block(p, hd, i0, delta, t, &qb);
+  std::fill(t->dq, t->dq + int64_t{qb.nq} * dpad, 0.0f);
+  for (int j0 = qb.klo / kBwdK * kBwdK; j0 < qb.khi; j0 += kBwdK) {
+    const int nk = std::min(kBwdK, hd.seq.len_k - j0);
     int ra, rb;
-    rows_meeting(lo, hi, nq, j0, j0 + nk, &ra, &rb);
+    rows_meeting(qb.lo, qb.hi, qb.nq, j0, j0 + nk, &ra, &rb);
     if (ra == rb) continue;
-    load_transposed(p.k, p.dtype, hd.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, t.kt,
-                    t.row_buffer);
-    load_transposed(p.v, p.dtype, hd.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, t.vt,
-                    t.row_buffer);
-    load_rows(p.k, p.dtype, hd.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, t.k, dpad);
-    // As in the forward: with a masked key in the tile and a non-finite K, each row sums its
-    // visible keys alone (0·Inf = NaN).
-    const bool per_row = tile_masked(lo, hi, ra, rb, j0, j0 + nk) &&
-                         !all_finite(t.k, int64_t{nk} * dpad);
-    for_row_blocks(rb - ra, [&](auto rows, int r0) {
-      constexpr int R = decltype(rows)::value;
-      const int r = ra + r0;
-      rows_times_tile<R>(t.q + r * dpad, dpad, t.kt, d, t.s + r * kBlockK);
-      rows_times_tile<R>(t.dout + r * dpad, dpad, t.vt, d, t.dp + r * kBlockK);
-    });
-    for (int r = ra; r < rb; ++r)
-      backward_row(p, hd, i0 + r, j0, nk, lo[r], hi[r], t.lse[r], t.delta[r], &t, r);
-    if (!per_row) {
-      for_row_blocks(rb - ra, [&](auto rows, int r0) {
-        constexpr int R = decltype(rows)::value;
-        const int r = ra + r0;
-        accumulate_rows<R>(t.dp + r * kBlockK, kBlockK, 1, t.k, dpad, nk, t.acc0 + r * dpad, dpad,
-                           dvecs);
-      });
-    } else {
-      for (int r = ra; r < rb; ++r) {
-        const int a = std::max(lo[r], j0) - j0, e = std::min(hi[r], j0 + nk) - j0;
-        accumulate_rows<1>(t.dp + r * kBlockK + a, kBlockK, 1, t.k + a * dpad, dpad, e - a,
-                           t.acc0 + r * dpad, dpad, dvecs);
-      }
+    const KeyBlock kb = load_key_block(p, hd, j0, nk, true, t);
+    backward_pair(p, hd, qb, kb, t, nullptr, nullptr, t->dq);
+  }
+  store_rows(t->dq, dpad, p.scale, qb.nq, d, p.dq, p.dtype, hd.dq + i0 * p.dq_row_stride,
+             p.dq_row_stride);
+}
+
+// The one-pass mode's task: every key block of kv head kvh of sequence b (dK, dV, and dQ into
+// dq_heads), then the group's dQ. Counts the same units of work as the two passes.
+void head_group_backward(const AttentionParams& p, int b, int kvh, const float* delta,
+                         BackwardTiles* t, float* dq_heads) {
+  const SequenceInfo seq = sequence_info(p, b);
+  const int d = p.head_dim, dpad = round_up(d, kLanes);
+  std::fill(dq_heads, dq_heads + int64_t{p.head_group} * seq.len_q * dpad, 0.0f);
+  for (int kblock = 0; kblock < ceil_div(seq.len_k, kBwdK); ++kblock)
+    key_block_backward(p, b, kvh, kblock, delta, t, dq_heads);
+  for (int h = kvh * p.head_group; h < (kvh + 1) * p.head_group; ++h) {
+    const Head hd = make_head(p, b, h);
+    const float* dq = dq_heads + int64_t{h - kvh * p.head_group} * seq.len_q * dpad;
+    for (int i0 = 0; i0 < seq.len_q; i0 += kBwdQ) {
+      flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
+      store_rows(dq + int64_t{i0} * dpad, dpad, p.scale, std::min(kBwdQ, seq.len_q - i0), d, p.dq,
+                 p.dtype, hd.dq + i0 * p.dq_row_stride, p.dq_row_stride);
     }
   }
-  store_rows(t.acc0, dpad, p.scale, nq, d, p.dq, p.dtype, hd.dq + i0 * p.dq_row_stride,
-             p.dq_row_stride);
+}
+
+// Whether the one-pass backward finishes first: its (batch, kv head) tasks, heaviest first on the
+// least loaded thread, against the two passes' 14/10 of the work spread evenly over the threads
+// (their tasks are blocks: many and small). Fills `order` with the tasks, heaviest first.
+bool one_pass_is_faster(const AttentionParams& p, int threads, std::vector<int64_t>* order,
+                        int64_t* max_len_q) {
+  std::vector<double> cost;
+  *max_len_q = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const SequenceInfo seq = sequence_info(p, b);
+    *max_len_q = std::max<int64_t>(*max_len_q, seq.len_q);
+    for (int kvh = 0; kvh < p.heads_kv; ++kvh)
+      cost.push_back(static_cast<double>(p.head_group) * (seq.len_q + kBwdQ) * (seq.len_k + kBwdK));
+  }
+  order->resize(cost.size());
+  std::iota(order->begin(), order->end(), int64_t{0});
+  std::stable_sort(order->begin(), order->end(),
+                   [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
+  std::vector<double> load(static_cast<size_t>(std::max(threads, 1)), 0.0);
+  double total = 0.0;
+  for (int64_t task : *order) {
+    *std::min_element(load.begin(), load.end()) += cost[task];
+    total += cost[task];
+  }
+  const double makespan = *std::max_element(load.begin(), load.end());
+  return threads <= 1 || 10.0 * makespan <= 14.0 * total / threads;
 }
 
 }  // namespace
@@ -795,17 +991,17 @@ void query_block_backward(const AttentionParams& p, int b, int h, int qblock, co
 // ---- entry points -------------------------------------------------------------------------------
 
 Status flash_forward(const AttentionParams& p) {
-  const int d = p.head_dim, dpad = round_up(d, kLanes);
+  const int d = p.head_dim;
   BlockTasks tasks;
   try {
-    tasks = BlockTasks(p, p.heads_q, kBlockQ, true);
+    tasks = BlockTasks(p, p.heads_q, kFwdQ, true);
   } catch (const std::bad_alloc&) {
     return Status::out_of_memory("cpu flash forward: task list");
   }
   if (tasks.size() == 0) return {};
   const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), tasks.size()));
   std::vector<std::vector<float>> scratch;
-  if (!allocate_scratch(threads, forward_scratch_floats(d, dpad), &scratch))
+  if (!allocate_scratch(threads, forward_scratch_floats(d), &scratch))
     return Status::out_of_memory("cpu flash forward: per-thread tiles");
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t task = 0; task < tasks.size(); ++task) {
@@ -819,16 +1015,20 @@ Status flash_forward(const AttentionParams& p) {
 Status flash_backward(const AttentionParams& p) {
   const int d = p.head_dim, dpad = round_up(d, kLanes);
   BlockTasks q_tasks, k_tasks;
+  std::vector<int64_t> group_order;
+  int64_t max_len_q = 0;
+  bool one_pass = false;
   try {
-    q_tasks = BlockTasks(p, p.heads_q, kBlockQ, true);
-    k_tasks = BlockTasks(p, p.heads_kv, kBlockK, false);
+    q_tasks = BlockTasks(p, p.heads_q, kBwdQ, true);
+    k_tasks = BlockTasks(p, p.heads_kv, kBwdK, false);
+    one_pass = one_pass_is_faster(p, omp_get_max_threads(), &group_order, &max_len_q);
   } catch (const std::bad_alloc&) {
     return Status::out_of_memory("cpu flash backward: task lists");
   }
   if (q_tasks.size() == 0 && k_tasks.size() == 0) return {};
   const int threads = static_cast<int>(
       std::min<int64_t>(omp_get_max_threads(), std::max(q_tasks.size(), k_tasks.size())));
-  std::vector<std::vector<float>> scratch;
+  std::vector<std::vector<float>> scratch, dq_heads;
   std::vector<float> delta;
   try {
     delta.resize(static_cast<size_t>(p.heads_q) * static_cast<size_t>(p.total_q));
@@ -837,24 +1037,40 @@ Status flash_backward(const AttentionParams& p) {
   }
   if (!allocate_scratch(threads, backward_scratch_floats(d, dpad), &scratch))
     return Status::out_of_memory("cpu flash backward: per-thread tiles");
+  // The one-pass mode's dQ of a head group per thread; without the memory, two passes.
+  if (one_pass &&
+      !allocate_scratch(threads, std::max<int64_t>(int64_t{p.head_group} * max_len_q * dpad, 1),
+                        &dq_heads))
+    one_pass = false;
 
 #pragma omp parallel num_threads(threads)
   {
-    float* mine = scratch[omp_get_thread_num()].data();
+    const int me = omp_get_thread_num();
+    BackwardTiles t = carve_backward(scratch[me].data(), d, dpad);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < q_tasks.size(); ++task) {
-      const BlockTasks::Task t = q_tasks[task];
-      delta_block(p, t.b, t.h, t.block, delta.data(), mine);
+      const BlockTasks::Task qt = q_tasks[task];
+      delta_block(p, qt.b, qt.h, qt.block, delta.data(), t.q);  // 2·dpad floats of scratch
     }
+    if (one_pass) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < k_tasks.size(); ++task) {
-      const BlockTasks::Task t = k_tasks[task];  // in key order: causal's early keys are heavy
-      key_block_backward(p, t.b, t.h, t.block, delta.data(), mine);
-    }
+      for (size_t i = 0; i < group_order.size(); ++i) {
+        const int64_t task = group_order[i];
+        head_group_backward(p, static_cast<int>(task / p.heads_kv),
+                            static_cast<int>(task % p.heads_kv), delta.data(), &t,
+                            dq_heads[me].data());
+      }
+    } else {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < q_tasks.size(); ++task) {
-      const BlockTasks::Task t = q_tasks[task];
-      query_block_backward(p, t.b, t.h, t.blocks - 1 - t.block, delta.data(), mine);
+      for (int64_t task = 0; task < k_tasks.size(); ++task) {
+        const BlockTasks::Task kt = k_tasks[task];  // in key order: causal's early keys are heavy
+        key_block_backward(p, kt.b, kt.h, kt.block, delta.data(), &t, nullptr);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < q_tasks.size(); ++task) {
+        const BlockTasks::Task qt = q_tasks[task];
+        query_block_backward(p, qt.b, qt.h, qt.blocks - 1 - qt.block, delta.data(), &t);
+      }
     }
   }
   return {};
