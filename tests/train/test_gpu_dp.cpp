@@ -58,17 +58,17 @@ int visible_gpus() {
   } while (0)
 
 // Runs `fn(rank, comm, cp_comm)` on `world` threads, thread r on CUDA device r with an NCCL
-// communicator of the group (one unique id) and one of its context-parallel group, the `cp`
-// consecutive ranks around it (the same communicator when cp == world; none when cp == 1);
-// world 0: one thread on device 0 without communicators.
+// communicator of the group (one unique id) and, when cp > 1, one of its context-parallel group,
+// the `cp` consecutive ranks around it (a communicator of its own even when cp == world: the CUDA
+// backend runs the two on different streams at once); world 0: one thread on device 0 without
+// communicators.
 std::vector<Status> run_ranks(int world, int cp,
                               const std::function<Status(int, dist::Communicator*, dist::Communicator*)>& fn) {
   if (world == 0) {
     cudaSetDevice(0);
     return {fn(0, nullptr, nullptr)};
   }
-  const bool separate_groups = cp > 1 && cp < world;
-  std::vector<dist::NcclId> ids(separate_groups ? sz(1 + world / cp) : 1);
+  std::vector<dist::NcclId> ids(cp > 1 ? sz(1 + world / cp) : 1);
   for (dist::NcclId& id : ids) {
     const Status made = dist::nccl_unique_id(&id);
     if (!made.ok()) return {made};
@@ -83,11 +83,8 @@ std::vector<Status> run_ranks(int world, int cp,
       std::unique_ptr<dist::Communicator> comm, group;
       Status& st = status[sz(r)];
       st = dist::make_nccl_communicator(ids[0], r, world, r, co, &comm);
-      if (st.ok() && separate_groups) {
-        st = dist::make_nccl_communicator(ids[sz(1 + r / cp)], r % cp, cp, r, co, &group);
-      }
-      dist::Communicator* cp_comm = separate_groups ? group.get() : cp > 1 ? comm.get() : nullptr;
-      if (st.ok()) st = fn(r, comm.get(), cp_comm);
+      if (st.ok() && cp > 1) st = dist::make_nccl_communicator(ids[sz(1 + r / cp)], r % cp, cp, r, co, &group);
+      if (st.ok()) st = fn(r, comm.get(), group.get());
     });
   }
   for (std::thread& t : threads) t.join();
@@ -179,11 +176,13 @@ INSTANTIATE_TEST_SUITE_P(Presets, GpuDataParallel,
 // ---- Context parallel: groups of GPUs share each sequence -------------------------------------
 
 // `cp` GPUs share each sequence (zigzag rows, flare's ring attention between them) in world / cp
-// data-parallel groups, against one GPU on the same global batch. The naive runs are the
-// data-parallel suite's regroupings: a context-parallel step regroups the same sums (token losses
-// and gradient contributions added per rank, then across ranks), and its attention adds fp32
-// merges of per-block partials before O's one bf16 store (test_gpu_model.cpp checks that alone),
-// a regrouping far below the bf16 noise the naive runs measure.
+// data-parallel groups. The one-GPU regroupings of the data-parallel suite cannot measure what
+// context parallelism changes: its attention rounds O to bf16 after merging per-block partials in
+// fp32, so a few elements of O round the other way, and that flip's noise is bf16's, which a
+// regrouped batch (bit-identical rows) does not show. So the rule is the one of DESIGN.md with the
+// float32 CPU trainer as the reference: on the same global batch from the same weights, the
+// context-parallel run stays within twice the one-GPU run's distance from it (every step's loss
+// and gradient norm, and the final weights, m and v).
 struct CpCase {
   const char* preset;
   int world;  // 0: every visible GPU (run only when there are more than 2)
@@ -192,7 +191,7 @@ struct CpCase {
 
 class GpuContextParallel : public ::testing::TestWithParam<CpCase> {};
 
-TEST_P(GpuContextParallel, MatchesOneGpuWithinReorderingNoise) {
+TEST_P(GpuContextParallel, AsCloseToTheFp32TrainerAsOneGpu) {
   const CpCase c = GetParam();
   SKIP_WITHOUT_GPUS(std::max(c.world, 2));
   const int world = c.world > 0 ? c.world : visible_gpus();
@@ -202,9 +201,11 @@ TEST_P(GpuContextParallel, MatchesOneGpuWithinReorderingNoise) {
   ScratchDir dir;
   test::write_cycle_shards(dir, 300, 8192);
   const int64_t B = 2, accum = 1, steps = 3;
-  const RunResult ref = train(run_options(dir, c.preset, B * dp, accum, steps), 0, steps);
-  const std::vector<RunResult> naives = {train(run_options(dir, c.preset, B, accum * dp, steps), 0, steps),
-                                         train(run_options(dir, c.preset, 1, accum * dp * B, steps), 0, steps)};
+  TrainerOptions cpu = run_options(dir, c.preset, B * dp, accum, steps);
+  cpu.device = DeviceKind::kCpu;
+  RunResult ref;
+  ASSERT_OK(test::train_rank(cpu, 0, steps, &ref.losses, &ref));
+  const std::vector<RunResult> naives = {train(run_options(dir, c.preset, B * dp, accum, steps), 0, steps)};
   const RunResult fast = train(run_options(dir, c.preset, B, accum, steps), world, steps, cp);
   test::expect_within_reordering_noise(fast, ref, naives);
   ASSERT_EQ(fast.reports.size(), sz(steps));
