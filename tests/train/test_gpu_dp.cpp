@@ -177,12 +177,39 @@ INSTANTIATE_TEST_SUITE_P(Presets, GpuDataParallel,
 
 // `cp` GPUs share each sequence (zigzag rows, flare's ring attention between them) in world / cp
 // data-parallel groups. The one-GPU regroupings of the data-parallel suite cannot measure what
-// context parallelism changes: its attention rounds O to bf16 after merging per-block partials in
-// fp32, so a few elements of O round the other way, and that flip's noise is bf16's, which a
-// regrouped batch (bit-identical rows) does not show. So the rule is the one of DESIGN.md with the
-// float32 CPU trainer as the reference: on the same global batch from the same weights, the
-// context-parallel run stays within twice the one-GPU run's distance from it (every step's loss
-// and gradient norm, and the final weights, m and v).
+// context parallelism changes: each ring step's attention call stores its block of O in bf16
+// before the fp32 merge (as ring attention does; tests/test_dist_gpu_attention.cpp holds that
+// attention to the float64 rule), so a few elements of O round another way than in one call, and
+// that noise is bf16's, which a regrouped batch (bit-identical rows) does not show. So the
+// reference is the float32 CPU trainer, on the same global batch from the same weights, and the
+// naive is one GPU: DESIGN.md's rule, max|fast − ref| ≤ 2·max|naive − ref| + fp32 rounding, for
+// each quantity as one tensor — the loss over the steps, the gradient norm over the steps, the
+// final weights, m and v. (A single step's loss is one draw of the rounding noise, too few
+// elements for a max; the data-parallel tests can hold each step alone because their runs differ
+// from the reference by regrouped fp32 sums only.)
+void expect_as_close_as_one_gpu(const RunResult& fast, const RunResult& ref, const RunResult& naive) {
+  struct Quantity {
+    const char* name;
+    std::vector<float> fast, ref, naive;
+  };
+  auto curves = [&](const char* name, std::vector<double> RunResult::*field) {
+    auto f = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+    return Quantity{name, f(fast.*field), f(ref.*field), f(naive.*field)};
+  };
+  const Quantity quantities[] = {curves("loss", &RunResult::losses), curves("gradient norm", &RunResult::norms),
+                                 {"master", fast.master, ref.master, naive.master},
+                                 {"m", fast.m, ref.m, naive.m},
+                                 {"v", fast.v, ref.v, naive.v}};
+  for (const Quantity& q : quantities) {
+    ASSERT_EQ(q.fast.size(), q.ref.size()) << q.name;
+    ASSERT_FALSE(q.ref.empty()) << q.name;
+    const double noise = test::max_abs_diff(q.naive, q.ref);
+    const double diff = test::max_abs_diff(q.fast, q.ref);
+    EXPECT_LE(diff, 2 * noise + 2 * test::kFp32Eps * test::max_abs(q.ref))
+        << q.name << ": max|cp - fp32| " << diff << ", max|one GPU - fp32| " << noise;
+  }
+}
+
 struct CpCase {
   const char* preset;
   int world;  // 0: every visible GPU (run only when there are more than 2)
@@ -200,14 +227,14 @@ TEST_P(GpuContextParallel, AsCloseToTheFp32TrainerAsOneGpu) {
   const int dp = world / cp;
   ScratchDir dir;
   test::write_cycle_shards(dir, 300, 8192);
-  const int64_t B = 2, accum = 1, steps = 3;
+  const int64_t B = 2, accum = 1, steps = 6;
   TrainerOptions cpu = run_options(dir, c.preset, B * dp, accum, steps);
   cpu.device = DeviceKind::kCpu;
   RunResult ref;
   ASSERT_OK(test::train_rank(cpu, 0, steps, &ref.losses, &ref));
-  const std::vector<RunResult> naives = {train(run_options(dir, c.preset, B * dp, accum, steps), 0, steps)};
+  const RunResult naive = train(run_options(dir, c.preset, B * dp, accum, steps), 0, steps);
   const RunResult fast = train(run_options(dir, c.preset, B, accum, steps), world, steps, cp);
-  test::expect_within_reordering_noise(fast, ref, naives);
+  expect_as_close_as_one_gpu(fast, ref, naive);
   ASSERT_EQ(fast.reports.size(), sz(steps));
   for (const StepReport& r : fast.reports) {
     EXPECT_GT(r.timing.cp_comm_ms, 0.0);
