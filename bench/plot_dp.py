@@ -72,6 +72,8 @@ def scaling_lines(rows):
 def plot_scaling(rows, out, plt):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (card, model, seq, batch), points in scaling_lines(rows).items():
+        if len(points) < 2:
+            continue  # a scaling line needs a run at another GPU count; the table has the rest
         gpus = [g for g, _ in points]
         label = f"{model} s{seq} b{batch} ({card})"
         ax.plot(gpus, [t for _, t in points], marker="o", label=f"flare-train {label}")
@@ -91,23 +93,28 @@ def plot_scaling(rows, out, plt):
 
 
 def plot_breakdown(rows, out, plt):
+    """One horizontal bar per profiled flare-train run: its step split into its parts as shares
+    of the step (runs of 50 ms and of 3 s side by side), the step's length in the label, and all
+    of its communication, overlapped or not, as a thin bar under it."""
     profiled = [r for r in rows if r["impl"] == "flare-train" and r.get("fwd_ms") is not None]
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(profiled)), 4.5))
-    labels = [f"{r['model']}\ns{r['seq']} b{r['batch_per_gpu']}\n{r['gpus']} GPU cp{r.get('cp', 1)}"
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.32 * len(profiled)))
+    labels = [f"{r['model']} s{r['seq']} b{r['batch_per_gpu']}, {r['gpus']} GPU "
+              f"{r.get('dp', r['gpus'])}×{r.get('cp', 1)}, {r['step_ms']:.0f} ms ({r['card']})"
               for r in profiled]
-    x = range(len(profiled))
-    bottom = [0.0] * len(profiled)
+    y = [-i for i in range(len(profiled))]
+    totals = [sum(r.get(key) or 0.0 for key, _ in PARTS) or 1.0 for r in profiled]
+    left = [0.0] * len(profiled)
     for key, name in PARTS:
-        values = [r.get(key) or 0.0 for r in profiled]
-        ax.bar(x, values, bottom=bottom, label=name, width=0.5)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.bar([i + 0.3 for i in x], [r.get("comm_ms") or 0.0 for r in profiled], width=0.12,
-           color="gray", alpha=0.5, label="communication, all (mostly overlapped)")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("ms per step (device time)")
+        share = [100 * (r.get(key) or 0.0) / t for r, t in zip(profiled, totals)]
+        ax.barh(y, share, left=left, label=name, height=0.55)
+        left = [a + b for a, b in zip(left, share)]
+    ax.barh([v - 0.38 for v in y], [100 * (r.get("comm_ms") or 0.0) / t for r, t in zip(profiled, totals)],
+            height=0.12, color="gray", alpha=0.6, label="communication, all (mostly overlapped)")
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlabel("% of the step (device time)")
     ax.set_title("Where a step's time goes")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.6 / len(profiled) ** 0.5), ncol=3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
