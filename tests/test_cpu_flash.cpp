@@ -4,7 +4,7 @@
 // poisoned outputs and checks O, LSE, dQ, dK, dV under the tolerance rule of docs/architecture.md
 // (check_against_reference). Inputs are fresh each run: the spec seed mixes in test_seed(),
 // which failures print. Further tests pin the vector exp/tanh accuracy, the exact outputs of rows
-// that see no key, and the bitwise determinism of the backward across thread counts.
+// that see no key, and the bitwise determinism of the backward across thread counts and modes.
 #include <omp.h>
 
 #include <cmath>
@@ -351,6 +351,35 @@ TEST(CpuFlashExact, BackwardIsDeterministicAcrossThreadCounts) {
     EXPECT_EQ(one.dk.bytes, pr->dk.bytes);
     EXPECT_EQ(one.dv.bytes, pr->dv.bytes);
   }
+}
+
+// The backward runs in one pass per (batch, kv head) when those tasks keep the threads busy, and
+// in two passes (dK/dV per key block, then dQ per query block) when they cannot. Both sum every
+// element in one order: one sequence of one kv head takes one pass on 1 thread and two on 4, and
+// the bits must agree.
+TEST(CpuFlashExact, BackwardModesGiveTheSameBits) {
+  ProblemSpec spec = fixed(300, 333, 3, 1, 40);
+  spec.options.causal = true;
+  spec.options.dropout_p = 0.1f;
+  spec.seed = test_seed();
+  SCOPED_TRACE(spec.describe());
+  auto run = [&](int threads) {
+    Problem pr = make_problem(spec);
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    EXPECT_TRUE(attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view,
+                                  pr.options, pr.varlen).ok());
+    EXPECT_TRUE(attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view,
+                                   pr.lse.view, pr.dq.view, pr.dk.view, pr.dv.view, pr.options,
+                                   pr.varlen).ok());
+    omp_set_num_threads(saved);
+    return pr;
+  };
+  const Problem one_pass = run(1), two_passes = run(4);
+  EXPECT_EQ(one_pass.o.bytes, two_passes.o.bytes);
+  EXPECT_EQ(one_pass.dq.bytes, two_passes.dq.bytes);
+  EXPECT_EQ(one_pass.dk.bytes, two_passes.dk.bytes);
+  EXPECT_EQ(one_pass.dv.bytes, two_passes.dv.bytes);
 }
 
 }  // namespace
