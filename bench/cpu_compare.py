@@ -61,7 +61,10 @@ double fma_gflops(int threads, long iters) {
     {
       vec x, y, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11;
       for (int i = 0; i < LANES; ++i) { x[i] = 1.0f + 1e-7f * i; y[i] = 1e-7f; }
-      a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = y;
+      /* Distinct starting values: with equal ones GCC merges the twelve chains into one and the
+         loop times one FMA chain's latency, not the peak (it reported 2.4x the real one). */
+      a0 = y; a1 = a0 + y; a2 = a1 + y; a3 = a2 + y; a4 = a3 + y; a5 = a4 + y;
+      a6 = a5 + y; a7 = a6 + y; a8 = a7 + y; a9 = a8 + y; a10 = a9 + y; a11 = a10 + y;
       for (long n = 0; n < iters; ++n) {
         a0 = a0 * x + y; a1 = a1 * x + y; a2 = a2 * x + y; a3 = a3 * x + y;
         a4 = a4 * x + y; a5 = a5 * x + y; a6 = a6 * x + y; a7 = a7 * x + y;
