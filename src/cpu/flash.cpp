@@ -359,14 +359,6 @@ inline Vec modified_scores(Vec raw, const Head& hd, IVec dist, Vec* dcap) {
   return s;
 }
 
-// Scores of row `row` for kLanes keys from absolute key j; keys outside [lo, hi) become −inf.
-inline Vec scores(Vec raw, const Head& hd, int row, int j, int lo, int hi, Vec* dcap) {
-  const Vec s = modified_scores(raw, hd, simd::splat_int(row + hd.shift - j) - simd::lane_index(),
-                                dcap);
-  const IVec col = simd::lane_index() + j;
-  return simd::select((col >= lo) & (col < hi), s, simd::splat(-kInf));
-}
-
 // z[c] = keep_value where key j0 + c of `row` survives dropout, else 0; zero from n to width.
 void dropout_row(const AttentionParams& p, uint32_t bh, int row, int j0, int n, float keep_value,
                  float* z, int width) {
@@ -598,12 +590,18 @@ void forward_block(const AttentionParams& p, int b, int h, int qblock, float* sc
 
     // Online softmax down vector c of queries: Sᵀ becomes Pᵀ (keys no query of the vector
     // sees are 0 without an exp), and α rescales the running sums.
-    auto softmax_vector = [&](int c) {
+    // Keys [*ka, *kb) of the tile that some query of vector c sees (empty: ka = kb).
+    auto seen_keys = [&](int c, int* ka, int* kb) {
+      const bool full = lo_max[c] <= j0 && hi_min[c] >= j1;
+      *kb = full ? nk : std::clamp(vis_hi[c] - j0, 0, nk);
+      *ka = std::min(*kb, full ? 0 : std::clamp(vis_lo[c] - j0, 0, nk));
+    };
+    // Keys [ga, gb) of the group's products: the others' probabilities are 0 in every vector.
+    auto softmax_vector = [&](int c, int ga, int gb) {
       const int q0 = c * kLanes;
       const bool full = lo_max[c] <= j0 && hi_min[c] >= j1;
-      int ka = full ? 0 : std::clamp(vis_lo[c] - j0, 0, nk);
-      const int kb = full ? nk : std::clamp(vis_hi[c] - j0, 0, nk);
-      ka = std::min(ka, kb);
+      int ka, kb;
+      seen_keys(c, &ka, &kb);
       IVec lov, hiv;
       std::memcpy(&lov, lo + q0, sizeof lov);
       std::memcpy(&hiv, hi + q0, sizeof hiv);
@@ -625,14 +623,14 @@ void forward_block(const AttentionParams& p, int b, int h, int qblock, float* sc
       const Vec m_use = simd::select(m_new == -kInf, Vec{}, m_new);
       const Vec a = simd::exp(m_old - m_use);
       Vec sum = Vec{};
-      for (int k = 0; k < ka; ++k) simd::store(st + k * ld + q0, Vec{});
+      for (int k = ga; k < ka; ++k) simd::store(st + k * ld + q0, Vec{});
       for (int k = ka; k < kb; ++k) {
         Vec e = simd::exp(simd::load(st + k * ld + q0) - m_use);
         sum += e;
         if (dropout) e *= simd::load(zt + k * ld + q0);
         simd::store(st + k * ld + q0, e);
       }
-      for (int k = kb; k < nk; ++k) simd::store(st + k * ld + q0, Vec{});
+      for (int k = kb; k < gb; ++k) simd::store(st + k * ld + q0, Vec{});
       simd::store(l + q0, simd::load(l + q0) * a + sum);
       simd::store(m + q0, m_new);
       simd::store(alpha + q0, a);
@@ -640,14 +638,25 @@ void forward_block(const AttentionParams& p, int b, int h, int qblock, float* sc
 
     // Column groups of kMicroVecs vectors of queries, each through Sᵀ(key, q) = K · Qᵀ, the
     // softmax and Oᵀ(dim, q) = α·Oᵀ + Vᵀ · Pᵀ while its slice of Sᵀ is in L1.
+    // On the causal diagonal only the keys some query of the group sees enter its products.
     for (int g0 = ca; g0 < cb; g0 += kMicroVecs) {
       const int g1 = std::min(cb, g0 + kMicroVecs);
-      matmul<Store::kSet>(nk, g1 - g0, {kr, ldk, 1, qt + g0 * kLanes, ld, d, st + g0 * kLanes, ld,
-                                        nullptr});
-      for (int c = g0; c < g1; ++c) softmax_vector(c);
+      int ga = nk, gb = 0;
+      for (int c = g0; c < g1; ++c) {
+        int ka, kb;
+        seen_keys(c, &ka, &kb);
+        if (ka < kb) {
+          ga = std::min(ga, ka);
+          gb = std::max(gb, kb);
+        }
+      }
+      ga = std::min(ga, gb);
+      matmul<Store::kSet>(gb - ga, g1 - g0, {kr + ga * ldk, ldk, 1, qt + g0 * kLanes, ld, d,
+                                             st + ga * ld + g0 * kLanes, ld, nullptr});
+      for (int c = g0; c < g1; ++c) softmax_vector(c, ga, gb);
       if (!per_row)
-        matmul<Store::kScaleAdd>(d, g1 - g0, {vr, 1, ldv, st + g0 * kLanes, ld, nk,
-                                              ot + g0 * kLanes, ld, alpha + g0 * kLanes});
+        matmul<Store::kScaleAdd>(d, g1 - g0, {vr + ga * ldv, 1, ldv, st + ga * ld + g0 * kLanes, ld,
+                                              gb - ga, ot + g0 * kLanes, ld, alpha + g0 * kLanes});
     }
     if (per_row) {
       for (int dim = 0; dim < d; ++dim)
@@ -796,8 +805,14 @@ void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int
       simd::store(dprow + n * kLanes, Vec{});
       continue;
     }
+    // Whether some key of the vector is masked (lanes from nk on count as masked: never read).
+    const bool partial = masked && (j < lo || j + kLanes > hi);
+    const IVec col = simd::lane_index() + j;
+    const IVec visible = (col >= lo) & (col < hi);
     Vec dcap = simd::splat(1.0f);
-    const Vec s = scores(simd::load(srow + n * kLanes), hd, row, j, lo, hi, &dcap);
+    Vec s = modified_scores(simd::load(srow + n * kLanes), hd,
+                            simd::splat_int(row + hd.shift - j) - simd::lane_index(), &dcap);
+    if (partial) s = simd::select(visible, s, simd::splat(-kInf));
     const Vec prob = simd::exp(s - lse);
     Vec dpv = simd::load(dprow + n * kLanes);
     Vec pz = prob;
@@ -807,9 +822,7 @@ void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int
       pz *= zv;
     }
     Vec ds = prob * (dpv - delta) * dcap;
-    if (masked) {
-      const IVec col = simd::lane_index() + j;
-      const IVec visible = (col >= lo) & (col < hi);
+    if (partial) {
       pz = simd::select(visible, pz, Vec{});
       ds = simd::select(visible, ds, Vec{});
     }
