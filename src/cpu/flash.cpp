@@ -761,23 +761,35 @@ KeyBlock load_key_block(const AttentionParams& p, const Head& head, int j0, int 
   return kb;
 }
 
-// Rows [i0, i0 + nq) of one query head: Q, dO (in the tiles), LSE, D and visible ranges.
+// Rows [i0, i0 + nq) of one query head: Q, dO, LSE, D and visible ranges.
 struct QueryBlock {
   int i0 = 0, nq = 0;
+  const float* q = nullptr;     // (nq, dpad), row stride rows_ld(dpad)
+  const float* dout = nullptr;  // likewise
   int klo = 0, khi = 0;  // union of the rows' visible keys
   int lo[kBwdQ], hi[kBwdQ];
   float lse[kBwdQ];      // +inf for rows that see no key
   float delta[kBwdQ];    // D
 };
 
+// Q and dO come from `rows` (the head's converted rows, see GroupRows) when given, else they are
+// converted into the tiles.
 void load_query_block(const AttentionParams& p, const Head& hd, int i0, const float* delta,
-                      BackwardTiles* t, QueryBlock* qb) {
+                      const float* q_rows, const float* dout_rows, BackwardTiles* t,
+                      QueryBlock* qb) {
   const int d = p.head_dim, ldr = rows_ld(round_up(d, kLanes));
   qb->i0 = i0;
   qb->nq = std::min(kBwdQ, hd.seq.len_q - i0);
-  load_rows(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, qb->nq, d, t->q, ldr);
-  load_rows(p.dout, p.dtype, hd.dout + i0 * p.do_row_stride, p.do_row_stride, qb->nq, d, t->dout,
-            ldr);
+  if (q_rows != nullptr) {
+    qb->q = q_rows + int64_t{i0} * ldr;
+    qb->dout = dout_rows + int64_t{i0} * ldr;
+  } else {
+    load_rows(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, qb->nq, d, t->q, ldr);
+    load_rows(p.dout, p.dtype, hd.dout + i0 * p.do_row_stride, p.do_row_stride, qb->nq, d, t->dout,
+              ldr);
+    qb->q = t->q;
+    qb->dout = t->dout;
+  }
   for (int r = 0; r < qb->nq; ++r) {
     const float lse = p.lse[hd.lse + i0 + r];
     qb->lse[r] = lse == -kInf ? kInf : lse;  // p = exp(s − (+inf)) = 0 instead of NaN
@@ -844,8 +856,8 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
   rows_meeting(qb.lo, qb.hi, qb.nq, j0, j1, &ra, &rb);
   if (ra == rb) return;
   const int rows = rb - ra, kvecs = ceil_div(nk, kLanes);
-  float* q = t->q + ra * ldr;
-  float* dout = t->dout + ra * ldr;
+  const float* q = qb.q + ra * ldr;
+  const float* dout = qb.dout + ra * ldr;
   float* s = t->s + ra * kBwdLd;
   float* dp = t->dp + ra * kBwdLd;
   matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, t->kt, kBwdLd, d, s, kBwdLd, nullptr});
@@ -871,9 +883,9 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
         int e = a;
         while (e < rb && qb.lo[e] <= j0 + c) ++e;
         const int off = (a - ra) * kBwdLd + c;
-        matmul<Store::kAdd>(1, dvecs, {s + off, 1, kBwdLd, t->dout + a * ldr, ldr, e - a,
+        matmul<Store::kAdd>(1, dvecs, {s + off, 1, kBwdLd, qb.dout + a * ldr, ldr, e - a,
                                        dv + c * ldr, ldr, nullptr});
-        matmul<Store::kAdd>(1, dvecs, {dp + off, 1, kBwdLd, t->q + a * ldr, ldr, e - a,
+        matmul<Store::kAdd>(1, dvecs, {dp + off, 1, kBwdLd, qb.q + a * ldr, ldr, e - a,
                                        dk + c * ldr, ldr, nullptr});
       }
     }
@@ -915,11 +927,20 @@ void delta_block(const AttentionParams& p, int b, int h, int qblock, float* delt
   }
 }
 
+// The one-pass mode's rows of a head group, each (head_group, len_q, dpad) fp32 with row stride
+// rows_ld(dpad): Q and dO converted once per task (instead of once per key block, from rows a
+// token apart), and the dQ accumulators.
+struct GroupRows {
+  const float* q = nullptr;
+  const float* dout = nullptr;
+  float* dq = nullptr;
+};
+
 // dK and dV of keys [j0, j0 + kBwdK) of kv head kvh, over every query head of its group and
-// every query block that sees them; with dq_heads (the group's dQ, (head_group, len_q, dpad)
-// fp32), also their dQ contributions (the one-pass mode).
+// every query block that sees them; with `group`, also their dQ contributions (the one-pass
+// mode).
 void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, const float* delta,
-                        BackwardTiles* t, float* dq_heads) {
+                        BackwardTiles* t, const GroupRows* group) {
   flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const SequenceInfo seq = sequence_info(p, b);
   const int j0 = kblock * kBwdK;
@@ -928,7 +949,7 @@ void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, co
   const int d = p.head_dim, ldr = rows_ld(round_up(d, kLanes));
   const int h0 = kvh * p.head_group;
   const Head first = make_head(p, b, h0);
-  const KeyBlock kb = load_key_block(p, first, j0, nk, dq_heads != nullptr, t);
+  const KeyBlock kb = load_key_block(p, first, j0, nk, group != nullptr, t);
   std::fill(t->dk, t->dk + int64_t{kBwdK} * ldr, 0.0f);
   std::fill(t->dv, t->dv + int64_t{kBwdK} * ldr, 0.0f);
 
@@ -942,8 +963,14 @@ void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, co
   QueryBlock qb;
   for (int h = h0; h < h0 + p.head_group; ++h) {
     const Head hd = h == h0 ? first : make_head(p, b, h);
+    const int64_t head_rows = int64_t{h - h0} * seq.len_q * ldr;
     for (int i0 = qa / kBwdQ * kBwdQ; i0 < qe; i0 += kBwdQ) {
-      load_query_block(p, hd, i0, delta, t, &qb);
+      if (group != nullptr) {
+        load_query_block(p, hd, i0, delta, group->q + head_rows, group->dout + head_rows, t, &qb);
+        backward_pair(p, hd, qb, kb, t, t->dk, t->dv, group->dq + head_rows + int64_t{i0} * ldr);
+        continue;
+      }
+      load_query_block(p, hd, i0, delta, nullptr, nullptr, t, &qb);
       if (i0 + kBwdQ < qe) {
         const int next = std::min(kBwdQ, qe - i0 - kBwdQ);
         const int64_t row = i0 + kBwdQ;
@@ -951,10 +978,7 @@ void key_block_backward(const AttentionParams& p, int b, int kvh, int kblock, co
         prefetch_rows(p.dout, p.dtype, hd.dout + row * p.do_row_stride, p.do_row_stride, next,
                       p.head_dim);
       }
-      float* dq = dq_heads == nullptr
-                      ? nullptr
-                      : dq_heads + (int64_t{h - h0} * seq.len_q + i0) * ldr;
-      backward_pair(p, hd, qb, kb, t, t->dk, t->dv, dq);
+      backward_pair(p, hd, qb, kb, t, t->dk, t->dv, nullptr);
     }
   }
   store_rows(t->dk, ldr, p.scale, nk, d, p.dk, p.dtype, first.dk + j0 * p.dk_row_stride,
@@ -973,7 +997,7 @@ void query_block_backward(const AttentionParams& p, int b, int h, int qblock, co
   if (i0 >= hd.seq.len_q) return;
   const int d = p.head_dim, ldr = rows_ld(round_up(d, kLanes));
   QueryBlock qb;
-  load_query_block(p, hd, i0, delta, t, &qb);
+  load_query_block(p, hd, i0, delta, nullptr, nullptr, t, &qb);
   std::fill(t->dq, t->dq + int64_t{qb.nq} * ldr, 0.0f);
   for (int j0 = qb.klo / kBwdK * kBwdK; j0 < qb.khi; j0 += kBwdK) {
     const int nk = std::min(kBwdK, hd.seq.len_k - j0);
@@ -987,18 +1011,30 @@ void query_block_backward(const AttentionParams& p, int b, int h, int qblock, co
              p.dq_row_stride);
 }
 
-// The one-pass mode's task: every key block of kv head kvh of sequence b (dK, dV, and dQ into
-// dq_heads), then the group's dQ. Counts the same units of work as the two passes.
+// The one-pass mode's task: the group's Q and dO converted, every key block of kv head kvh of
+// sequence b (dK, dV, and dQ into the group's accumulators), then the group's dQ. Counts the same
+// units of work as the two passes. `rows`: 3 · head_group · len_q · rows_ld(dpad) floats.
 void head_group_backward(const AttentionParams& p, int b, int kvh, const float* delta,
-                         BackwardTiles* t, float* dq_heads) {
+                         BackwardTiles* t, float* rows) {
   const SequenceInfo seq = sequence_info(p, b);
   const int d = p.head_dim, ldr = rows_ld(round_up(d, kLanes));
-  std::fill(dq_heads, dq_heads + int64_t{p.head_group} * seq.len_q * ldr, 0.0f);
-  for (int kblock = 0; kblock < ceil_div(seq.len_k, kBwdK); ++kblock)
-    key_block_backward(p, b, kvh, kblock, delta, t, dq_heads);
-  for (int h = kvh * p.head_group; h < (kvh + 1) * p.head_group; ++h) {
+  const int h0 = kvh * p.head_group;
+  const int64_t head_rows = int64_t{seq.len_q} * ldr, group_rows = p.head_group * head_rows;
+  float* q = rows;
+  float* dout = rows + group_rows;
+  GroupRows group{q, dout, rows + 2 * group_rows};
+  for (int h = h0; h < h0 + p.head_group; ++h) {
     const Head hd = make_head(p, b, h);
-    const float* dq = dq_heads + int64_t{h - kvh * p.head_group} * seq.len_q * ldr;
+    load_rows(p.q, p.dtype, hd.q, p.q_row_stride, seq.len_q, d, q + (h - h0) * head_rows, ldr);
+    load_rows(p.dout, p.dtype, hd.dout, p.do_row_stride, seq.len_q, d,
+              dout + (h - h0) * head_rows, ldr);
+  }
+  std::fill(group.dq, group.dq + group_rows, 0.0f);
+  for (int kblock = 0; kblock < ceil_div(seq.len_k, kBwdK); ++kblock)
+    key_block_backward(p, b, kvh, kblock, delta, t, &group);
+  for (int h = h0; h < h0 + p.head_group; ++h) {
+    const Head hd = make_head(p, b, h);
+    const float* dq = group.dq + (h - h0) * head_rows;
     for (int i0 = 0; i0 < seq.len_q; i0 += kBwdQ) {
       flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
       store_rows(dq + int64_t{i0} * ldr, ldr, p.scale, std::min(kBwdQ, seq.len_q - i0), d, p.dq,
@@ -1076,7 +1112,7 @@ Status flash_backward(const AttentionParams& p) {
   if (q_tasks.size() == 0 && k_tasks.size() == 0) return {};
   const int threads = static_cast<int>(
       std::min<int64_t>(omp_get_max_threads(), std::max(q_tasks.size(), k_tasks.size())));
-  std::vector<std::vector<float>> scratch, dq_heads;
+  std::vector<std::vector<float>> scratch, group_rows;
   std::vector<float> delta;
   try {
     delta.resize(static_cast<size_t>(p.heads_q) * static_cast<size_t>(p.total_q));
@@ -1085,10 +1121,10 @@ Status flash_backward(const AttentionParams& p) {
   }
   if (!allocate_scratch(threads, backward_scratch_floats(d, dpad), &scratch))
     return Status::out_of_memory("cpu flash backward: per-thread tiles");
-  // The one-pass mode's dQ of a head group per thread; without the memory, two passes.
+  // The one-pass mode's rows of a head group per thread; without the memory, two passes.
   if (one_pass &&
-      !allocate_scratch(threads, std::max<int64_t>(int64_t{p.head_group} * max_len_q * rows_ld(dpad), 1),
-                        &dq_heads))
+      !allocate_scratch(threads, std::max<int64_t>(3 * int64_t{p.head_group} * max_len_q * rows_ld(dpad), 1),
+                        &group_rows))
     one_pass = false;
 
 #pragma omp parallel num_threads(threads)
@@ -1106,7 +1142,7 @@ Status flash_backward(const AttentionParams& p) {
         const int64_t task = group_order[i];
         head_group_backward(p, static_cast<int>(task / p.heads_kv),
                             static_cast<int>(task % p.heads_kv), delta.data(), &t,
-                            dq_heads[me].data());
+                            group_rows[me].data());
       }
     } else {
 #pragma omp for schedule(dynamic, 1)
