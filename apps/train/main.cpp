@@ -73,7 +73,7 @@ std::string flag_for_field(const std::string& message) {
       {"resume_from", "--resume"},    {"log_path", "--log"},
       {"peak_flops", "--peak-tflops"}, {"eval_batches", "--eval-batches"},
       {"init_weights", "--init-weights"}, {"device_index", "--device-index"},
-      {"bucket_bytes", "--bucket-mb"},
+      {"bucket_bytes", "--bucket-mb"}, {"shard_gradients", "--zero"},
   };
   const size_t colon = message.find(':');
   if (colon == std::string::npos) return message;
@@ -106,7 +106,7 @@ struct TrainFlags {
   std::optional<std::string> model, data, train_data, val_data, device, ckpt_dir, resume, log, prompt,
       init_weights, dump_step;
   std::optional<int64_t> batch, seq, grad_accum, steps, warmup, eval_every, eval_batches, ckpt_every,
-      seed, sample, top_k, device_index, dp_timeout_ms, bucket_mb, cp;
+      seed, sample, top_k, device_index, dp_timeout_ms, bucket_mb, cp, zero;
   std::optional<int64_t> n_layer, d_model, n_head, n_kv_head, head_dim, ffn_hidden, max_seq, vocab;
   std::optional<double> lr, min_lr, weight_decay, beta1, beta2, eps, grad_clip, peak_tflops,
       norm_eps, rope_theta;
@@ -126,6 +126,10 @@ struct TrainFlags {
                "(default 600000; NCCL's first operation can be slow)");
     f->add_int("bucket-mb", &bucket_mb, 1, 1 << 16,
                "launch: gradient bucket target in MiB for the overlapped reduce-scatter (default 25)");
+    f->add_int("zero", &zero, 1, 2,
+               "launch: ZeRO stage (default 1): 1 shards the optimizer state over the data-parallel "
+               "ranks, 2 the gradients too (each rank holds only the backward stages in flight; with "
+               "--grad-accum every micro-batch's gradients are reduced)");
     f->add_int("cp", &cp, 1, 1 << 16,
                "launch: context-parallel ranks per sequence (default 1): consecutive ranks share each "
                "sequence (zigzag layout, ring attention between them), groups of them are data parallel"),
@@ -486,10 +490,12 @@ void print_run(const ft::TrainerOptions& o, const std::string& device, ft::Train
               static_cast<long long>(trainer.step()), t.lr, t.recompute ? "on" : "off",
               gib(static_cast<double>(mem.total)).c_str(), world > 1 ? " per GPU" : "");
   if (world > 1) {
-    std::printf("data parallel: %d ranks (%s launch), ZeRO-1 (master weights and AdamW state sharded), "
+    std::printf("data parallel: %d ranks (%s launch), %s, "
                 "gradient buckets of %lld MiB reduce-scattered during the backward, collectives "
                 "time out after %d ms\n",
                 world, launch.info.source.c_str(),
+                t.shard_gradients ? "ZeRO-2 (master weights, AdamW state and gradients sharded)"
+                                  : "ZeRO-1 (master weights and AdamW state sharded)",
                 static_cast<long long>(o.backend.bucket_bytes >> 20), launch.comm->timeout_ms());
     if (launch.cp_comm) {
       std::printf("context parallel: %d ranks per sequence (zigzag rows, ring attention between them), "
@@ -570,6 +576,7 @@ int train_command(int argc, char** argv, int first) {
   t.grad_clip = f.grad_clip.value_or(1.0);
   t.seed = static_cast<uint64_t>(f.seed.value_or(1337));
   t.recompute = f.recompute;
+  t.shard_gradients = f.zero.value_or(1) == 2;
   t.eval_every = f.eval_every.value_or(have_val ? 100 : 0);
   t.ckpt_every = f.ckpt_every.value_or(0);
   t.train_data = train_pattern;

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace flare::train {
@@ -115,6 +116,28 @@ TEST(TrainConfig, DataParallelShardsTheOptimizerState) {
   EXPECT_LT(four.weights + four.master + four.adam + four.grads + four.dp_buffers, int64_t{67} << 30);
   EXPECT_GT(one.weights + one.master + one.adam + one.grads, int64_t{112} << 30);
   EXPECT_NE(check_fits(four, 1).message().find("data-parallel buffers"), std::string::npos);
+}
+
+// ZeRO-2: the gradient shrinks to the stages held (kGradientStagesHeld of the largest stage but
+// the last, and the last, the embeddings); the rest of the estimate is ZeRO-1's. LLaMA-2 7B: a
+// layer is 202 M parameters, the token embedding 131 M.
+TEST(TrainConfig, ShardedGradientsHoldOnlyTheStagesInFlight) {
+  TrainConfig t;
+  t.batch = 1;
+  t.seq = 1024;
+  const ModelConfig m = preset("llama2-7b");
+  const MemoryEstimate zero1 = estimate_training_memory(t, m, 4);
+  t.shard_gradients = true;
+  const MemoryEstimate zero2 = estimate_training_memory(t, m, 4);
+  const int64_t layer = (m.n_head + 2 * m.n_kv_head) * m.head_dim * m.d_model  // qkv
+                        + m.d_model * m.n_head * m.head_dim                     // out
+                        + 3 * m.d_model * m.ffn_hidden + 2 * m.d_model;         // gate_up, down, norms
+  EXPECT_EQ(zero2.grads, 4 * (kGradientStagesHeld * std::max(layer, m.padded_vocab * m.d_model + m.d_model) +
+                              m.padded_vocab * m.d_model));
+  EXPECT_EQ(zero2.total - zero2.grads, zero1.total - zero1.grads);
+  EXPECT_LT(zero2.grads, zero1.grads / 8);
+  // One rank has nothing to shard over: the whole gradient.
+  EXPECT_EQ(estimate_training_memory(t, m, 1).grads, zero1.grads);
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 // communicator made from one unique id, one Trainer per rank; against one GPU on the same global
 // batch (2 GPUs, and every visible GPU when there are more), with gradient accumulation, for a
 // small GPT and a small LLaMA; context-parallel groups (alone and beside data parallelism) against
-// one GPU likewise; a checkpoint written by 2 GPUs resumed on 1 against a straight
+// one GPU likewise; sharded gradients (ZeRO-2) likewise; a checkpoint written by 2 GPUs resumed on 1 against a straight
 // run; a one-rank communicator against none (bit for bit); the step's profile; the rank-ordered
 // slice sum against the host.
 //
@@ -169,6 +169,65 @@ INSTANTIATE_TEST_SUITE_P(Presets, GpuDataParallel,
                            std::string name = std::string(param_info.param.preset) + "_" +
                                               (param_info.param.world > 0 ? std::to_string(param_info.param.world) + "gpus"
                                                                     : std::string("all_gpus"));
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// ---- Sharded gradients (ZeRO-2) -----------------------------------------------------------------
+
+// The same rule as the data-parallel suite, with no rank holding the whole gradient: each stage's
+// gradients in a ring buffer until their reduce-scatter, every micro-batch reduced and added to the
+// shard (so the sums are regrouped once more: per micro-batch across ranks, then over micro-batches,
+// which the naive runs' regroupings measure). Two and every visible GPU, with and without
+// accumulation, a tied (gpt-tiny) and an untied (llama-tiny) head; the reduce-scatter's bytes grow
+// with the micro-batches.
+struct ShardCase {
+  const char* preset;
+  int world;  // 0: every visible GPU (run only when there are more than 2)
+  int64_t accum;
+};
+
+class GpuShardedGradients : public ::testing::TestWithParam<ShardCase> {};
+
+TEST_P(GpuShardedGradients, MatchesOneGpuWithinReorderingNoise) {
+  const ShardCase c = GetParam();
+  SKIP_WITHOUT_GPUS(2);
+  const int world = c.world > 0 ? c.world : visible_gpus();
+  if (c.world == 0 && world <= 2) GTEST_SKIP() << "every visible GPU: " << world << ", covered by the 2-GPU case";
+  ScratchDir dir;
+  test::write_cycle_shards(dir, 300, 8192);
+  const int64_t B = 2, steps = 3;
+  const RunResult ref = train(run_options(dir, c.preset, B * world, c.accum, steps), 0, steps);
+  const std::vector<RunResult> naives = {train(run_options(dir, c.preset, B, c.accum * world, steps), 0, steps),
+                                         train(run_options(dir, c.preset, 1, c.accum * world * B, steps), 0, steps)};
+  TrainerOptions sharded = run_options(dir, c.preset, B, c.accum, steps);
+  sharded.train.shard_gradients = true;
+  const RunResult fast = train(sharded, world, steps);
+  test::expect_within_reordering_noise(fast, ref, naives);
+
+  const RunResult whole = train(run_options(dir, c.preset, B, c.accum, steps), world, steps);
+  ASSERT_EQ(fast.reports.size(), sz(steps));
+  ASSERT_EQ(whole.reports.size(), sz(steps));
+  for (int64_t s = 0; s < steps; ++s) {
+    const StepReport& r = fast.reports[sz(s)];
+    EXPECT_TRUE(r.timing.measured);
+    EXPECT_GT(r.timing.comm_ms, 0.0);
+    if (c.accum == 1) {
+      EXPECT_EQ(r.timing.comm_bytes, whole.reports[sz(s)].timing.comm_bytes);
+    } else {
+      EXPECT_GT(r.timing.comm_bytes, whole.reports[sz(s)].timing.comm_bytes);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, GpuShardedGradients,
+                         ::testing::Values(ShardCase{"gpt-tiny", 2, 1}, ShardCase{"llama-tiny", 2, 2},
+                                           ShardCase{"gpt-tiny", 0, 2}, ShardCase{"llama-tiny", 0, 1}),
+                         [](const ::testing::TestParamInfo<ShardCase>& param_info) {
+                           const ShardCase& p = param_info.param;
+                           std::string name = std::string(p.preset) + "_" +
+                                              (p.world > 0 ? std::to_string(p.world) + "gpus" : std::string("all_gpus")) +
+                                              "_accum" + std::to_string(p.accum);
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name;
                          });

@@ -299,4 +299,60 @@ double model_flops_per_token(const ModelConfig& c, int64_t seq) {
   return 6.0 * matmul_params + causal_attention;
 }
 
+// ---- The backward's stages ----------------------------------------------------------------------
+
+namespace {
+
+// "layers.12.attn.qkv.weight" → 12; −1 for a name outside the layers.
+int64_t layer_of(const std::string& name) {
+  static const std::string kPrefix = "layers.";
+  if (name.compare(0, kPrefix.size(), kPrefix) != 0) return -1;
+  const size_t dot = name.find('.', kPrefix.size());
+  if (dot == std::string::npos || dot == kPrefix.size()) return -1;
+  int64_t layer = 0;
+  for (size_t i = kPrefix.size(); i < dot; ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    layer = layer * 10 + (name[i] - '0');
+  }
+  return layer;
+}
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+}  // namespace
+
+int64_t backward_stage_count(int64_t n_layer) { return n_layer + 2; }
+
+int64_t backward_stage(const ParamSpec& param, int64_t n_layer) {
+  const int64_t layer = layer_of(param.name);
+  if (layer >= 0 && layer < n_layer) return 1 + (n_layer - 1 - layer);
+  if (starts_with(param.name, "final_norm.") || starts_with(param.name, "head.")) return 0;
+  return n_layer + 1;
+}
+
+Status backward_stage_ranges(const ParameterLayout& layout, int64_t n_layer, std::vector<int64_t>* begin,
+                             std::vector<int64_t>* end) {
+  const auto stages = static_cast<size_t>(backward_stage_count(n_layer));
+  begin->assign(stages, -1);
+  end->assign(stages, -1);
+  int64_t previous = -1;
+  for (size_t i = 0; i < layout.params.size(); ++i) {
+    const auto s = static_cast<size_t>(backward_stage(layout.params[i], n_layer));
+    if ((*begin)[s] < 0) {
+      (*begin)[s] = layout.params[i].offset;
+    } else if (static_cast<int64_t>(s) != previous) {
+      return invalid("layout: the tensors of backward stage ", s, " are not one contiguous range ('",
+                     layout.params[i].name, "' follows another stage's)");
+    }
+    (*end)[s] = i + 1 < layout.params.size() ? layout.params[i + 1].offset : layout.total;
+    previous = static_cast<int64_t>(s);
+  }
+  // A stage without tensors: an empty range where the order puts it (stage s + 1 lies below s).
+  for (size_t s = stages; s-- > 0;) {
+    if ((*begin)[s] >= 0) continue;
+    (*begin)[s] = (*end)[s] = s + 1 < stages ? (*end)[s + 1] : 0;
+  }
+  return Status::ok_status();
+}
+
 }  // namespace flare::train

@@ -86,6 +86,23 @@ struct ParameterLayout {
 // Tensor offsets in the flat buffer are multiples of this many elements (see the conventions above).
 inline constexpr int64_t kParamAlignment = 64;
 
+// The backward stages, numbered in the order the backward completes them:
+//   0                    the output head (when untied) and the final norm
+//   1 + (n_layer−1−i)    layer i (layer n_layer−1 is stage 1, layer 0 is stage n_layer)
+//   n_layer + 1          the embeddings (token, and position for GPT); a tied head's gradient is
+//                        the token embedding's, final only here
+// The GPU model signals the end of each stage (gpu_model.h's hooks) with these numbers, and data
+// parallelism reduces gradients by them (train/dist/dp_plan.h).
+int64_t backward_stage_count(int64_t n_layer);
+// The stage after which `param`'s gradient is final (an unknown name: the last stage).
+int64_t backward_stage(const ParamSpec& param, int64_t n_layer);
+
+// The flat range [begin[s], end[s]) of each stage's tensors, each tensor's slot running to the
+// next tensor's offset (or total): the stages tile [0, layout.total), an empty stage as an empty
+// range where the order puts it. Fails, naming the tensor, if a stage is not one contiguous range.
+Status backward_stage_ranges(const ParameterLayout& layout, int64_t n_layer, std::vector<int64_t>* begin,
+                             std::vector<int64_t>* end);
+
 // vocab_size rounded up to a multiple of 128: the rows of the embedding and the output head, so
 // the head's matmul has tile-friendly dimensions (50257 → 50304).
 int64_t padded_vocab_size(int64_t vocab_size);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "core/message.h"
 
@@ -89,6 +90,13 @@ MemoryEstimate estimate_training_memory(const TrainConfig& t, const ModelConfig&
   e.master = 4 * shard;
   e.adam = 8 * shard;
   e.grads = 4 * n;
+  std::vector<int64_t> stage_begin, stage_end;
+  if (t.shard_gradients && world > 1 && backward_stage_ranges(layout, m.n_layer, &stage_begin, &stage_end).ok()) {
+    int64_t largest = 0;
+    const size_t last = stage_begin.size() - 1;
+    for (size_t s = 0; s < last; ++s) largest = std::max(largest, stage_end[s] - stage_begin[s]);
+    e.grads = 4 * (kGradientStagesHeld * largest + stage_end[last] - stage_begin[last]);
+  }
   if (world > 1) {
     // A bucket holds at least one whole tensor: the largest sets the staging when it exceeds the
     // 25 MiB bucket target (train/dist/dp_plan.h).

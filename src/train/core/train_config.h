@@ -27,12 +27,20 @@ struct TrainConfig {
   double grad_clip = 1.0;    // clip the global gradient norm to this; 0 turns clipping off
   uint64_t seed = 1337;      // initialisation and data order
   bool recompute = false;    // keep only each layer's input; recompute the layer in backward
+  // With several data-parallel ranks, ZeRO-2: no rank holds the whole gradient, only the
+  // backward stages being written or reduced (kGradientStagesHeld) and its shard of the sum.
+  bool shard_gradients = false;
   int64_t eval_every = 0;    // steps between validation passes; 0: never
   int64_t ckpt_every = 0;    // steps between checkpoints; 0: never
   std::string train_data;    // training shards (a file or pattern the data part understands)
   std::string val_data;      // validation shards; needed when eval_every > 0
   std::string checkpoint_dir;  // needed when ckpt_every > 0
 };
+
+// Sharded gradients: the stage buffers a rank holds besides the last stage's (the embeddings,
+// live for the whole backward): the stage being written and two whose reduce-scatter may still be
+// in flight.
+inline constexpr int kGradientStagesHeld = 3;
 
 // Every rule a run must satisfy for `model`, each failure naming the field: positive sizes,
 // seq ≤ max_seq, 0 ≤ min_lr ≤ lr, warmup ≤ steps, betas in [0, 1), eps > 0, paths present where
@@ -48,7 +56,8 @@ Status validate_train_config(const TrainConfig& train, const ModelConfig& model)
 //   weights      bf16 copy of the flat buffer the forward reads
 //   master       fp32 master weights (of the shard: ⌈n / dp_world⌉)
 //   adam         fp32 m and v (of the shard)
-//   grads        fp32 gradients (accumulated over micro-batches in fp32)
+//   grads        fp32 gradients (accumulated over micro-batches in fp32); sharded: the stage
+//                buffers (kGradientStagesHeld of the largest stage but the last, and the last)
 //   dp_buffers   data parallel only: the shard's reduced fp32 gradient and its bf16 update, and
 //                the staging of one bucket's incoming slices ((dp_world − 1) slices of the
 //                largest of a 25 MiB bucket and the largest tensor)

@@ -26,14 +26,15 @@ size_t sz(int64_t n) { return static_cast<size_t>(n); }
 
 __global__ void __launch_bounds__(kThreads)
     sum_slices_kernel(const float* __restrict__ own, const float* __restrict__ staging,
-                      int64_t stride, int world, int rank, int64_t n, float* __restrict__ out) {
+                      int64_t stride, int world, int rank, int64_t n, bool accumulate,
+                      float* __restrict__ out) {
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * kThreads) {
     float acc = 0.0f;
     for (int q = 0; q < world; ++q) {
       acc += q == rank ? own[i] : staging[staging_slot(q, rank) * stride + i];
     }
-    out[i] = acc;
+    out[i] = accumulate ? out[i] + acc : acc;
   }
 }
 
@@ -57,10 +58,17 @@ __global__ void agree_loss_kernel(const double* sums, int world, DeviceTotals* t
 // Where create() carves each buffer from one allocation.
 struct Layout {
   int64_t shard_grads, shard_weights, staging, counts_send, counts_recv, sums_send, sums_recv,
-      dloss_scale, totals, total;
+      dloss_scale, totals, ring[kGradientRing], last_stage, total;
 };
 
-Layout buffer_layout(const DpPlan& plan, int rank) {
+// The longest stage that goes through the ring (every stage but the last).
+int64_t longest_ring_stage(const DpPlan& plan) {
+  int64_t longest = 0;
+  for (size_t s = 0; s + 1 < plan.stage_begin.size(); ++s) longest = std::max(longest, plan.stage_size(static_cast<int64_t>(s)));
+  return longest;
+}
+
+Layout buffer_layout(const DpPlan& plan, int rank, bool shard_gradients) {
   const int64_t shard = plan.shard_size(rank), world = plan.world;
   Layout l{};
   int64_t at = 0;
@@ -78,6 +86,9 @@ Layout buffer_layout(const DpPlan& plan, int rank) {
   l.sums_recv = take(16 * world);
   l.dloss_scale = take(4);
   l.totals = take(static_cast<int64_t>(sizeof(DeviceTotals)));
+  const int64_t ring = shard_gradients ? longest_ring_stage(plan) : 0;
+  for (int64_t& slot : l.ring) slot = take(ring * 4);
+  l.last_stage = take(shard_gradients ? plan.stage_size(static_cast<int64_t>(plan.stage_begin.size()) - 1) * 4 : 0);
   l.total = at;
   return l;
 }
@@ -85,7 +96,7 @@ Layout buffer_layout(const DpPlan& plan, int rank) {
 }  // namespace
 
 Status sum_slices_in_rank_order(const float* own, const float* staging, int64_t stride, int world,
-                                int rank, int64_t n, float* out, cudaStream_t stream) {
+                                int rank, int64_t n, float* out, cudaStream_t stream, bool accumulate) {
   const char* op = "sum_slices_in_rank_order";
   if (world < 1 || rank < 0 || rank >= world)
     return invalid(op, ": rank ", rank, " must be in [0, world = ", world, ")");
@@ -94,19 +105,20 @@ Status sum_slices_in_rank_order(const float* own, const float* staging, int64_t 
   if (own == nullptr || out == nullptr || (world > 1 && staging == nullptr))
     return invalid(op, ": own, staging and out must not be null");
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 4096);
-  sum_slices_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(own, staging, stride,
-                                                                              world, rank, n, out);
+  sum_slices_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(own, staging, stride, world,
+                                                                              rank, n, accumulate, out);
   return launch_status(op);
 }
 
 // ---- Setup --------------------------------------------------------------------------------------
 
-int64_t CudaDataParallel::buffer_bytes(const DpPlan& plan, int rank) {
-  return buffer_layout(plan, rank).total;
+int64_t CudaDataParallel::buffer_bytes(const DpPlan& plan, int rank, bool shard_gradients) {
+  return buffer_layout(plan, rank, shard_gradients).total;
 }
 
 Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cudaStream_t compute,
-                                cuda::EventTimer* timer, std::unique_ptr<CudaDataParallel>* out) {
+                                cuda::EventTimer* timer, std::unique_ptr<CudaDataParallel>* out,
+                                bool shard_gradients) {
   if (comm == nullptr || timer == nullptr) return invalid("CudaDataParallel: comm and timer must not be null");
   if (comm->device() != DeviceType::kCUDA) {
     return invalid("comm: the CUDA backend needs a communicator over CUDA memory (NCCL), got ", comm->kind());
@@ -115,7 +127,12 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
     return invalid("comm: ", comm->size(), " ranks, the data-parallel plan has ", plan.world,
                    " (and needs at least 2)");
   }
+  if (shard_gradients && !plan.stage_buckets) {
+    return invalid("plan: sharded gradients need buckets that lie in one stage each (make_dp_plan's stage_buckets)");
+  }
   std::unique_ptr<CudaDataParallel> d(new CudaDataParallel());
+  d->shard_gradients_ = shard_gradients;
+  d->live_.assign(plan.stage_begin.size(), nullptr);
   d->comm_ = comm;
   d->plan_ = &plan;
   d->rank_ = comm->rank();
@@ -123,7 +140,7 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
   d->timer_ = timer;
   FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&d->stream_, cudaStreamNonBlocking),
                                     "data-parallel stream"));
-  const Layout l = buffer_layout(plan, d->rank_);
+  const Layout l = buffer_layout(plan, d->rank_, shard_gradients);
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&d->buffers_, sz(l.total)), "data-parallel buffers"));
   char* base = static_cast<char*>(d->buffers_);
   d->shard_grads_ = reinterpret_cast<float*>(base + l.shard_grads);
@@ -135,6 +152,10 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
   d->sums_recv_ = reinterpret_cast<double*>(base + l.sums_recv);
   d->dloss_scale_ = reinterpret_cast<float*>(base + l.dloss_scale);
   d->totals_ = reinterpret_cast<DeviceTotals*>(base + l.totals);
+  if (shard_gradients) {
+    for (int k = 0; k < kGradientRing; ++k) d->ring_[k] = reinterpret_cast<float*>(base + l.ring[k]);
+    d->last_stage_buffer_ = reinterpret_cast<float*>(base + l.last_stage);
+  }
   // Zero everything once: the shard buffers' alignment gaps are never written by a kernel.
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(d->buffers_, 0, sz(l.total), d->stream_), "data-parallel buffers"));
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMallocHost(reinterpret_cast<void**>(&d->host_count_), sizeof(int64_t)),
@@ -144,12 +165,11 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
   // What this rank sends per step: its share of the agreement all-gathers, every other rank's
   // slice of each bucket (fp32), and its own slice of each bucket to every other rank (bf16).
   const int64_t peers = plan.world - 1;
-  int64_t bytes = peers * (8 + 16);
+  d->other_bytes_ = peers * (8 + 16);
   for (const Bucket& b : plan.buckets) {
-    bytes += (b.end - b.begin - b.slice_size(d->rank_)) * 4;
-    bytes += peers * b.slice_size(d->rank_) * 2;
+    d->reduce_bytes_ += (b.end - b.begin - b.slice_size(d->rank_)) * 4;
+    d->other_bytes_ += peers * b.slice_size(d->rank_) * 2;
   }
-  d->bytes_per_step_ = bytes;
   FLARE_RETURN_IF_ERROR(d->synchronize());
   *out = std::move(d);
   return Status::ok_status();
@@ -165,6 +185,9 @@ Status CudaDataParallel::create_events() {
     FLARE_RETURN_IF_ERROR(make(&gather_begin_[i], cudaEventDefault));
     FLARE_RETURN_IF_ERROR(make(&gather_end_[i], cudaEventDefault));
   }
+  if (shard_gradients_) {
+    for (cudaEvent_t& e : ring_free_) FLARE_RETURN_IF_ERROR(make(&e, cudaEventDisableTiming));
+  }
   return make(&count_ready_, cudaEventDisableTiming);
 }
 
@@ -173,6 +196,8 @@ CudaDataParallel::~CudaDataParallel() {
   for (cudaEvent_t e : gathered_)
     if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : {gather_begin_[0], gather_begin_[1], gather_end_[0], gather_end_[1], count_ready_})
+    if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : ring_free_)
     if (e) cudaEventDestroy(e);
   cudaFree(buffers_);
   cudaFreeHost(host_count_);
@@ -253,25 +278,88 @@ Status CudaDataParallel::agree_valid_count(int64_t local_valid) {
   return Status::ok_status();
 }
 
+// ---- Sharded gradients ---------------------------------------------------------------------------
+
+Status CudaDataParallel::begin_backward(bool accumulate) {
+  if (!shard_gradients_) return invalid("begin_backward: this data-parallel step holds whole gradients");
+  accumulate_ = accumulate;
+  next_bucket_ = 0;
+  std::fill(live_.begin(), live_.end(), nullptr);  // the last backward's stages are done with
+  const int64_t last = last_stage();
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(last_stage_buffer_, 0, sz(plan_->stage_size(last)) * sizeof(float),
+                                                    compute_), "gradient stage buffer"));
+  live_[sz(last)] = last_stage_buffer_;
+  return acquire_stage(0);
+}
+
+Status CudaDataParallel::acquire_stage(int64_t stage) {
+  const int slot = static_cast<int>(stage % kGradientRing);
+  if (ring_pending_[slot]) {
+    FLARE_RETURN_IF_ERROR(compute_waits(ring_free_[slot]));
+    ring_pending_[slot] = false;
+  }
+  if (stage >= kGradientRing) live_[sz(stage - kGradientRing)] = nullptr;
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(ring_[slot], 0, sz(plan_->stage_size(stage)) * sizeof(float),
+                                                    compute_), "gradient stage buffer"));
+  live_[sz(stage)] = ring_[slot];
+  return Status::ok_status();
+}
+
+float* CudaDataParallel::gradient_at(int64_t offset) const {
+  // Stages run down the flat buffer: the first stage whose range begins at or below `offset`.
+  const std::vector<int64_t>& begin = plan_->stage_begin;
+  int64_t lo = 0, hi = static_cast<int64_t>(begin.size());
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (begin[sz(mid)] > offset) lo = mid + 1; else hi = mid;
+  }
+  if (lo == static_cast<int64_t>(begin.size()) || offset >= plan_->stage_end[sz(lo)] || live_[sz(lo)] == nullptr) {
+    misplaced_ = true;
+    return nullptr;
+  }
+  return live_[sz(lo)] + (offset - begin[sz(lo)]);
+}
+
+// ---- The step's reductions ----------------------------------------------------------------------
+
 Status CudaDataParallel::reduce_ready_buckets(int64_t stage, const float* grads) {
   const std::vector<Bucket>& buckets = plan_->buckets;
-  if (next_bucket_ >= buckets.size() || buckets[next_bucket_].ready_stage != stage) {
-    return Status::ok_status();  // no bucket completes at this stage
+  if (shard_gradients_) {
+    if (grads != nullptr) return invalid("reduce_ready_buckets: grads must be null with sharded gradients");
+    if (live_[sz(stage)] == nullptr) return Status::internal(cat("data parallel: stage ", stage, " has no gradient buffer"));
   }
-  FLARE_RETURN_IF_ERROR(comm_after_compute());
-  for (; next_bucket_ < buckets.size() && buckets[next_bucket_].ready_stage == stage; ++next_bucket_) {
-    const Bucket& b = buckets[next_bucket_];
-    // bucket reduce-scatter: every other rank's slice out, this rank's slice in from each
-    const std::vector<dist::Transfer> t = reduce_scatter_transfers(*plan_, b, rank_, grads, staging_, 4);
-    if (!t.empty()) FLARE_RETURN_IF_ERROR(comm_->exchange(t.data(), static_cast<int>(t.size()), stream_));
-    FLARE_RETURN_IF_ERROR(sum_slices_in_rank_order(grads + b.slice_begin[sz(rank_)], staging_, plan_->max_slice,
-                                                   plan_->world, rank_, b.slice_size(rank_),
-                                                   shard_grads_ + b.shard_offset[sz(rank_)], stream_));
+  // With sharded gradients `grads` is this stage's buffer, which starts at the stage's first element.
+  const float* source = shard_gradients_ ? live_[sz(stage)] : grads;
+  const int64_t source_first = shard_gradients_ ? plan_->stage_begin[sz(stage)] : 0;
+  const bool any = next_bucket_ < buckets.size() && buckets[next_bucket_].ready_stage == stage;
+  if (any) {
+    FLARE_RETURN_IF_ERROR(comm_after_compute());
+    for (; next_bucket_ < buckets.size() && buckets[next_bucket_].ready_stage == stage; ++next_bucket_) {
+      const Bucket& b = buckets[next_bucket_];
+      // bucket reduce-scatter: every other rank's slice out, this rank's slice in from each
+      const std::vector<dist::Transfer> t =
+          reduce_scatter_transfers(*plan_, b, rank_, source, staging_, 4, source_first);
+      if (!t.empty()) FLARE_RETURN_IF_ERROR(comm_->exchange(t.data(), static_cast<int>(t.size()), stream_));
+      FLARE_RETURN_IF_ERROR(sum_slices_in_rank_order(source + (b.slice_begin[sz(rank_)] - source_first), staging_,
+                                                     plan_->max_slice, plan_->world, rank_, b.slice_size(rank_),
+                                                     shard_grads_ + b.shard_offset[sz(rank_)], stream_,
+                                                     shard_gradients_ && accumulate_));
+    }
+    FLARE_RETURN_IF_ERROR(end_comm_run());
   }
-  return end_comm_run();
+  if (!shard_gradients_ || stage == last_stage()) return Status::ok_status();
+  // The ring slot is free once its reductions are done (or now, if the stage had none); the next
+  // stage takes the following slot.
+  const int slot = static_cast<int>(stage % kGradientRing);
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(ring_free_[slot], any ? stream_ : compute_), "data-parallel event"));
+  ring_pending_[slot] = true;
+  return stage + 1 < last_stage() ? acquire_stage(stage + 1) : Status::ok_status();
 }
 
 Status CudaDataParallel::wait_for_reduction() {
+  if (misplaced_) {
+    return Status::internal("data parallel: the backward asked for the gradient of a stage that was not being written");
+  }
   if (next_bucket_ != plan_->buckets.size()) {
     return Status::internal(cat("data parallel: ", plan_->buckets.size() - next_bucket_,
                                 " gradient buckets were not reduced by the backward's stages"));

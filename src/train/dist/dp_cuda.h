@@ -26,6 +26,15 @@
 //     stage by stage (wait_for_forward_stage, from GpuModel's forward hook) for the buckets that
 //     hold the weights it is about to read, so the all-gather runs under the forward. Anything
 //     else that reads the weights between steps waits for all of them first (wait_for_weights).
+// Sharded gradients (ZeRO-2, create()'s shard_gradients; the plan's buckets then lie in one
+// stage each): the model holds no whole gradient (GpuModelOptions::whole_gradient false) and this
+// object is its GradientPlacement. The last stage (the embeddings, which a tied head writes into
+// at stage 0) has a buffer of its own for the whole backward; every other stage s writes into ring
+// buffer s mod kGradientRing, which the compute stream zeroes once the reduce-scatter of the stage
+// that used it before has finished (a wait, counted as exposed, only if that one lags). Every
+// micro-batch's backward then reduces its buckets (begin_backward() first), the first into the
+// shard gradient and the others adding to it: with accumulation, the reduce-scatter's bytes grow
+// by the number of micro-batches, the price of never holding the whole gradient.
 // Every collective's time is recorded on an EventTimer (kComm for each run of collectives between
 // waits, kCommExposed for each wait of the compute stream); the all-gather's run is counted in the
 // step whose forward waits for it. The NCCL communicator bounds every operation by its timeout, so
@@ -43,7 +52,9 @@
 #include "flare/dist.h"
 #include "flare/status.h"
 #include "train/cuda/event_timer.h"
+#include "train/core/train_config.h"
 #include "train/dist/dp_plan.h"
+#include "train/model/gpu_model.h"
 
 namespace flare::train::dp {
 
@@ -53,19 +64,31 @@ struct DeviceTotals {
   int64_t valid = 0;      // Σ every rank's valid targets
 };
 
-class CudaDataParallel {
+// Stage buffers in the ring of sharded gradients (train_config.h).
+inline constexpr int kGradientRing = kGradientStagesHeld;
+
+class CudaDataParallel final : public cuda::GradientPlacement {
  public:
   // comm: `plan.world` ranks (> 1), its device the current one; compute: the model's stream;
   // timer: where the collectives' spans go (outlives this object). Allocates the shard's reduced
-  // gradient and bf16 weights, the staging of one bucket and the agreement buffers.
+  // gradient and bf16 weights, the staging of one bucket and the agreement buffers, and with
+  // shard_gradients (which needs plan.stage_buckets) the stage buffers.
   static Status create(dist::Communicator* comm, const DpPlan& plan, cudaStream_t compute,
-                       cuda::EventTimer* timer, std::unique_ptr<CudaDataParallel>* out);
-  ~CudaDataParallel();
+                       cuda::EventTimer* timer, std::unique_ptr<CudaDataParallel>* out,
+                       bool shard_gradients = false);
+  ~CudaDataParallel() override;
   CudaDataParallel(const CudaDataParallel&) = delete;
   CudaDataParallel& operator=(const CudaDataParallel&) = delete;
 
   // Device bytes create() allocates for this plan and rank.
-  static int64_t buffer_bytes(const DpPlan& plan, int rank);
+  static int64_t buffer_bytes(const DpPlan& plan, int rank, bool shard_gradients = false);
+
+  // Sharded gradients: before each micro-batch's backward (the first of a step with accumulate
+  // false). Zeroes the last stage's buffer and stage 0's.
+  Status begin_backward(bool accumulate);
+  // cuda::GradientPlacement: the address of flat gradient element `offset` in its stage's buffer
+  // (null, and an error at wait_for_reduction(), for a stage that is not being written).
+  float* gradient_at(int64_t offset) const override;
 
   int rank() const { return rank_; }
   float* shard_grads() const { return shard_grads_; }          // (shard) fp32, the reduced gradient
@@ -75,11 +98,14 @@ class CudaDataParallel {
   // loss sum of its micro-batches (the model adds into it; zero it at the step's start).
   double* rank_sums() const { return sums_send_; }
   const DeviceTotals* totals() const { return totals_; }
-  // Bytes this rank sends in one step's collectives.
-  int64_t bytes_per_step() const { return bytes_per_step_; }
+  // Bytes this rank sends in one step's collectives (of micro_batches micro-batches).
+  int64_t bytes_per_step(int64_t micro_batches) const {
+    return other_bytes_ + reduce_bytes_ * (shard_gradients_ ? micro_batches : 1);
+  }
 
   // The step's protocol, in this order (each enqueues and returns).
   Status agree_valid_count(int64_t local_valid);
+  // grads: the model's whole gradient (null with sharded gradients: the stage buffers).
   Status reduce_ready_buckets(int64_t stage, const float* grads);
   Status wait_for_reduction();
   Status agree_norm_and_loss(double max_norm, float* norm_and_scale);
@@ -115,6 +141,10 @@ class CudaDataParallel {
   // The compute stream waits for the all-gather of buckets[first_bucket] and every bucket after it
   // in the list (the ones the forward reads before it), unless it already has.
   Status wait_for_gathered(size_t first_bucket);
+  // Sharded gradients: stage `stage` (not the last) gets its ring buffer, zeroed on the compute
+  // stream once the stage that used it before has been reduced.
+  Status acquire_stage(int64_t stage);
+  int64_t last_stage() const { return static_cast<int64_t>(plan_->stage_begin.size()) - 1; }
 
   dist::Communicator* comm_ = nullptr;
   const DpPlan* plan_ = nullptr;
@@ -147,12 +177,24 @@ class CudaDataParallel {
   float* dloss_scale_ = nullptr;
   DeviceTotals* totals_ = nullptr;
   int64_t* host_count_ = nullptr;   // pinned
-  int64_t bytes_per_step_ = 0;
+  int64_t reduce_bytes_ = 0, other_bytes_ = 0;  // per step: the reduce-scatter's, the rest
+
+  // Sharded gradients.
+  bool shard_gradients_ = false;
+  bool accumulate_ = false;           // this micro-batch adds to the shard gradient
+  float* ring_[kGradientRing] = {};
+  float* last_stage_buffer_ = nullptr;
+  cudaEvent_t ring_free_[kGradientRing] = {};  // after the reduce-scatter of the slot's stage
+  bool ring_pending_[kGradientRing] = {};       // ring_free_ recorded, not yet waited for
+  std::vector<float*> live_;          // per stage: its buffer while the backward writes it
+  mutable bool misplaced_ = false;    // gradient_at() was asked for a stage not being written
 };
 
 // out[i] = Σ over ranks q in rank order of (q == rank ? own[i] : staging[slot(q) · stride + i]),
 // for i < n (dp_plan.h's staging slots). Exposed for tests.
+// With accumulate, out[i] += that sum instead.
 Status sum_slices_in_rank_order(const float* own, const float* staging, int64_t stride, int world,
-                                int rank, int64_t n, float* out, cudaStream_t stream);
+                                int rank, int64_t n, float* out, cudaStream_t stream,
+                                bool accumulate = false);
 
 }  // namespace flare::train::dp

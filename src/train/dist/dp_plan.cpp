@@ -12,24 +12,6 @@ namespace {
 
 size_t sz(int64_t n) { return static_cast<size_t>(n); }
 
-// "layers.12.attn.qkv.weight" → 12; −1 for a name outside the layers.
-int64_t layer_of(const std::string& name) {
-  static const std::string kPrefix = "layers.";
-  if (name.compare(0, kPrefix.size(), kPrefix) != 0) return -1;
-  const size_t dot = name.find('.', kPrefix.size());
-  if (dot == std::string::npos || dot == kPrefix.size()) return -1;
-  int64_t layer = 0;
-  for (size_t i = kPrefix.size(); i < dot; ++i) {
-    if (name[i] < '0' || name[i] > '9') return -1;
-    layer = layer * 10 + (name[i] - '0');
-  }
-  return layer;
-}
-
-bool starts_with(const std::string& s, const char* prefix) {
-  return s.compare(0, std::strlen(prefix), prefix) == 0;
-}
-
 // Rank r's first element of a bucket [begin, end) cut into `world` slices of whole 64-element
 // units (the rule in dp_plan.h).
 int64_t slice_start(int64_t begin, int64_t end, int world, int r) {
@@ -41,17 +23,8 @@ int64_t slice_start(int64_t begin, int64_t end, int world, int r) {
 
 }  // namespace
 
-int64_t backward_stage_count(int64_t n_layer) { return n_layer + 2; }
-
-int64_t backward_stage(const ParamSpec& param, int64_t n_layer) {
-  const int64_t layer = layer_of(param.name);
-  if (layer >= 0 && layer < n_layer) return 1 + (n_layer - 1 - layer);
-  if (starts_with(param.name, "final_norm.") || starts_with(param.name, "head.")) return 0;
-  return n_layer + 1;
-}
-
 Status make_dp_plan(const ParameterLayout& layout, int64_t n_layer, int world,
-                    int64_t bucket_bytes, DpPlan* plan) {
+                    int64_t bucket_bytes, DpPlan* plan, bool stage_buckets) {
   if (plan == nullptr) return invalid("make_dp_plan: plan is null");
   if (world < 1) return invalid("world: ", world, " ranks, must be >= 1");
   if (bucket_bytes < 1) return invalid("bucket_bytes: ", bucket_bytes, " must be >= 1");
@@ -73,6 +46,8 @@ Status make_dp_plan(const ParameterLayout& layout, int64_t n_layer, int world,
   out.world = world;
   out.total = layout.total;
   out.bucket_bytes = bucket_bytes;
+  out.stage_buckets = stage_buckets;
+  FLARE_RETURN_IF_ERROR(backward_stage_ranges(layout, n_layer, &out.stage_begin, &out.stage_end));
   // Tensors from the top of the buffer down; a bucket closes once it holds bucket_bytes.
   int64_t end = layout.total;
   int64_t stage = 0;
@@ -80,7 +55,8 @@ Status make_dp_plan(const ParameterLayout& layout, int64_t n_layer, int world,
     const ParamSpec& p = layout.params[i];
     stage = std::max(stage, backward_stage(p, n_layer));
     const bool full = (end - p.offset) * int64_t{sizeof(float)} >= bucket_bytes;
-    if (!full && i > 0) continue;
+    const bool stage_ends = stage_buckets && i > 0 && backward_stage(layout.params[i - 1], n_layer) != stage;
+    if (!full && !stage_ends && i > 0) continue;
     Bucket b;
     b.begin = p.offset;
     b.end = end;
@@ -158,7 +134,7 @@ void shard_to_full(const DpPlan& plan, int rank, const void* shard, void* full, 
 
 std::vector<dist::Transfer> reduce_scatter_transfers(const DpPlan& plan, const Bucket& bucket,
                                                      int rank, const void* grads, void* staging,
-                                                     int64_t elem_bytes) {
+                                                     int64_t elem_bytes, int64_t grads_first) {
   std::vector<dist::Transfer> out;
   const auto* g = static_cast<const unsigned char*>(grads);
   auto* stage = static_cast<unsigned char*>(staging);
@@ -167,7 +143,8 @@ std::vector<dist::Transfer> reduce_scatter_transfers(const DpPlan& plan, const B
     if (p == rank) continue;
     const int64_t theirs = bucket.slice_size(p);
     if (theirs > 0) {
-      out.push_back(dist::Transfer::send(p, g + bucket.slice_begin[sz(p)] * elem_bytes, theirs * elem_bytes));
+      out.push_back(dist::Transfer::send(p, g + (bucket.slice_begin[sz(p)] - grads_first) * elem_bytes,
+                                         theirs * elem_bytes));
     }
     if (mine > 0) {
       out.push_back(dist::Transfer::recv(p, stage + staging_slot(p, rank) * plan.max_slice * elem_bytes,

@@ -46,15 +46,7 @@ namespace flare::train::dp {
 // buckets are on the wire while most of the backward is still to run. The value PyTorch DDP uses.
 inline constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
 
-// The backward stages, numbered in the order the backward completes them:
-//   0                    the output head (when untied) and the final norm
-//   1 + (n_layer−1−i)    layer i (layer n_layer−1 is stage 1, layer 0 is stage n_layer)
-//   n_layer + 1          the embeddings (token, and position for GPT); a tied head's gradient is
-//                        the token embedding's, final only here
-// The GPU model signals the end of each stage (gpu_model.h, BackwardHook) with these numbers.
-int64_t backward_stage_count(int64_t n_layer);
-// The stage after which `param`'s gradient is final (an unknown name: the last stage).
-int64_t backward_stage(const ParamSpec& param, int64_t n_layer);
+// The backward's stages (model_config.h: backward_stage, backward_stage_count) order the buckets.
 
 struct Bucket {
   int64_t begin = 0;        // flat elements [begin, end)
@@ -72,17 +64,24 @@ struct DpPlan {
   int world = 1;
   int64_t total = 0;         // layout.total: the flat buffer's elements
   int64_t bucket_bytes = 0;  // the target the buckets were formed with
+  bool stage_buckets = false;  // no bucket spans two backward stages (sharded gradients need it)
+  // Per backward stage: the flat range [stage_begin, stage_end) its tensors (and the alignment
+  // gaps after them) tile; the stages tile [0, total) (empty stages have begin == end).
+  std::vector<int64_t> stage_begin, stage_end;
   std::vector<Bucket> buckets;          // in backward (issue) order: buckets[0] is the highest
   std::vector<int64_t> shard_elements;  // per rank: the length of its shard
   int64_t max_slice = 0;                // the longest slice of any bucket and rank
 
   int64_t shard_size(int rank) const { return shard_elements[rank]; }
+  int64_t stage_size(int64_t stage) const { return stage_end[stage] - stage_begin[stage]; }
 };
 
 // The plan for `world` ranks. Fails (naming the argument) on world < 1, bucket_bytes < 1, or a
-// layout that is empty or not aligned as model_config.h promises.
+// layout that is empty, not aligned as model_config.h promises, or whose stages are not each one
+// contiguous range. stage_buckets: a bucket also closes where the next tensor down belongs to
+// another stage, so each bucket lies in one stage (ZeRO-2 keeps only a few stages' gradients).
 Status make_dp_plan(const ParameterLayout& layout, int64_t n_layer, int world,
-                    int64_t bucket_bytes, DpPlan* plan);
+                    int64_t bucket_bytes, DpPlan* plan, bool stage_buckets = false);
 
 // The pieces of parameters in rank `rank`'s shard, as a layout over the shard buffer: one
 // ParamSpec per (parameter, bucket slice) intersection, at its shard offset, with the parameter's
@@ -101,9 +100,11 @@ void shard_to_full(const DpPlan& plan, int rank, const void* shard, void* full, 
 // this rank's slice arrives in `staging`, rank q < rank in slot q and q > rank in slot q − 1, each
 // slot max_slice elements apart. Empty slices have no transfer. Then
 // reduce = Σ over ranks in rank order of (staging slot or this rank's own slice).
+// `grads` holds the flat buffer from element `grads_first` on (0: the whole buffer; a stage's
+// buffer with sharded gradients: that stage's first element).
 std::vector<dist::Transfer> reduce_scatter_transfers(const DpPlan& plan, const Bucket& bucket,
                                                      int rank, const void* grads, void* staging,
-                                                     int64_t elem_bytes);
+                                                     int64_t elem_bytes, int64_t grads_first = 0);
 // Slot of rank q's contribution in the staging buffer of reduce_scatter_transfers (q != rank);
 // also called by the CUDA kernel that sums the slots (dp_cuda.cu).
 #if defined(__CUDACC__)

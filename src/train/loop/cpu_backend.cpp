@@ -321,6 +321,10 @@ Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
     return invalid("comm: the CPU backend needs a communicator over host memory (in-process), got ",
                    comm->kind());
   }
+  if (train.shard_gradients && comm && comm->size() > 1) {
+    return invalid("shard_gradients: sharded gradients (ZeRO-2) are built for the CUDA backend; the CPU "
+                   "backend's data parallelism keeps whole gradients (ZeRO-1)");
+  }
   int cp_ranks = 1;
   FLARE_RETURN_IF_ERROR(context_parallel_ranks(options, &cp_ranks));
   std::unique_ptr<cpu::CpuModel> m;

@@ -20,6 +20,9 @@
 //      updates the shard and writes its bf16 weights, which are all-gathered into every rank's
 //      model weights under the next step's forward: it waits stage by stage for the buckets it is
 //      about to read (GpuModel's forward hook); evaluation waits for all of them first.
+// ZeRO-2 (TrainConfig::shard_gradients): the model holds no whole gradient; the data-parallel
+// object places each backward stage's gradients in a ring of stage buffers, and every
+// micro-batch's backward reduce-scatters its buckets into the shard gradient (steps 2 and 3 merge).
 // With one rank (no communicator, or one of size 1) the step is the single-device step.
 #include <cuda_runtime_api.h>
 
@@ -104,7 +107,10 @@ class CudaBackend final : public Backend {
       }
     }
     rank_ = comm ? comm->rank() : 0;
-    FLARE_RETURN_IF_ERROR(dp::make_dp_plan(layout_, config.n_layer, world, options.bucket_bytes, &plan_));
+    // ZeRO-2 where there are ranks to shard over; its buckets lie in one backward stage each.
+    shard_gradients_ = train.shard_gradients && world > 1;
+    FLARE_RETURN_IF_ERROR(dp::make_dp_plan(layout_, config.n_layer, world, options.bucket_bytes, &plan_,
+                                           shard_gradients_));
     shard_layout_ = dp::shard_layout(layout_, plan_, rank_);
     FLARE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(options.device_index), "cudaSetDevice"));
     cudaDeviceProp prop{};
@@ -125,8 +131,9 @@ class CudaBackend final : public Backend {
     const int64_t tokens = train.grad_accum * train.batch * rows.seq;
     const int64_t shard = plan_.shard_size(rank_);
     const int64_t state_bytes = 3 * shard * int64_t{sizeof(float)} + 2 * tokens * int64_t{sizeof(int32_t)} + 256;
-    const int64_t dp_bytes = world > 1 ? dp::CudaDataParallel::buffer_bytes(plan_, rank_) : 0;
-    const int64_t need = cuda::GpuModel::buffer_bytes(config, train.batch, rows.seq, train.recompute) +
+    const int64_t dp_bytes = world > 1 ? dp::CudaDataParallel::buffer_bytes(plan_, rank_, shard_gradients_) : 0;
+    const int64_t need = cuda::GpuModel::buffer_bytes(config, train.batch, rows.seq, train.recompute,
+                                                      !shard_gradients_) +
                          state_bytes + dp_bytes + cuda::MatmulContext::kWorkspaceBytes;
     if (need > free_now) {
       return Status::out_of_memory(cat("the run needs ", gib(need), " on ", name_, " (model buffers ",
@@ -143,10 +150,14 @@ class CudaBackend final : public Backend {
     mo.deterministic_attention = options.deterministic_attention;
     mo.device_index = options.device_index;
     mo.cp = cp > 1 ? options.cp_comm : nullptr;
+    mo.whole_gradient = !shard_gradients_;
     FLARE_RETURN_IF_ERROR(cuda::GpuModel::create(config, train.batch, train.seq, mo, stream_, &model_));
     // The optimizer's chunks walk the shard (for one rank: the whole buffer, the same chunks).
     FLARE_RETURN_IF_ERROR(table_.init(shard_layout_));
-    if (world > 1) FLARE_RETURN_IF_ERROR(dp::CudaDataParallel::create(comm, plan_, stream_, &timer_, &dp_));
+    if (world > 1) {
+      FLARE_RETURN_IF_ERROR(dp::CudaDataParallel::create(comm, plan_, stream_, &timer_, &dp_, shard_gradients_));
+      if (shard_gradients_) model_->set_gradient_placement(dp_.get());
+    }
 
     // master, m, v (fp32, the shard each); the step's tokens and targets; the loss sum and the
     // norm pair; the norm's scratch. One allocation, 256-byte aligned pieces.
@@ -220,6 +231,7 @@ class CudaBackend final : public Backend {
                     int64_t micro_batches, const AdamWStep& step, double grad_clip) override {
     if (pending_) return invalid("step_begin: the previous step was not ended (step_end first)");
     FLARE_RETURN_IF_ERROR(stage(inputs, targets, micro_batches, &valid_));
+    micro_batches_ = micro_batches;
     const int64_t tokens = batch_ * model_->seq();
     timer_.reset();
 
@@ -236,14 +248,15 @@ class CudaBackend final : public Backend {
     }
 
     FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum, 0, sizeof(double), stream_), "loss"));
-    FLARE_RETURN_IF_ERROR(model_->zero_grads());
+    if (!shard_gradients_) FLARE_RETURN_IF_ERROR(model_->zero_grads());
     // The first forward waits for the weights the last step's all-gather brings, stage by stage.
     cuda::GpuModel::StageHook gathered;
     if (dp_) gathered = [this](int64_t stage) { return dp_->wait_for_forward_stage(stage); };
     for (int64_t i = 0; i < micro_batches; ++i) {
-      // The last backward hands each finished stage's buckets to the communication stream.
+      // The last backward hands each finished stage's buckets to the communication stream (every
+      // backward, with sharded gradients: no rank keeps them past their reduction).
       cuda::GpuModel::StageHook reduce;
-      if (dp_ && i + 1 == micro_batches) {
+      if (dp_ && (shard_gradients_ || i + 1 == micro_batches)) {
         reduce = [this](int64_t stage) { return dp_->reduce_ready_buckets(stage, model_->grads()); };
       }
       cudaEvent_t fwd_begin = nullptr, bwd_begin = nullptr, bwd_end = nullptr;
@@ -251,6 +264,7 @@ class CudaBackend final : public Backend {
       FLARE_RETURN_IF_ERROR(model_->forward(tokens_ + i * tokens, targets_ + i * tokens, dloss_scale, true,
                                             loss_sum, dloss_scale_device, gathered));
       FLARE_RETURN_IF_ERROR(timer_.record(stream_, &bwd_begin));
+      if (shard_gradients_) FLARE_RETURN_IF_ERROR(dp_->begin_backward(i > 0));
       FLARE_RETURN_IF_ERROR(model_->backward(tokens_ + i * tokens, reduce));
       FLARE_RETURN_IF_ERROR(timer_.record(stream_, &bwd_end));
       timer_.span(EventTimer::kForward, fwd_begin, bwd_begin);
@@ -282,7 +296,7 @@ class CudaBackend final : public Backend {
     t.comm_ms = ms[EventTimer::kComm];
     t.comm_exposed_ms = ms[EventTimer::kCommExposed];
     t.optimizer_ms = ms[EventTimer::kOptimizer];
-    t.comm_bytes = dp_ ? dp_->bytes_per_step() : 0;
+    t.comm_bytes = dp_ ? dp_->bytes_per_step(micro_batches_) : 0;
     dist::CpTiming cp;
     FLARE_RETURN_IF_ERROR(model_->take_cp_timing(&cp));  // the step is done: no wait
     t.cp_comm_ms = cp.comm_ms;
@@ -369,7 +383,7 @@ class CudaBackend final : public Backend {
                                        cudaMemcpyDeviceToHost, stream_), "loss readback");
   }
 
-  // Data parallel (ZeRO-1): wait for the buckets' reduction, agree on the norm and the loss, AdamW
+  // Data parallel (ZeRO-1 or 2): wait for the buckets' reduction, agree on the norm and the loss, AdamW
   // on the shard, all-gather the updated weights; the agreed totals go to the readback.
   Status sharded_update(const AdamWStep& step, double grad_clip) {
     FLARE_RETURN_IF_ERROR(dp_->wait_for_reduction());
@@ -446,7 +460,8 @@ class CudaBackend final : public Backend {
     peak_memory_ = std::max(peak_memory_, memory_bytes() + static_cast<int64_t>(pool_high));
   }
 
-  int64_t batch_ = 0, seq_ = 0, max_micro_batches_ = 1;
+  int64_t batch_ = 0, seq_ = 0, max_micro_batches_ = 1, micro_batches_ = 1;
+  bool shard_gradients_ = false;  // ZeRO-2 (TrainConfig::shard_gradients with several ranks)
   ParameterLayout layout_;
   dp::DpPlan plan_;              // one rank: a single shard, the whole buffer
   ParameterLayout shard_layout_;

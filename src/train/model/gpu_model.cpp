@@ -140,14 +140,15 @@ namespace {
 // Requests every buffer of the model for (B, T) into `arena`, filling `impl`'s pointers once the
 // arena is allocated. Shared by create() and buffer_bytes() so the two cannot disagree.
 void plan_buffers(const ModelConfig& c, int64_t B, int64_t T, bool recompute, int64_t total_params,
-                  GpuModel::Impl* m, bf16** weights, float** grads, bf16** logits, Arena* arena) {
+                  bool whole_gradient, GpuModel::Impl* m, bf16** weights, float** grads, bf16** logits,
+                  Arena* arena) {
   const bool gpt = c.family == Family::kGpt;
   const int64_t N = B * T, d = c.d_model, H = c.n_head, hd = c.head_dim, ffn = c.ffn_hidden;
   const int64_t qkv_w = (H + 2 * c.n_kv_head) * hd, q_w = H * hd;
   const int64_t mlp_in_w = gpt ? ffn : 2 * ffn;
 
   arena->request(weights, total_params);
-  arena->request(grads, total_params);
+  if (whole_gradient) arena->request(grads, total_params);
   m->layers.assign(static_cast<size_t>(c.n_layer), LayerActivations{});
   auto request_set = [&](LayerActivations& a) {
     arena->request(&a.attn_norm, N * d);
@@ -221,13 +222,14 @@ GpuModel::~GpuModel() {
 
 const ParameterLayout& GpuModel::layout() const { return impl_->layout; }
 
-int64_t GpuModel::buffer_bytes(const ModelConfig& config, int64_t batch, int64_t seq, bool recompute) {
+int64_t GpuModel::buffer_bytes(const ModelConfig& config, int64_t batch, int64_t seq, bool recompute,
+                               bool whole_gradient) {
   Impl impl;
   bf16 *weights = nullptr, *logits = nullptr;
   float* grads = nullptr;
   Arena arena;
-  plan_buffers(config, batch, seq, recompute, parameter_layout(config).total, &impl, &weights,
-               &grads, &logits, &arena);
+  plan_buffers(config, batch, seq, recompute, parameter_layout(config).total, whole_gradient, &impl,
+               &weights, &grads, &logits, &arena);
   return arena.total();
 }
 
@@ -278,8 +280,8 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
 
   FLARE_RETURN_IF_ERROR(m.matmul.init());
   Arena arena;
-  plan_buffers(config, batch, seq, options.recompute, L.total, &m, &g->weights_, &g->grads_,
-               &g->logits_, &arena);
+  plan_buffers(config, batch, seq, options.recompute, L.total, options.whole_gradient, &m, &g->weights_,
+               &g->grads_, &g->logits_, &arena);
   FLARE_RETURN_IF_ERROR(arena.allocate(&m.buffers));
   if (options.recompute) {
     for (size_t i = 1; i < m.layers.size(); ++i) {
@@ -291,8 +293,7 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
   // Weights and gradients start at zero so the alignment gaps, which no kernel writes, are zero.
   FLARE_RETURN_IF_ERROR(cuda_status(
       cudaMemsetAsync(g->weights_, 0, static_cast<size_t>(L.total) * sizeof(bf16), stream), "GpuModel weights"));
-  FLARE_RETURN_IF_ERROR(cuda_status(
-      cudaMemsetAsync(g->grads_, 0, static_cast<size_t>(L.total) * sizeof(float), stream), "GpuModel grads"));
+  if (g->grads_) FLARE_RETURN_IF_ERROR(g->zero_grads());
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(m.positions_device, m.positions.data(),
                                                 static_cast<size_t>(seq) * sizeof(int64_t),
                                                 cudaMemcpyHostToDevice), "GpuModel positions"));
@@ -328,6 +329,7 @@ Status GpuModel::take_cp_timing(dist::CpTiming* out) {
 }
 
 Status GpuModel::zero_grads() {
+  if (grads_ == nullptr) return invalid("zero_grads: the model holds no whole gradient (GpuModelOptions::whole_gradient)");
   return cuda_status(cudaMemsetAsync(grads_, 0, static_cast<size_t>(impl_->layout.total) * sizeof(float), stream_),
                      "zero_grads");
 }
@@ -341,12 +343,15 @@ struct Step {
   const ModelConfig& c;
   GpuModel::Impl& m;
   const bf16* w;   // weights
-  float* g;        // gradients
+  float* g;        // the whole gradient, or null: then `placement` says where each one goes
+  const GradientPlacement* placement;
   int64_t B, T, N;
   cudaStream_t s;
 
   const bf16* W(int64_t offset) const { return offset < 0 ? nullptr : w + offset; }
-  float* G(int64_t offset) const { return offset < 0 ? nullptr : g + offset; }
+  float* G(int64_t offset) const {
+    return offset < 0 ? nullptr : g ? g + offset : placement->gradient_at(offset);
+  }
   bool gpt() const { return c.family == Family::kGpt; }
   float eps() const { return static_cast<float>(c.norm_eps); }
   AttentionOptions attention_options() const {
@@ -560,7 +565,7 @@ Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dl
   if (write_dlogits && targets == nullptr) return invalid("forward: write_dlogits needs targets");
   Impl& m = *impl_;
   const ModelConfig& c = config_;
-  const Step st{c, m, weights_, grads_, batch_, seq_, batch_ * seq_, stream_};
+  const Step st{c, m, weights_, grads_, placement_, batch_, seq_, batch_ * seq_, stream_};
   m.have_dlogits = false;
   auto stage_next = [&](int64_t stage) { return call_hook(before_stage, stage); };
   const int64_t n_layer = static_cast<int64_t>(m.layers.size());
@@ -608,8 +613,11 @@ Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
     return invalid("backward: needs a forward with targets and write_dlogits first");
   }
   if (tokens == nullptr) return invalid("backward: tokens must not be null");
+  if (grads_ == nullptr && placement_ == nullptr) {
+    return invalid("backward: the model holds no whole gradient and no GradientPlacement was set");
+  }
   const ModelConfig& c = config_;
-  const Step st{c, m, weights_, grads_, batch_, seq_, batch_ * seq_, stream_};
+  const Step st{c, m, weights_, grads_, placement_, batch_, seq_, batch_ * seq_, stream_};
   auto stage_done = [&](int64_t stage) { return call_hook(after_stage, stage); };
   const int64_t n_layer = static_cast<int64_t>(m.layers.size());
 

@@ -39,8 +39,22 @@
 
 namespace flare::train::cuda {
 
+// Where the backward writes gradients when the model holds no whole flat gradient
+// (GpuModelOptions::whole_gradient false: data parallelism with sharded gradients, dp_cuda.h):
+// gradient_at(offset) is the device address of the gradient element at flat offset `offset` of
+// parameter_layout(config), asked for when the backward enqueues the work that writes it, so it
+// must be valid for every parameter of the stage the backward is in (backward()'s stages).
+class GradientPlacement {
+ public:
+  virtual ~GradientPlacement() = default;
+  virtual float* gradient_at(int64_t offset) const = 0;
+};
+
 struct GpuModelOptions {
   bool recompute = false;               // keep only each layer's input; recompute in backward
+  // false: no flat gradient buffer (grads() is null); backward() writes through the placement
+  // set with set_gradient_placement(), which must start each stage's gradients at zero.
+  bool whole_gradient = true;
   bool deterministic_attention = true;  // bitwise-reproducible attention backward
   int device_index = 0;                 // the device the stream belongs to (current at create)
   // Context parallel over this NCCL communicator (not owned; outlives the model; its device the
@@ -66,7 +80,7 @@ class GpuModel {
   // Bytes create() allocates for these sizes (weights, gradients, activations, scratch), without
   // the matmul context's workspace and attention's stream-ordered scratch.
   static int64_t buffer_bytes(const ModelConfig& config, int64_t batch, int64_t seq,
-                              bool recompute);
+                              bool recompute, bool whole_gradient = true);
 
   // A host callback with a stage number (train/dist/dp_plan.h's backward_stage numbering), for
   // forward()'s and backward()'s hooks below. It must not synchronise; an error it returns stops
@@ -93,7 +107,7 @@ class GpuModel {
                  const StageHook& before_stage = {});
 
   // Backward of the last forward with write_dlogits, for the same tokens: accumulates (+=) every
-  // parameter's gradient into grads(). after_stage (may be empty) is called on the host right
+  // parameter's gradient into grads() (without a whole gradient: where the placement says). after_stage (may be empty) is called on the host right
   // after the backward has enqueued each stage, in order: 0 after the output head and the final
   // norm, 1 + (n_layer − 1 − i) after layer i, n_layer + 1 after the embeddings. Once the stream
   // reaches that point, the stage's gradients are final for this backward, so the hook may record
@@ -101,8 +115,11 @@ class GpuModel {
   // while the backward goes on).
   Status backward(const int32_t* tokens, const StageHook& after_stage = {});
 
-  // grads() = 0 (enqueued).
+  // grads() = 0 (enqueued); invalid without a whole gradient.
   Status zero_grads();
+
+  // Without a whole gradient: where backward() writes (not owned; outlives the backward calls).
+  void set_gradient_placement(const GradientPlacement* placement) { placement_ = placement; }
 
   // Context parallel: the attention plan's exchanges since the last call (dist.h CpTiming; zeros
   // without context parallelism). Waits for their events, so call it once the step is done.
@@ -116,7 +133,8 @@ class GpuModel {
   const std::vector<int64_t>& positions() const;
   cudaStream_t stream() const { return stream_; }
   bf16* weights() const { return weights_; }        // (layout().total) bf16, the forward reads
-  float* grads() const { return grads_; }           // (layout().total) fp32, backward adds into
+  float* grads() const { return grads_; }           // (layout().total) fp32, backward adds into;
+                                                    // null without a whole gradient
   const bf16* logits() const { return logits_; }    // (batch · seq, padded_vocab): logits, or
                                                     // dlogits after a forward with write_dlogits
 
@@ -130,6 +148,7 @@ class GpuModel {
   cudaStream_t stream_ = nullptr;
   bf16* weights_ = nullptr;
   float* grads_ = nullptr;
+  const GradientPlacement* placement_ = nullptr;
   bf16* logits_ = nullptr;
   std::unique_ptr<Impl> impl_;
 };
