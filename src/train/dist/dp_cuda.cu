@@ -187,6 +187,7 @@ Status CudaDataParallel::create_events() {
   }
   if (shard_gradients_) {
     for (cudaEvent_t& e : ring_free_) FLARE_RETURN_IF_ERROR(make(&e, cudaEventDisableTiming));
+    FLARE_RETURN_IF_ERROR(make(&last_free_, cudaEventDisableTiming));
   }
   return make(&count_ready_, cudaEventDisableTiming);
 }
@@ -199,6 +200,7 @@ CudaDataParallel::~CudaDataParallel() {
     if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : ring_free_)
     if (e) cudaEventDestroy(e);
+  if (last_free_) cudaEventDestroy(last_free_);
   cudaFree(buffers_);
   cudaFreeHost(host_count_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -286,6 +288,11 @@ Status CudaDataParallel::begin_backward(bool accumulate) {
   next_bucket_ = 0;
   std::fill(live_.begin(), live_.end(), nullptr);  // the last backward's stages are done with
   const int64_t last = last_stage();
+  // The last micro-batch's reduce-scatter of the last stage may still be reading its buffer.
+  if (last_pending_) {
+    FLARE_RETURN_IF_ERROR(compute_waits(last_free_));
+    last_pending_ = false;
+  }
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(last_stage_buffer_, 0, sz(plan_->stage_size(last)) * sizeof(float),
                                                     compute_), "gradient stage buffer"));
   live_[sz(last)] = last_stage_buffer_;
@@ -347,7 +354,12 @@ Status CudaDataParallel::reduce_ready_buckets(int64_t stage, const float* grads)
     }
     FLARE_RETURN_IF_ERROR(end_comm_run());
   }
-  if (!shard_gradients_ || stage == last_stage()) return Status::ok_status();
+  if (!shard_gradients_) return Status::ok_status();
+  if (stage == last_stage()) {  // the next micro-batch zeroes this buffer once it is read
+    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(last_free_, any ? stream_ : compute_), "data-parallel event"));
+    last_pending_ = true;
+    return Status::ok_status();
+  }
   // The ring slot is free once its reductions are done (or now, if the stage had none); the next
   // stage takes the following slot.
   const int slot = static_cast<int>(stage % kGradientRing);

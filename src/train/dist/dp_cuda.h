@@ -32,7 +32,8 @@
 // at stage 0) has a buffer of its own for the whole backward; every other stage s writes into ring
 // buffer s mod kGradientRing, which the compute stream zeroes once the reduce-scatter of the stage
 // that used it before has finished (a wait, counted as exposed, only if that one lags). Every
-// micro-batch's backward then reduces its buckets (begin_backward() first), the first into the
+// micro-batch's backward then reduces its buckets (begin_backward() first, which also waits for
+// the last micro-batch's reduction of the last stage before zeroing its buffer), the first into the
 // shard gradient and the others adding to it: with accumulation, the reduce-scatter's bytes grow
 // by the number of micro-batches, the price of never holding the whole gradient.
 // Every collective's time is recorded on an EventTimer (kComm for each run of collectives between
@@ -186,6 +187,8 @@ class CudaDataParallel final : public cuda::GradientPlacement {
   float* last_stage_buffer_ = nullptr;
   cudaEvent_t ring_free_[kGradientRing] = {};  // after the reduce-scatter of the slot's stage
   bool ring_pending_[kGradientRing] = {};       // ring_free_ recorded, not yet waited for
+  cudaEvent_t last_free_ = nullptr;   // after the last stage's reduce-scatter (its buffer read)
+  bool last_pending_ = false;
   std::vector<float*> live_;          // per stage: its buffer while the backward writes it
   mutable bool misplaced_ = false;    // gradient_at() was asked for a stage not being written
 };
