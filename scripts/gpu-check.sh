@@ -273,7 +273,8 @@ fi
 
 # Data-parallel training on every GPU: the launch smoke test (mpirun and torchrun-style), then
 # GPT-3 2.7B (batch 4 x 1024 per GPU) on one GPU and on all of them under mpirun, for the scaling
-# efficiency (tokens/s on N GPUs / (N x tokens/s on one)), LLaMA-2 7B on four or more, and the
+# efficiency (tokens/s on N GPUs / (N x tokens/s on one)), LLaMA-2 7B on four or more (ZeRO-1 at
+# batch 1, ZeRO-2 at batch 4), and the
 # PyTorch peer on all of them (bench/train_torch.py under torchrun: DDP + torch.compile + SDPA
 # cuDNN); bench/train_results.py merges them into DIR/train-<card>-<date>.json.
 ft="$build/apps/train/flare-train"
@@ -297,6 +298,8 @@ if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$ft" ]] && comma
   dp_run gpt3_1gpu 1 "$out/synth" gpt3-2.7b 4 1024
   dp_run "gpt3_${gpus}gpu" "$gpus" "$out/synth" gpt3-2.7b 4 1024
   [[ $gpus -ge 4 ]] && dp_run "llama2_7b_${gpus}gpu" "$gpus" "$out/synth32k" llama2-7b 1 1024
+  # ZeRO-2: the gradient sharded too, which leaves room for 4 sequences per GPU.
+  [[ $gpus -ge 4 ]] && dp_run "llama2_7b_b4_zero2_${gpus}gpu" "$gpus" "$out/synth32k" llama2-7b 4 1024 --zero 2
   # Context parallel: one 64k-token sequence across every GPU.
   dp_run "llama1b_s64k_cp${gpus}" "$gpus" "$out/synth" llama3.2-1b 1 65536 --cp "$gpus" --recompute
   PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 timeout 600 torchrun --standalone --nproc-per-node "$gpus" bench/train_torch.py \
