@@ -82,7 +82,8 @@ TEST_F(TrainerCli, HelpListsEveryFlag) {
   EXPECT_EQ(r.status, 0) << r.output;
   for (const char* flag : {"--model", "--data", "--batch", "--seq", "--steps", "--lr", "--device",
                            "--grad-accum", "--recompute", "--eval-every", "--ckpt-every", "--resume",
-                           "--log", "--peak-tflops", "--no-checkpoint", "--n-layer", "--head-dim", "--vocab"}) {
+                           "--log", "--peak-tflops", "--no-checkpoint", "--n-layer", "--head-dim", "--vocab",
+                           "--zero", "--cp", "--bucket-mb"}) {
     EXPECT_NE(r.output.find(flag), std::string::npos) << flag << " missing from --help";
   }
   EXPECT_EQ(run("sample --help", work_).status, 0);
@@ -124,6 +125,7 @@ TEST_F(TrainerCli, BadFlagsAndConfigsNameTheFlagAndWriteNothing) {
       {b + "--model gpt-tiny stray", "unexpected argument 'stray'"},
       {b + "--model gpt-tiny --recompute=yes", "--recompute: takes no value"},
       {b + "--model gpt-tiny --no-checkpoint --ckpt-every 5", "--no-checkpoint: conflicts"},
+      {b + "--model gpt-tiny --zero 3", "--zero: 3 must be"},
   };
   for (const Case& c : cases) {
     const Result r = run(c.args, work_);
