@@ -3,6 +3,7 @@
 #include "train/dist/dp_cuda.h"
 
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "core/message.h"
@@ -60,13 +61,6 @@ struct Layout {
   int64_t shard_grads, shard_weights, staging, counts_send, counts_recv, sums_send, sums_recv,
       dloss_scale, totals, ring[kGradientRing], last_stage, total;
 };
-
-// The longest stage that goes through the ring (every stage but the last).
-int64_t longest_ring_stage(const DpPlan& plan) {
-  int64_t longest = 0;
-  for (size_t s = 0; s + 1 < plan.stage_begin.size(); ++s) longest = std::max(longest, plan.stage_size(static_cast<int64_t>(s)));
-  return longest;
-}
 
 Layout buffer_layout(const DpPlan& plan, int rank, bool shard_gradients) {
   const int64_t shard = plan.shard_size(rank), world = plan.world;
@@ -132,7 +126,6 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
   }
   std::unique_ptr<CudaDataParallel> d(new CudaDataParallel());
   d->shard_gradients_ = shard_gradients;
-  d->live_.assign(plan.stage_begin.size(), nullptr);
   d->comm_ = comm;
   d->plan_ = &plan;
   d->rank_ = comm->rank();
@@ -153,8 +146,9 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
   d->dloss_scale_ = reinterpret_cast<float*>(base + l.dloss_scale);
   d->totals_ = reinterpret_cast<DeviceTotals*>(base + l.totals);
   if (shard_gradients) {
-    for (int k = 0; k < kGradientRing; ++k) d->ring_[k] = reinterpret_cast<float*>(base + l.ring[k]);
-    d->last_stage_buffer_ = reinterpret_cast<float*>(base + l.last_stage);
+    std::array<float*, kGradientRing> ring{};
+    for (int k = 0; k < kGradientRing; ++k) ring[sz(k)] = reinterpret_cast<float*>(base + l.ring[k]);
+    d->stages_.init(plan, ring, reinterpret_cast<float*>(base + l.last_stage));
   }
   // Zero everything once: the shard buffers' alignment gaps are never written by a kernel.
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(d->buffers_, 0, sz(l.total), d->stream_), "data-parallel buffers"));
@@ -286,45 +280,32 @@ Status CudaDataParallel::begin_backward(bool accumulate) {
   if (!shard_gradients_) return invalid("begin_backward: this data-parallel step holds whole gradients");
   accumulate_ = accumulate;
   next_bucket_ = 0;
-  std::fill(live_.begin(), live_.end(), nullptr);  // the last backward's stages are done with
-  const int64_t last = last_stage();
   // The last micro-batch's reduce-scatter of the last stage may still be reading its buffer.
   if (last_pending_) {
     FLARE_RETURN_IF_ERROR(compute_waits(last_free_));
     last_pending_ = false;
   }
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(last_stage_buffer_, 0, sz(plan_->stage_size(last)) * sizeof(float),
+  float* last = stages_.begin();
+  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(last, 0, sz(plan_->stage_size(stages_.last_stage())) * sizeof(float),
                                                     compute_), "gradient stage buffer"));
-  live_[sz(last)] = last_stage_buffer_;
   return acquire_stage(0);
 }
 
 Status CudaDataParallel::acquire_stage(int64_t stage) {
-  const int slot = static_cast<int>(stage % kGradientRing);
+  const int slot = StageBuffers::slot_of(stage);
   if (ring_pending_[slot]) {
     FLARE_RETURN_IF_ERROR(compute_waits(ring_free_[slot]));
     ring_pending_[slot] = false;
   }
-  if (stage >= kGradientRing) live_[sz(stage - kGradientRing)] = nullptr;
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(ring_[slot], 0, sz(plan_->stage_size(stage)) * sizeof(float),
-                                                    compute_), "gradient stage buffer"));
-  live_[sz(stage)] = ring_[slot];
-  return Status::ok_status();
+  float* buffer = stages_.activate(stage);
+  return cuda_status(cudaMemsetAsync(buffer, 0, sz(plan_->stage_size(stage)) * sizeof(float), compute_),
+                     "gradient stage buffer");
 }
 
 float* CudaDataParallel::gradient_at(int64_t offset) const {
-  // Stages run down the flat buffer: the first stage whose range begins at or below `offset`.
-  const std::vector<int64_t>& begin = plan_->stage_begin;
-  int64_t lo = 0, hi = static_cast<int64_t>(begin.size());
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (begin[sz(mid)] > offset) lo = mid + 1; else hi = mid;
-  }
-  if (lo == static_cast<int64_t>(begin.size()) || offset >= plan_->stage_end[sz(lo)] || live_[sz(lo)] == nullptr) {
-    misplaced_ = true;
-    return nullptr;
-  }
-  return live_[sz(lo)] + (offset - begin[sz(lo)]);
+  float* at = stages_.at(offset);
+  if (at == nullptr) misplaced_ = true;
+  return at;
 }
 
 // ---- The step's reductions ----------------------------------------------------------------------
@@ -333,10 +314,10 @@ Status CudaDataParallel::reduce_ready_buckets(int64_t stage, const float* grads)
   const std::vector<Bucket>& buckets = plan_->buckets;
   if (shard_gradients_) {
     if (grads != nullptr) return invalid("reduce_ready_buckets: grads must be null with sharded gradients");
-    if (live_[sz(stage)] == nullptr) return Status::internal(cat("data parallel: stage ", stage, " has no gradient buffer"));
+    if (stages_.buffer(stage) == nullptr) return Status::internal(cat("data parallel: stage ", stage, " has no gradient buffer"));
   }
   // With sharded gradients `grads` is this stage's buffer, which starts at the stage's first element.
-  const float* source = shard_gradients_ ? live_[sz(stage)] : grads;
+  const float* source = shard_gradients_ ? stages_.buffer(stage) : grads;
   const int64_t source_first = shard_gradients_ ? plan_->stage_begin[sz(stage)] : 0;
   const bool any = next_bucket_ < buckets.size() && buckets[next_bucket_].ready_stage == stage;
   if (any) {
@@ -355,17 +336,17 @@ Status CudaDataParallel::reduce_ready_buckets(int64_t stage, const float* grads)
     FLARE_RETURN_IF_ERROR(end_comm_run());
   }
   if (!shard_gradients_) return Status::ok_status();
-  if (stage == last_stage()) {  // the next micro-batch zeroes this buffer once it is read
+  if (stage == stages_.last_stage()) {  // the next micro-batch zeroes this buffer once it is read
     FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(last_free_, any ? stream_ : compute_), "data-parallel event"));
     last_pending_ = true;
     return Status::ok_status();
   }
   // The ring slot is free once its reductions are done (or now, if the stage had none); the next
   // stage takes the following slot.
-  const int slot = static_cast<int>(stage % kGradientRing);
+  const int slot = StageBuffers::slot_of(stage);
   FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(ring_free_[slot], any ? stream_ : compute_), "data-parallel event"));
   ring_pending_[slot] = true;
-  return stage + 1 < last_stage() ? acquire_stage(stage + 1) : Status::ok_status();
+  return stage + 1 < stages_.last_stage() ? acquire_stage(stage + 1) : Status::ok_status();
 }
 
 Status CudaDataParallel::wait_for_reduction() {

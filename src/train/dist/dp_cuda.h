@@ -53,8 +53,8 @@
 #include "flare/dist.h"
 #include "flare/status.h"
 #include "train/cuda/event_timer.h"
-#include "train/core/train_config.h"
 #include "train/dist/dp_plan.h"
+#include "train/dist/stage_buffers.h"
 #include "train/model/gpu_model.h"
 
 namespace flare::train::dp {
@@ -64,9 +64,6 @@ struct DeviceTotals {
   double loss_sum = 0.0;  // Σ every rank's per-token losses (ranks added in rank order)
   int64_t valid = 0;      // Σ every rank's valid targets
 };
-
-// Stage buffers in the ring of sharded gradients (train_config.h).
-inline constexpr int kGradientRing = kGradientStagesHeld;
 
 class CudaDataParallel final : public cuda::GradientPlacement {
  public:
@@ -145,7 +142,6 @@ class CudaDataParallel final : public cuda::GradientPlacement {
   // Sharded gradients: stage `stage` (not the last) gets its ring buffer, zeroed on the compute
   // stream once the stage that used it before has been reduced.
   Status acquire_stage(int64_t stage);
-  int64_t last_stage() const { return static_cast<int64_t>(plan_->stage_begin.size()) - 1; }
 
   dist::Communicator* comm_ = nullptr;
   const DpPlan* plan_ = nullptr;
@@ -183,13 +179,11 @@ class CudaDataParallel final : public cuda::GradientPlacement {
   // Sharded gradients.
   bool shard_gradients_ = false;
   bool accumulate_ = false;           // this micro-batch adds to the shard gradient
-  float* ring_[kGradientRing] = {};
-  float* last_stage_buffer_ = nullptr;
+  StageBuffers stages_;                         // which buffer holds which stage
   cudaEvent_t ring_free_[kGradientRing] = {};  // after the reduce-scatter of the slot's stage
   bool ring_pending_[kGradientRing] = {};       // ring_free_ recorded, not yet waited for
   cudaEvent_t last_free_ = nullptr;   // after the last stage's reduce-scatter (its buffer read)
   bool last_pending_ = false;
-  std::vector<float*> live_;          // per stage: its buffer while the backward writes it
   mutable bool misplaced_ = false;    // gradient_at() was asked for a stage not being written
 };
 
