@@ -323,6 +323,20 @@ TEST(CpuFlashExact, RowsWithoutKeysAreZero) {
   for (size_t i = 0; i < dk.size(); ++i) ASSERT_FALSE(std::isnan(dk[i]) || std::isnan(dv[i]));
 }
 
+// Forward then backward of a fresh `spec` problem on `threads` OpenMP threads.
+Problem run_with_threads(const ProblemSpec& spec, int threads) {
+  Problem pr = make_problem(spec);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  EXPECT_TRUE(attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view,
+                                pr.options, pr.varlen).ok());
+  EXPECT_TRUE(attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view,
+                                 pr.lse.view, pr.dq.view, pr.dk.view, pr.dv.view, pr.options,
+                                 pr.varlen).ok());
+  omp_set_num_threads(saved);
+  return pr;
+}
+
 // The backward is a pure function of its inputs: same bits with 1 thread or many, run after run.
 TEST(CpuFlashExact, BackwardIsDeterministicAcrossThreadCounts) {
   ProblemSpec spec = fixed(300, 260, 4, 2, 48);
@@ -331,19 +345,8 @@ TEST(CpuFlashExact, BackwardIsDeterministicAcrossThreadCounts) {
   spec.options.dropout_p = 0.1f;
   spec.seed = test_seed();
   SCOPED_TRACE(spec.describe());
-  auto run = [&](int threads) {
-    Problem pr = make_problem(spec);
-    const int saved = omp_get_max_threads();
-    omp_set_num_threads(threads);
-    EXPECT_TRUE(attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view,
-                                  pr.options, pr.varlen).ok());
-    EXPECT_TRUE(attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                   pr.lse.view, pr.dq.view, pr.dk.view, pr.dv.view, pr.options,
-                                   pr.varlen).ok());
-    omp_set_num_threads(saved);
-    return pr;
-  };
-  const Problem one = run(1), many = run(4), again = run(4);
+  const Problem one = run_with_threads(spec, 1), many = run_with_threads(spec, 4),
+                again = run_with_threads(spec, 4);
   EXPECT_EQ(one.o.bytes, many.o.bytes);
   EXPECT_EQ(one.lse.bytes, many.lse.bytes);
   for (const Problem* pr : {&many, &again}) {
@@ -363,19 +366,7 @@ TEST(CpuFlashExact, BackwardModesGiveTheSameBits) {
   spec.options.dropout_p = 0.1f;
   spec.seed = test_seed();
   SCOPED_TRACE(spec.describe());
-  auto run = [&](int threads) {
-    Problem pr = make_problem(spec);
-    const int saved = omp_get_max_threads();
-    omp_set_num_threads(threads);
-    EXPECT_TRUE(attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view,
-                                  pr.options, pr.varlen).ok());
-    EXPECT_TRUE(attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                   pr.lse.view, pr.dq.view, pr.dk.view, pr.dv.view, pr.options,
-                                   pr.varlen).ok());
-    omp_set_num_threads(saved);
-    return pr;
-  };
-  const Problem one_pass = run(1), two_passes = run(4);
+  const Problem one_pass = run_with_threads(spec, 1), two_passes = run_with_threads(spec, 4);
   EXPECT_EQ(one_pass.o.bytes, two_passes.o.bytes);
   EXPECT_EQ(one_pass.dq.bytes, two_passes.dq.bytes);
   EXPECT_EQ(one_pass.dk.bytes, two_passes.dk.bytes);

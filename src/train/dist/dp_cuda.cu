@@ -180,8 +180,7 @@ Status CudaDataParallel::create_events() {
     FLARE_RETURN_IF_ERROR(make(&gather_end_[i], cudaEventDefault));
   }
   if (shard_gradients_) {
-    for (cudaEvent_t& e : ring_free_) FLARE_RETURN_IF_ERROR(make(&e, cudaEventDisableTiming));
-    FLARE_RETURN_IF_ERROR(make(&last_free_, cudaEventDisableTiming));
+    for (BufferRead& r : read_) FLARE_RETURN_IF_ERROR(make(&r.event, cudaEventDisableTiming));
   }
   return make(&count_ready_, cudaEventDisableTiming);
 }
@@ -192,9 +191,8 @@ CudaDataParallel::~CudaDataParallel() {
     if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : {gather_begin_[0], gather_begin_[1], gather_end_[0], gather_end_[1], count_ready_})
     if (e) cudaEventDestroy(e);
-  for (cudaEvent_t e : ring_free_)
-    if (e) cudaEventDestroy(e);
-  if (last_free_) cudaEventDestroy(last_free_);
+  for (const BufferRead& r : read_)
+    if (r.event) cudaEventDestroy(r.event);
   cudaFree(buffers_);
   cudaFreeHost(host_count_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -281,10 +279,7 @@ Status CudaDataParallel::begin_backward(bool accumulate) {
   accumulate_ = accumulate;
   next_bucket_ = 0;
   // The last micro-batch's reduce-scatter of the last stage may still be reading its buffer.
-  if (last_pending_) {
-    FLARE_RETURN_IF_ERROR(compute_waits(last_free_));
-    last_pending_ = false;
-  }
+  FLARE_RETURN_IF_ERROR(wait_until_read(kLastStageBuffer));
   float* last = stages_.begin();
   FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(last, 0, sz(plan_->stage_size(stages_.last_stage())) * sizeof(float),
                                                     compute_), "gradient stage buffer"));
@@ -292,11 +287,7 @@ Status CudaDataParallel::begin_backward(bool accumulate) {
 }
 
 Status CudaDataParallel::acquire_stage(int64_t stage) {
-  const int slot = StageBuffers::slot_of(stage);
-  if (ring_pending_[slot]) {
-    FLARE_RETURN_IF_ERROR(compute_waits(ring_free_[slot]));
-    ring_pending_[slot] = false;
-  }
+  FLARE_RETURN_IF_ERROR(wait_until_read(StageBuffers::slot_of(stage)));
   float* buffer = stages_.activate(stage);
   return cuda_status(cudaMemsetAsync(buffer, 0, sz(plan_->stage_size(stage)) * sizeof(float), compute_),
                      "gradient stage buffer");
@@ -336,17 +327,22 @@ Status CudaDataParallel::reduce_ready_buckets(int64_t stage, const float* grads)
     FLARE_RETURN_IF_ERROR(end_comm_run());
   }
   if (!shard_gradients_) return Status::ok_status();
-  if (stage == stages_.last_stage()) {  // the next micro-batch zeroes this buffer once it is read
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(last_free_, any ? stream_ : compute_), "data-parallel event"));
-    last_pending_ = true;
-    return Status::ok_status();
-  }
-  // The ring slot is free once its reductions are done (or now, if the stage had none); the next
-  // stage takes the following slot.
-  const int slot = StageBuffers::slot_of(stage);
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(ring_free_[slot], any ? stream_ : compute_), "data-parallel event"));
-  ring_pending_[slot] = true;
-  return stage + 1 < stages_.last_stage() ? acquire_stage(stage + 1) : Status::ok_status();
+  // The stage's buffer is free once its reductions are done (or now, if the stage had none); the
+  // next micro-batch zeroes the last stage's, the next stage takes the following ring slot.
+  const bool last = stage == stages_.last_stage();
+  FLARE_RETURN_IF_ERROR(mark_read(last ? kLastStageBuffer : StageBuffers::slot_of(stage), any ? stream_ : compute_));
+  return !last && stage + 1 < stages_.last_stage() ? acquire_stage(stage + 1) : Status::ok_status();
+}
+
+Status CudaDataParallel::mark_read(int buffer, cudaStream_t stream) {
+  read_[buffer].pending = true;
+  return cuda_status(cudaEventRecord(read_[buffer].event, stream), "data-parallel event");
+}
+
+Status CudaDataParallel::wait_until_read(int buffer) {
+  if (!read_[buffer].pending) return Status::ok_status();
+  read_[buffer].pending = false;
+  return compute_waits(read_[buffer].event);
 }
 
 Status CudaDataParallel::wait_for_reduction() {

@@ -142,6 +142,10 @@ class CudaDataParallel final : public cuda::GradientPlacement {
   // Sharded gradients: stage `stage` (not the last) gets its ring buffer, zeroed on the compute
   // stream once the stage that used it before has been reduced.
   Status acquire_stage(int64_t stage);
+  // The buffer's last reader is done on the communication stream (or, on `stream`, now).
+  Status mark_read(int buffer, cudaStream_t stream);
+  // The compute stream waits for the buffer's last reader, if it has not yet.
+  Status wait_until_read(int buffer);
 
   dist::Communicator* comm_ = nullptr;
   const DpPlan* plan_ = nullptr;
@@ -180,10 +184,14 @@ class CudaDataParallel final : public cuda::GradientPlacement {
   bool shard_gradients_ = false;
   bool accumulate_ = false;           // this micro-batch adds to the shard gradient
   StageBuffers stages_;                         // which buffer holds which stage
-  cudaEvent_t ring_free_[kGradientRing] = {};  // after the reduce-scatter of the slot's stage
-  bool ring_pending_[kGradientRing] = {};       // ring_free_ recorded, not yet waited for
-  cudaEvent_t last_free_ = nullptr;   // after the last stage's reduce-scatter (its buffer read)
-  bool last_pending_ = false;
+  // Per buffer (the ring's slots, then the last stage's): an event after the reduce-scatter that
+  // reads it, and whether the compute stream has yet to wait for it before zeroing the buffer.
+  struct BufferRead {
+    cudaEvent_t event = nullptr;
+    bool pending = false;
+  };
+  static constexpr int kLastStageBuffer = kGradientRing;
+  BufferRead read_[kGradientRing + 1];
   mutable bool misplaced_ = false;    // gradient_at() was asked for a stage not being written
 };
 
