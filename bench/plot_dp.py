@@ -39,6 +39,22 @@ def fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
+def layout_label(r):
+    """dp × cp of a flare-train run, with its ZeRO stage where data parallel; "-" for a peer."""
+    if r["impl"] != "flare-train":
+        return "-"
+    dp = r.get("dp", r["gpus"])
+    # Files from before `--zero 2` existed record no stage: their data parallelism is ZeRO-1.
+    zero = r.get("zero") or (1 if dp > 1 else None)
+    return f"{dp} × {r.get('cp', 1)}" + (f", ZeRO-{zero}" if zero else "")
+
+
+def batch_label(r):
+    """Sequences per GPU per micro-batch, and the micro-batches per step where more than one."""
+    accum = r.get("grad_accum", 1)
+    return f"{r['batch_per_gpu']} × {accum} accum" if accum > 1 else f"{r['batch_per_gpu']}"
+
+
 def table(rows):
     """The study's table as Markdown."""
     head = ("| card | impl | model | GPUs | dp × cp | seq | batch/GPU | tokens/s | MFU | step ms | "
@@ -47,10 +63,10 @@ def table(rows):
     for r in sorted(rows, key=lambda r: (r["card"], r["model"], r["seq"], r["gpus"], r["impl"])):
         mem = r.get("peak_mem_bytes")
         mfu = r.get("mfu")
-        layout = f"{r.get('dp', r['gpus'])} × {r.get('cp', 1)}" if r["impl"] == "flare-train" else "-"
+        layout = layout_label(r)
         lines.append(
             f"| {r['card']} | {r['impl']} | {r['model']} | {r['gpus']} | {layout} | {r['seq']} | "
-            f"{r['batch_per_gpu']} | {r['tokens_per_s']:,.0f} | {fmt(mfu and 100 * mfu, '.1f')}% | "
+            f"{batch_label(r)} | {r['tokens_per_s']:,.0f} | {fmt(mfu and 100 * mfu, '.1f')}% | "
             f"{fmt(r.get('step_ms'), '.1f')} | {fmt(r.get('fwd_ms'), '.1f')} | {fmt(r.get('bwd_ms'), '.1f')} | "
             f"{fmt(r.get('comm_ms'), '.1f')} | {fmt(r.get('comm_exposed_ms'), '.1f')} | "
             f"{fmt(r.get('comm_gbps'), '.0f')} | {fmt(r.get('cp_comm_ms'), '.1f')} | "
@@ -89,7 +105,7 @@ def plot_scaling(rows, out, plt):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
 
 
 def plot_breakdown(rows, out, plt):
@@ -98,8 +114,8 @@ def plot_breakdown(rows, out, plt):
     of its communication, overlapped or not, as a thin bar under it."""
     profiled = [r for r in rows if r["impl"] == "flare-train" and r.get("fwd_ms") is not None]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.32 * len(profiled)))
-    labels = [f"{r['model']} s{r['seq']} b{r['batch_per_gpu']}, {r['gpus']} GPU "
-              f"{r.get('dp', r['gpus'])}×{r.get('cp', 1)}, {r['step_ms']:.0f} ms ({r['card']})"
+    labels = [f"{r['model']} s{r['seq']} b{batch_label(r)}, {r['gpus']} GPU "
+              f"{layout_label(r)}, {r['step_ms']:.0f} ms ({r['card']})"
               for r in profiled]
     y = [-i for i in range(len(profiled))]
     totals = [sum(r.get(key) or 0.0 for key, _ in PARTS) or 1.0 for r in profiled]
@@ -116,7 +132,7 @@ def plot_breakdown(rows, out, plt):
     ax.set_title("Where a step's time goes")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.6 / len(profiled) ** 0.5), ncol=3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
 
 
 def main(argv=None):

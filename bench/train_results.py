@@ -39,6 +39,8 @@ THROUGHPUT = re.compile(r"^throughput: median of steps (\d+)-(\d+): ([0-9.]+) ms
 FLARE_MEM_KIND = "device memory in use (total - free, CUDA context included)"
 TORCH_MEM_KIND = "torch.cuda.max_memory_allocated"
 RUN_RANKS = re.compile(r" x (\d+) GPUs = \d+ tokens/step")
+RUN_ACCUM = re.compile(r" x accum (\d+) x ")
+RUN_ZERO = re.compile(r"\bZeRO-(\d)\b")
 PROFILE_FIELDS = ("fwd_ms", "bwd_ms", "comm_ms", "comm_exposed_ms", "optimizer_ms", "comm_gbps",
                   "cp_comm_ms")
 TORCH_IMPLS = ("torch-compile", "torch-ddp-compile", "torch-fsdp-compile")
@@ -85,6 +87,12 @@ def flare_row(model, batch, seq, stdout_path, jsonl_path):
         cp = int(timed[-1].get("cp", 1)) if timed else 1
         row["gpus"] = int(ranks.group(1)) if ranks else int(timed[-1]["dp"]) * cp
         row["dp"], row["cp"] = row["gpus"] // cp, cp
+        zero = RUN_ZERO.search(text)  # "data parallel: N ranks (...), ZeRO-S (...)"
+        if zero:
+            row["zero"] = int(zero.group(1))
+    accum = RUN_ACCUM.search(text)
+    if accum and int(accum.group(1)) > 1:
+        row["grad_accum"] = int(accum.group(1))
     for field in PROFILE_FIELDS:
         values = sorted(r[field] for r in timed if field in r)
         if values:

@@ -1,7 +1,8 @@
 """The CPU benchmark scripts run end to end in their smallest form, so they do not rot between the
 runs that use them: bench/cpu_compare.py --tiny (flare's CPU attention against torch's, two
 cells, one iteration each) writes its JSON with every field the results schema names, and
-bench/plot_dp.py turns a training result file into its table. The numbers are not checked: they
+bench/plot_dp.py turns a training result file into its table, and bench/train_results.py reads a
+data-parallel run's layout (ZeRO stage, accumulation) from flare-train's own lines. The numbers are not checked: they
 are measurements, not tests. cpu_compare needs torch (its peer), which CI does not install (PyPI's
 torch wheels are the CUDA builds); scripts/gpu-check.sh runs these tests with torch."""
 
@@ -54,3 +55,28 @@ def test_plot_dp_table_from_a_result_file(tmp_path):
     lines = table.read_text().splitlines()
     assert len(lines) == 2 + 3  # header, rule, the three rows that ran
     assert any("1,900" in line and "2 × 1" in line for line in lines)
+
+
+def test_train_results_reads_the_zero_stage_and_accumulation(tmp_path):
+    # flare-train's own lines for a 4-rank ZeRO-2 run with 2 micro-batches per step.
+    stdout = tmp_path / "run.log"
+    stdout.write_text(
+        "run: device cuda (test card), batch 2 x seq 1024 x accum 2 x 4 GPUs = 16384 tokens/step, 8 steps\n"
+        "data parallel: 4 ranks (mpirun launch), ZeRO-2 (master weights, AdamW state and gradients sharded)\n"
+        "throughput: median of steps 2-3: 400.0 ms/step, 40960 tokens/s, MFU 40.0%, peak device memory\n")
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "dp": 4, "fwd_ms": 100.0 + s, "memory_bytes": 2**35}) + "\n"
+                           for s in (1, 2, 3)))
+    out = tmp_path / "out"
+    done = run("train_results.py", "--out", str(out), "--card", "test card",
+               "--flare", f"llama2-7b:2:1024:{stdout}:{log}")
+    assert done.returncode == 0, done.stderr
+    (path,) = out.glob("train-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert (row["gpus"], row["dp"], row["cp"], row["zero"], row["grad_accum"]) == (4, 4, 1, 2, 2)
+    assert row["fwd_ms"] == 103.0  # the median over steps 2-3 only
+
+    table = tmp_path / "table.md"
+    done = run("plot_dp.py", str(path), "--table", str(table))
+    assert done.returncode == 0, done.stderr
+    assert "| 4 × 1, ZeRO-2 | 1024 | 2 × 2 accum |" in table.read_text()
