@@ -281,6 +281,36 @@ TEST(InitParameters, SeededNormalsWithTheLayoutsStdOnesAndZeros) {
   }
 }
 
+TEST(InitParameters, ValuesArePinned) {
+  // The same elements tests/python/test_train_reference.py pins for the Python reimplementation:
+  // a resumed or re-run experiment depends on these bits never changing.
+  ModelConfig c;
+  ASSERT_TRUE(model_preset("gpt-tiny", &c).ok());
+  const ParameterLayout layout = parameter_layout(c);
+  std::vector<float> w(static_cast<size_t>(layout.total));
+  init_parameters(layout, 1337, w.data());
+  const std::pair<size_t, double> pinned[] = {{0, -0.0029651618096977472}, {1, 0.00833622645586729},
+                                              {2, -0.023231495171785355}, {3, -0.010514670051634312},
+                                              {12345, -0.04148602485656738}, {24583, -0.00013238287647254765}};
+  for (const auto& [offset, value] : pinned) EXPECT_EQ(w[offset], static_cast<float>(value)) << offset;
+}
+
+TEST(InitParameters, AParameterInsideAPairOfDrawsTakesItsHalf) {
+  // Elements 2k and 2k+1 share one Philox call; parameters that start or end at odd offsets must
+  // each take their own elements' halves: the same bits as one parameter over the whole range.
+  ParameterLayout whole, split;
+  whole.total = split.total = 12;
+  whole.params.push_back({.name = "w", .shape = {11}, .offset = 1, .numel = 11, .init_std = 0.5});
+  split.params.push_back({.name = "a", .shape = {3}, .offset = 1, .numel = 3, .init_std = 0.5});
+  split.params.push_back({.name = "b", .shape = {5}, .offset = 4, .numel = 5, .init_std = 0.5});
+  split.params.push_back({.name = "c", .shape = {3}, .offset = 9, .numel = 3, .init_std = 0.5});
+  std::vector<float> a(12, -1.0f), b(12, -1.0f);
+  init_parameters(whole, 7, a.data());
+  init_parameters(split, 7, b.data());
+  EXPECT_TRUE(bitwise_equal(a, b));
+  EXPECT_EQ(a[0], 0.0f);  // the gap before the first parameter
+}
+
 TEST(PeakFlops, TableKeyedByDeviceName) {
   EXPECT_EQ(peak_bf16_flops("NVIDIA H100 80GB HBM3"), 989e12);
   EXPECT_EQ(peak_bf16_flops("NVIDIA H100 PCIe"), 756e12);

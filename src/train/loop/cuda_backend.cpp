@@ -32,6 +32,7 @@
 
 #include "core/message.h"
 #include "core/numeric.h"
+#include "train/core/host_array.h"
 #include "train/cuda/adamw.h"
 #include "train/cuda/event_timer.h"
 #include "train/cuda/matmul.h"
@@ -198,9 +199,9 @@ class CudaBackend final : public Backend {
     // The bf16 weights the model reads, all of them on every rank: master rounded to nearest even
     // (as AdamW writes them).
     const int64_t n = layout_.total;
-    std::vector<uint16_t> weights(static_cast<size_t>(n));
+    HostArray<uint16_t> weights(n);
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) weights[static_cast<size_t>(i)] = float_to_bf16(master[i]);
+    for (int64_t i = 0; i < n; ++i) weights.data()[i] = float_to_bf16(master[i]);
     return cuda_status(cudaMemcpy(model_->weights(), weights.data(), static_cast<size_t>(n) * sizeof(bf16),
                                   cudaMemcpyHostToDevice), "set_state weights");
   }
@@ -432,7 +433,7 @@ class CudaBackend final : public Backend {
     const size_t bytes = sz(n) * sizeof(float);
     if (!full) return cuda_status(cudaMemset(shard, 0, bytes), "set_state");
     if (plan_.world == 1) return cuda_status(cudaMemcpy(shard, full, bytes, cudaMemcpyHostToDevice), "set_state");
-    std::vector<float> host(sz(n));
+    HostArray<float> host(n);  // full_to_shard writes every element
     dp::full_to_shard(plan_, rank_, full, host.data(), sizeof(float));
     return cuda_status(cudaMemcpy(shard, host.data(), bytes, cudaMemcpyHostToDevice), "set_state");
   }

@@ -81,10 +81,10 @@ std::string thousands(double x) {
 }
 
 // A raw little-endian fp32 file of exactly weights->size() values (the layout's flat buffer).
-Status read_flat_weights(const std::string& path, std::vector<float>* weights) {
+Status read_flat_weights(const std::string& path, HostArray<float>* weights) {
   std::error_code ec;
   const auto bytes = std::filesystem::file_size(path, ec);
-  const auto want = weights->size() * sizeof(float);
+  const auto want = static_cast<uintmax_t>(weights->size()) * sizeof(float);
   if (ec) return invalid("init_weights: cannot read '", path, "': ", ec.message());
   if (bytes != want) {
     return invalid("init_weights: '", path, "' has ", bytes, " bytes, the model's flat buffer is ",
@@ -92,11 +92,11 @@ Status read_flat_weights(const std::string& path, std::vector<float>* weights) {
   }
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) return invalid("init_weights: cannot open '", path, "'");
-  const size_t got = std::fread(weights->data(), sizeof(float), weights->size(), f);
+  const size_t got = std::fread(weights->data(), sizeof(float), sz(weights->size()), f);
   std::fclose(f);
-  if (got != weights->size()) return invalid("init_weights: reading '", path, "' failed");
-  for (float w : *weights) {
-    if (!std::isfinite(w)) return invalid("init_weights: '", path, "' holds a non-finite weight");
+  if (got != sz(weights->size())) return invalid("init_weights: reading '", path, "' failed");
+  for (int64_t i = 0; i < weights->size(); ++i) {
+    if (!std::isfinite(weights->data()[i])) return invalid("init_weights: '", path, "' holds a non-finite weight");
   }
   return Status::ok_status();
 }
@@ -218,13 +218,13 @@ Status Trainer::create(const TrainerOptions& options, std::unique_ptr<Trainer>* 
   // The state: a checkpoint's (checked against this model before anything is read into the
   // buffers) or a fresh initialisation.
   const int64_t n = t->layout_.total;
-  std::vector<float> master(sz(n)), m, v;
+  HostArray<float> master(n), m, v;
   if (!options.resume_from.empty() && !options.init_weights.empty()) {
     return invalid("init_weights: conflicts with resume_from (a resumed run takes its weights from the checkpoint)");
   }
   if (!options.resume_from.empty()) {
-    m.resize(sz(n));
-    v.resize(sz(n));
+    m = HostArray<float>(n);
+    v = HostArray<float>(n);
     CheckpointMeta meta;
     FLARE_RETURN_IF_ERROR(load_checkpoint(options.resume_from, model, &meta, master.data(),
                                           m.data(), v.data(), n));
@@ -402,7 +402,7 @@ Status Trainer::save_checkpoint(const std::string& path) {
   const int64_t n = layout_.total;
   // Rank 0 gathers the whole state; the others only send their shards.
   const int64_t held = rank_ == 0 ? n : 0;
-  std::vector<float> master(sz(held)), m(sz(held)), v(sz(held));
+  HostArray<float> master(held), m(held), v(held);
   FLARE_RETURN_IF_ERROR(backend_->get_state(master.data(), m.data(), v.data()));
   Status written = rank_ == 0 ? write_checkpoint(path, master, m, v) : Status::ok_status();
   if (world_ == 1) return written;
@@ -416,8 +416,8 @@ Status Trainer::save_checkpoint(const std::string& path) {
   return Status::ok_status();
 }
 
-Status Trainer::write_checkpoint(const std::string& path, const std::vector<float>& master,
-                                 const std::vector<float>& m, const std::vector<float>& v) const {
+Status Trainer::write_checkpoint(const std::string& path, const HostArray<float>& master,
+                                 const HostArray<float>& m, const HostArray<float>& v) const {
   const int64_t n = layout_.total;
   CheckpointMeta meta;
   meta.model = options_.model;

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "flare/status.h"
+#include "train/core/host_array.h"
 #include "train/core/model_config.h"
 #include "train/core/train_config.h"
 #include "train/data/loader.h"
@@ -131,8 +132,8 @@ class Trainer {
 
  private:
   Trainer() = default;
-  Status write_checkpoint(const std::string& path, const std::vector<float>& master,
-                          const std::vector<float>& m, const std::vector<float>& v) const;
+  Status write_checkpoint(const std::string& path, const HostArray<float>& master,
+                          const HostArray<float>& m, const HostArray<float>& v) const;
   Status load_step_batches(std::vector<int32_t>* inputs, std::vector<int32_t>* targets,
                            std::vector<uint8_t>* position_after);
   Status append_log(const StepReport& report);
