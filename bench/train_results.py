@@ -20,7 +20,9 @@ steady-state rule lives in one place; peak_mem_bytes is the largest "memory_byte
 before allocating, killed by a timeout) becomes a row with "error": the program's own message
 (its last "flare-train: ..." line) or the reason. torch rows are train_torch.py's rows as written
 (peak_mem_bytes there is torch.cuda.max_memory_allocated); --missing adds an error row for a run
-that wrote no JSON. Each row says which memory it counts ("peak_mem_kind").
+that wrote no JSON. Each row says which memory it counts ("peak_mem_kind"); a comparison's memory
+ratio uses the peer's device memory in use (device_in_use_bytes) where its row has it, the measure
+flare-train's is, and says which it used ("peak_mem_ratio_basis").
 """
 
 import argparse
@@ -130,8 +132,15 @@ def comparison(rows):
             if t is None:
                 continue
             entry = dict(case, peer=peer, tokens_per_s_ratio=f["tokens_per_s"] / t["tokens_per_s"])
-            if f.get("peak_mem_bytes") and t.get("peak_mem_bytes"):
-                entry["peak_mem_ratio"] = f["peak_mem_bytes"] / t["peak_mem_bytes"]
+            # Memory by one measure on both sides: flare-train's device memory in use against the
+            # peer's (train_torch.py's device_in_use_bytes); rows from before it recorded that
+            # compare against the peer's allocated peak, and say so.
+            peer_mem, basis = t.get("device_in_use_bytes"), FLARE_MEM_KIND
+            if not peer_mem:
+                peer_mem, basis = t.get("peak_mem_bytes"), f"flare-train's {FLARE_MEM_KIND} / {TORCH_MEM_KIND}"
+            if f.get("peak_mem_bytes") and peer_mem:
+                entry["peak_mem_ratio"] = f["peak_mem_bytes"] / peer_mem
+                entry["peak_mem_ratio_basis"] = basis
             out.append(entry)
         one = ok.get(("flare-train", model, seq, batch, 1))
         if gpus > 1 and one is not None:
@@ -199,7 +208,10 @@ def main(argv=None):
         if "scaling" in c:
             print(f"flare-train scaling {case}: {100 * c['scaling']:.1f}%")
             continue
-        mem = f", memory x{c['peak_mem_ratio']:.2f}" if "peak_mem_ratio" in c else ""
+        mem = ""
+        if "peak_mem_ratio" in c:
+            like = c["peak_mem_ratio_basis"] == FLARE_MEM_KIND
+            mem = f", memory x{c['peak_mem_ratio']:.2f}" + ("" if like else " (against the peer's allocated peak)")
         print(f"flare-train / {c['peer']} {case}: tokens/s x{c['tokens_per_s_ratio']:.3f}{mem}")
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "train", result, None)

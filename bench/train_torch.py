@@ -21,7 +21,10 @@ step_ms. One step = forward, backward, gradient clip, AdamW, zero_grad: what fla
 does. MFU = tokens_per_s · model_flops_per_token / 989e12 (H100 SXM dense bf16), the FLOP count of
 src/train/core/model_config.cpp model_flops_per_token() (6·N + 6·L·H·Q·T, PaLM's count with the
 causal attention term halved). peak_mem_bytes is torch.cuda.max_memory_allocated over the timed
-steps (tensors alive, not the caching allocator's reserve, which is peak_reserved_bytes).
+steps (tensors alive, not the caching allocator's reserve, which is peak_reserved_bytes);
+device_in_use_bytes is the device's total − free memory right after them, flare-train's measure
+(the caching allocator still holds its peak reserve then, and the CUDA context counts), so that
+the two programs' memory compares like with like.
 
 Several GPUs (bench mode under torchrun, WORLD_SIZE > 1): one process per GPU, device LOCAL_RANK,
 NCCL (gloo with --cpu, for tests). The model is wrapped in DistributedDataParallel and then
@@ -365,17 +368,19 @@ class StepClock:
 
 
 def peak_memory(torch, cpu):
-    """(peak bytes allocated, peak bytes reserved) since the last reset on the GPU; on the CPU
-    the process's peak resident set (Linux reports it in KiB), and no reserve."""
+    """(peak bytes allocated, peak bytes reserved, device bytes in use now) since the last reset
+    on the GPU; on the CPU the process's peak resident set (Linux reports it in KiB), and neither
+    a reserve nor a device."""
     if cpu:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
-    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None, None
+    free, total = torch.cuda.mem_get_info()
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), total - free
 
 
 # One rank's measurement of a case, as exchanged between the ranks.
 RankStats = collections.namedtuple(
-    "RankStats", "step_ms step_ms_mean step_ms_min peak_mem_bytes peak_reserved_bytes finite "
-    "loss_first loss_last")
+    "RankStats", "step_ms step_ms_mean step_ms_min peak_mem_bytes peak_reserved_bytes "
+    "device_in_use_bytes finite loss_first loss_last")
 
 
 def gather_ranks(torch, args, stats):
@@ -390,8 +395,8 @@ def gather_ranks(torch, args, stats):
     out = []
     for t in everyone:
         v = t.tolist()
-        out.append(RankStats(v[0], v[1], v[2], int(v[3]),
-                             None if v[4] != v[4] else int(v[4]), bool(v[5]), v[6], v[7]))
+        optional = [None if x != x else int(x) for x in v[4:6]]  # NaN: not measured
+        out.append(RankStats(v[0], v[1], v[2], int(v[3]), *optional, bool(v[6]), v[7], v[8]))
     return out
 
 
@@ -400,11 +405,13 @@ def combine_ranks(ranks):
     each time and memory is the largest over the ranks; the losses are the ranks' mean (each rank
     trains on its own batches); finite only if every rank's losses were."""
     reserved = [r.peak_reserved_bytes for r in ranks]
+    in_use = [r.device_in_use_bytes for r in ranks]
     return RankStats(
         step_ms=max(r.step_ms for r in ranks), step_ms_mean=max(r.step_ms_mean for r in ranks),
         step_ms_min=max(r.step_ms_min for r in ranks),
         peak_mem_bytes=max(r.peak_mem_bytes for r in ranks),
         peak_reserved_bytes=None if None in reserved else max(reserved),
+        device_in_use_bytes=None if None in in_use else max(in_use),
         finite=all(r.finite for r in ranks),
         loss_first=statistics.fmean(r.loss_first for r in ranks),
         loss_last=statistics.fmean(r.loss_last for r in ranks))
@@ -438,8 +445,8 @@ def bench_case(torch, tm, args, config, batch, seq, backend):
         losses.append(loss)
         clock.mark()
     ms = clock.elapsed_ms()
-    peak, reserved = peak_memory(torch, cpu)
-    mine = RankStats(statistics.median(ms), statistics.fmean(ms), min(ms), peak, reserved,
+    peak, reserved, in_use = peak_memory(torch, cpu)
+    mine = RankStats(statistics.median(ms), statistics.fmean(ms), min(ms), peak, reserved, in_use,
                      all(map(lambda t: bool(torch.isfinite(t)), losses)), first_loss,
                      losses[-1].item())
     ranks = gather_ranks(torch, args, mine)
@@ -461,6 +468,7 @@ def bench_case(torch, tm, args, config, batch, seq, backend):
         "step_ms_mean": stats.step_ms_mean, "step_ms_min": stats.step_ms_min,
         "steps_timed": args.steps,
         "peak_reserved_bytes": stats.peak_reserved_bytes,
+        "device_in_use_bytes": stats.device_in_use_bytes,
         "flops_per_token": flops, "parameters": tm.parameter_count(config),
         "precision": "bf16-autocast-fp32-weights" if args.precision == "bf16" else args.precision,
         "attention_backend": backend, "attention_kernels": kernels,

@@ -80,3 +80,29 @@ def test_train_results_reads_the_zero_stage_and_accumulation(tmp_path):
     done = run("plot_dp.py", str(path), "--table", str(table))
     assert done.returncode == 0, done.stderr
     assert "| 4 × 1, ZeRO-2 | 1024 | 2 × 2 accum |" in table.read_text()
+
+
+def test_train_results_compares_memory_by_one_measure(tmp_path):
+    # flare-train's peak is device memory in use; the peer's row carries both its allocated peak
+    # and its device memory in use: the ratio must take the second, and say so.
+    stdout = tmp_path / "run.log"
+    stdout.write_text("throughput: median of steps 2-3: 100.0 ms/step, 1000 tokens/s, MFU 40.0%\n")
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps({"step": 2, "memory_bytes": 60 * 2**30}) + "\n")
+    torch_row = {"impl": "torch-compile", "model": "gpt2", "gpus": 1, "seq": 1024, "batch_per_gpu": 4,
+                 "tokens_per_s": 800.0, "step_ms": 125.0, "peak_mem_bytes": 40 * 2**30,
+                 "device_in_use_bytes": 50 * 2**30}
+    peer = tmp_path / "torch.json"
+    peer.write_text(json.dumps({"card": "test card", "rows": [torch_row]}))
+    old_peer = tmp_path / "torch_old.json"  # a row from before device_in_use_bytes was recorded
+    old_peer.write_text(json.dumps({"card": "test card", "rows": [dict(torch_row, device_in_use_bytes=None)]}))
+    for source, ratio, like in ((peer, 1.2, True), (old_peer, 1.5, False)):
+        out = tmp_path / f"out_{source.stem}"
+        done = run("train_results.py", "--out", str(out), "--flare", f"gpt2:4:1024:{stdout}:{log}",
+                   "--torch", str(source))
+        assert done.returncode == 0, done.stderr
+        (path,) = out.glob("train-*.json")
+        (entry,) = [c for c in json.loads(path.read_text())["comparison"] if "peak_mem_ratio" in c]
+        assert entry["peak_mem_ratio"] == pytest.approx(ratio)
+        assert entry["peak_mem_ratio_basis"].startswith("device memory in use") == like
+        assert ("allocated peak" in done.stdout) != like

@@ -125,10 +125,10 @@ def test_shards_are_dealt_to_the_ranks(alone, tmp_path):
 
 
 def test_combine_ranks_takes_the_slowest_rank():
-    fast = train_torch.RankStats(10.0, 11.0, 9.0, 1000, 2000, True, 5.0, 4.0)
-    slow = train_torch.RankStats(12.0, 12.5, 8.5, 900, None, False, 6.0, 3.0)
+    fast = train_torch.RankStats(10.0, 11.0, 9.0, 1000, 2000, 3000, True, 5.0, 4.0)
+    slow = train_torch.RankStats(12.0, 12.5, 8.5, 900, None, 3500, False, 6.0, 3.0)
     both = train_torch.combine_ranks([fast, slow])
-    assert both == train_torch.RankStats(12.0, 12.5, 9.0, 1000, None, False, 5.5, 3.5)
+    assert both == train_torch.RankStats(12.0, 12.5, 9.0, 1000, None, 3500, False, 5.5, 3.5)
     assert train_torch.combine_ranks([fast]) == fast  # alone: the measurement as it was
 
 
