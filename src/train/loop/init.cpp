@@ -46,10 +46,10 @@ void init_parameters(const ParameterLayout& layout, uint64_t seed, float* master
   // The alignment gaps (the elements no parameter covers; params are in buffer order) are zero.
   int64_t covered = 0;
   for (const ParamSpec& p : layout.params) {
-    std::fill(master + covered, master + p.offset, 0.0f);
-    covered = p.offset + p.numel;
+    if (p.offset > covered) std::fill(master + covered, master + p.offset, 0.0f);
+    covered = std::max(covered, p.offset + p.numel);
   }
-  std::fill(master + covered, master + layout.total, 0.0f);
+  if (layout.total > covered) std::fill(master + covered, master + layout.total, 0.0f);
 
   for (const ParamSpec& p : layout.params) {
     float* w = master + p.offset;
