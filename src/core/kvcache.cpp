@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "core/backends.h"
@@ -372,9 +373,13 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
                      " sequences so far)");
   }
   const int64_t total_k = cu_k[static_cast<size_t>(b)];
-  std::vector<unsigned char> qp(static_cast<size_t>(total_q * hq * d) * es);
-  std::vector<unsigned char> op(qp.size());
-  std::vector<unsigned char> kp(static_cast<size_t>(total_k * hkv * d) * es), vp(kp.size());
+  // Packed copies, every byte written below before it is read: left uninitialised, since zeroing
+  // a cache-sized buffer on one thread (and faulting its pages in) cost as much as the attention.
+  const size_t q_bytes = static_cast<size_t>(total_q * hq * d) * es, kv_bytes = static_cast<size_t>(total_k * hkv * d) * es;
+  const auto qp = std::make_unique_for_overwrite<unsigned char[]>(q_bytes);
+  const auto op = std::make_unique_for_overwrite<unsigned char[]>(q_bytes);
+  const auto kp = std::make_unique_for_overwrite<unsigned char[]>(kv_bytes);
+  const auto vp = std::make_unique_for_overwrite<unsigned char[]>(kv_bytes);
   VarlenArgs varlen;
   varlen.cu_seqlens_q = TensorView::contiguous(cu_q.data(), DType::kInt32, {b + 1});
   varlen.cu_seqlens_k = TensorView::contiguous(cu_k.data(), DType::kInt32, {b + 1});
@@ -382,10 +387,10 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
   varlen.max_seqlen_k = static_cast<int>(max_k);
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(make_forward_params(
-      TensorView::contiguous(qp.data(), dt, {total_q, hq, d}),
-      TensorView::contiguous(kp.data(), dt, {total_k, hkv, d}),
-      TensorView::contiguous(vp.data(), dt, {total_k, hkv, d}),
-      TensorView::contiguous(op.data(), dt, {total_q, hq, d}),
+      TensorView::contiguous(qp.get(), dt, {total_q, hq, d}),
+      TensorView::contiguous(kp.get(), dt, {total_k, hkv, d}),
+      TensorView::contiguous(vp.get(), dt, {total_k, hkv, d}),
+      TensorView::contiguous(op.get(), dt, {total_q, hq, d}),
       TensorView::contiguous(lse_packed.data(), DType::kFloat32, {hq, total_q}), options, varlen,
       &p));
 
@@ -407,21 +412,23 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
                   dt, d, nullptr, 0, 0);
       }
     }
-  // Gather every sequence's cache rows, and q (rotated at its positions).
+  // Gather every sequence's cache rows, and q (rotated at its positions). The gather copies the
+  // whole cache on every call: in parallel over its rows, each thread first touching its pages.
   for (int64_t i = 0; i < b; ++i) {
     const int64_t n = plan.len_before[static_cast<size_t>(i)] + plan.seqlen_new;
+#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t h = 0; h < hkv; ++h) {
         const int64_t dst = ((cu_k[static_cast<size_t>(i)] + t) * hkv + h) * d;
-        copy_head(c.k_cache.data, cache_offset(c.k_cache, c, plan, i, t, h), kp.data(), dst, dt, d,
+        copy_head(c.k_cache.data, cache_offset(c.k_cache, c, plan, i, t, h), kp.get(), dst, dt, d,
                   nullptr, 0, 0);
-        copy_head(c.v_cache.data, cache_offset(c.v_cache, c, plan, i, t, h), vp.data(), dst, dt, d,
+        copy_head(c.v_cache.data, cache_offset(c.v_cache, c, plan, i, t, h), vp.get(), dst, dt, d,
                   nullptr, 0, 0);
       }
     for (int64_t j = 0; j < sq; ++j) {
       const int64_t pos = plan.len_before[static_cast<size_t>(i)] + (plan.rotate_q_per_row ? j : 0);
       for (int64_t h = 0; h < hq; ++h)
-        copy_head(q.data, i * q.stride[0] + j * q.stride[1] + h * q.stride[2], qp.data(),
+        copy_head(q.data, i * q.stride[0] + j * q.stride[1] + h * q.stride[2], qp.get(),
                   ((i * sq + j) * hq + h) * d, dt, d, rot, plan.rotary_half, pos);
     }
   }
@@ -436,7 +443,7 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
   for (int64_t i = 0; i < b; ++i)
     for (int64_t j = 0; j < sq; ++j)
       for (int64_t h = 0; h < hq; ++h) {
-        copy_head(op.data(), ((i * sq + j) * hq + h) * d, o.data,
+        copy_head(op.get(), ((i * sq + j) * hq + h) * d, o.data,
                   i * o.stride[0] + j * o.stride[1] + h * o.stride[2], dt, d, nullptr, 0, 0);
         if (lse.defined())
           static_cast<float*>(lse.data)[(i * hq + h) * sq + j] =
