@@ -240,6 +240,60 @@ std::vector<Case> cases() {
     add("magnitude_1e3_bf16_causal", s);
   }
 
+  // Decoding: at most 4 query rows per sequence and no dropout take the keys-in-lanes path, a
+  // task per (sequence, kv head, head set, chunk of 512+ keys), its partial results merged in
+  // chunk order: several chunks, ragged tiles, GQA and MQA groups (a 32-head group is one task's
+  // rows), causal and window ranges ending mid-tile, rows that see nothing, varlen with empty
+  // sequences, one-hot rows (magnitude 1e3) for the backward's exact recompute.
+  {
+    ProblemSpec s = fixed(1, 1500, 4, 4, 64);
+    add("decode_s1_three_chunks", s);
+  }
+  {
+    ProblemSpec s = fixed(1, 700, 8, 2, 128);
+    s.batch = 2;
+    add("decode_gqa_d128", s);
+  }
+  {
+    ProblemSpec s = fixed(1, 300, 32, 1, 64);
+    add("decode_mqa_32_heads", s);
+  }
+  {
+    ProblemSpec s = fixed(4, 1100, 8, 2, 80);
+    s.options.causal = true;
+    s.dtype = DType::kBFloat16;
+    add("decode_s4_causal_bf16", s);
+  }
+  {
+    ProblemSpec s = fixed(3, 900, 4, 2, 59);
+    s.alibi = true;
+    s.options.window_left = 200;
+    s.options.window_right = 0;
+    s.options.softcap = 6.0f;
+    s.dtype = DType::kFloat16;
+    add("decode_window_softcap_alibi_fp16", s);
+  }
+  {
+    ProblemSpec s = varlen({1, 0, 4, 2}, {1000, 5, 0, 70}, 4, 1, 96);
+    s.options.causal = true;
+    s.pad = 2;
+    add("decode_varlen_empty", s);
+  }
+  {
+    ProblemSpec s = fixed(4, 2, 2, 2, 32);
+    s.options.causal = true;
+    add("decode_rows_before_diagonal", s);
+  }
+  {
+    ProblemSpec s = fixed(2, 40000, 2, 1, 32);
+    add("decode_63_chunks", s);
+  }
+  {
+    ProblemSpec s = fixed(1, 600, 2, 2, 64);
+    s.magnitude = 1e3f;
+    add("decode_magnitude_1e3", s);
+  }
+
   // Everything at once.
   {
     ProblemSpec s = varlen({33, 0, 97, 70}, {50, 20, 0, 111}, 8, 2, 59);

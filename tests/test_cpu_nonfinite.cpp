@@ -120,6 +120,11 @@ std::vector<Config> configs() {
        alibi(softcap(window(varlen({17, 0, 97}, {17, 0, 97}, 2, 2, 40), 16, 0), 8.0f))},
       {"bf16_s97_causal_dropout_d64", dropout(causal(shape(1, 97, 97, 2, 2, 64, DType::kBFloat16)), 0.2f)},
       {"fp16_s17_window_gqa_d80", window(shape(2, 17, 17, 4, 2, 80, DType::kFloat16), 3, 5)},
+      // Decoding shapes (at most 4 query rows per sequence: the keys-in-lanes path, chunks of
+      // 512+ keys merged).
+      {"decode_s1_sk600_gqa_d64", shape(2, 1, 600, 8, 2, 64)},
+      {"decode_s4_sk1100_causal_window_mqa_d80", window(causal(shape(1, 4, 1100, 4, 1, 80)), 300, 0)},
+      {"decode_varlen_alibi_softcap_d40", alibi(softcap(varlen({1, 0, 3}, {97, 4, 0}, 4, 2, 40), 6.0f))},
       {"mag1e3_s97_causal_d64", magnitude(causal(shape(1, 97, 97, 2, 2, 64)), 1e3f)},
       {"mag1e3_varlen_window_gqa_d40",
        magnitude(window(varlen({17, 0, 97}, {40, 3, 97}, 4, 2, 40), 20, 2), 1e3f)},
