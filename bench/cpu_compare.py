@@ -23,6 +23,8 @@ Writes DIR/cpu_compare-<cpu>-<date>.json: {"card": the CPU model, "date", "commi
 "s_q", "s_k", "h", "h_kv", "d", "causal", "ms", "gflops", "threads", "peak_mem_bytes",
 "fraction_of_peak"}], "ratios": [{cell…, "flare_over_torch"}]} and, with --chart, a PNG of the
 ratios. --tiny runs two small cells with few iterations (CI keeps the script from rotting).
+--decode runs decoding cells instead (forward only, one query row against a long K/V, with and
+without GQA: the shapes of a KV-cache decode step; torch with enable_gqa).
 """
 
 import argparse
@@ -160,9 +162,24 @@ def median_ms(step, warmup, iters):
     return statistics.median(times)
 
 
-def attention_flops(b, h, s, d, causal, pass_):
-    fwd = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+def attention_flops(b, h, s_q, s_k, d, causal, pass_):
+    fwd = 4.0 * b * h * s_q * s_k * d * (0.5 if causal else 1.0)
     return fwd if pass_ == "fwd" else 2.5 * fwd
+
+
+# Decoding cells (b, s_k, h, h_kv, d), one query row each: LLaMA-like GQA 32/8 at d 128 and 64,
+# a batch of four, MQA over a long cache, and no grouping at all.
+DECODE_CELLS = ((1, 8192, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 8192, 32, 8, 64),
+                (1, 32768, 8, 1, 128), (1, 8192, 32, 32, 128))
+
+
+def cells(args):
+    """The (b, s_q, s_k, h, h_kv, d, causal) cells of the run."""
+    if args.decode:
+        return [(b, 1, s_k, h, h_kv, d, False) for b, s_k, h, h_kv, d in DECODE_CELLS]
+    lengths = [256] if args.tiny else [int(x) for x in args.s.split(",")]
+    dims = [64] if args.tiny else [int(x) for x in args.d.split(",")]
+    return [(1, s, s, 8, 8, d, causal) for d in dims for s in lengths for causal in (False, True)]
 
 
 def main(argv=None):
@@ -175,6 +192,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="two small cells, one iteration (CI)")
+    p.add_argument("--decode", action="store_true", help="decoding cells (s_q 1, GQA), forward only")
     p.add_argument("--chart", action="store_true", help="also a PNG of flare / torch per cell")
     args = p.parse_args(argv)
     if args.threads < 1:
@@ -186,62 +204,60 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    lengths = [256] if args.tiny else [int(x) for x in args.s.split(",")]
-    dims = [64] if args.tiny else [int(x) for x in args.d.split(",")]
-    passes = args.passes.split(",")
+    passes = ["fwd"] if args.decode else args.passes.split(",")
     warmup, iters = (0, 1) if args.tiny else (args.warmup, args.iters)
     flags = cpu_flags()
     dtypes = [torch.float32]
     if not args.tiny and ("avx512_bf16" in flags or "amx_bf16" in flags):
         dtypes.append(torch.bfloat16)
-    b, h = 1, 8
     peak = None if args.tiny else fma_peak_gflops(args.threads)
 
     rows, ratios = [], []
     for dtype in dtypes:
-        for d in dims:
-            for s in lengths:
-                for causal in (False, True):
-                    g = torch.Generator().manual_seed(s * 1000 + d)
-                    q, k, v, dout = (torch.randn(b, s, h, d, generator=g, dtype=torch.float32).to(dtype)
-                                     for _ in range(4))
-                    for t in (q, k, v):
-                        t.requires_grad_(True)
-                    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(True) for t in (q, k, v))
-                    dout_t = dout.transpose(1, 2)
+        for b, s_q, s_k, h, h_kv, d, causal in cells(args):
+            g = torch.Generator().manual_seed(s_k * 1000 + d)
+            # Drawn in the order q, k, v, dO (the grid's inputs as before decoding cells).
+            q, k, v, dout = (torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
+                             for shape in ((b, s_q, h, d), (b, s_k, h_kv, d), (b, s_k, h_kv, d),
+                                           (b, s_q, h, d)))
+            for t in (q, k, v):
+                t.requires_grad_(True)
+            qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(True) for t in (q, k, v))
+            dout_t = dout.transpose(1, 2)
 
-                    def run_flare():
-                        return flare.flash_attn_func(q, k, v, causal=causal)
+            def run_flare():
+                return flare.flash_attn_func(q, k, v, causal=causal)
 
-                    def run_torch():
-                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            def run_torch():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qt, kt, vt, is_causal=causal, enable_gqa=h != h_kv)
 
-                    for pass_ in passes:
-                        cell = {"pass": pass_, "dtype": str(dtype).replace("torch.", ""), "b": b, "s_q": s,
-                                "s_k": s, "h": h, "h_kv": h, "d": d, "causal": causal}
-                        ms = {}
-                        for impl, fwd, ins, grad in (("flare", run_flare, (q, k, v), dout),
-                                                     ("torch-cpu", run_torch, (qt, kt, vt), dout_t)):
-                            if pass_ == "fwd":
-                                def step(fwd=fwd):
-                                    with torch.no_grad():
-                                        fwd()
-                            else:
-                                out = fwd()
+            for pass_ in passes:
+                cell = {"pass": pass_, "dtype": str(dtype).replace("torch.", ""), "b": b, "s_q": s_q,
+                        "s_k": s_k, "h": h, "h_kv": h_kv, "d": d, "causal": causal}
+                ms = {}
+                for impl, fwd, ins, grad in (("flare", run_flare, (q, k, v), dout),
+                                             ("torch-cpu", run_torch, (qt, kt, vt), dout_t)):
+                    if pass_ == "fwd":
+                        def step(fwd=fwd):
+                            with torch.no_grad():
+                                fwd()
+                    else:
+                        out = fwd()
 
-                                def step(out=out, ins=ins, grad=grad):
-                                    torch.autograd.grad(out, ins, grad, retain_graph=True)
-                            with PeakMemory() as mem:
-                                ms[impl] = median_ms(step, warmup, iters)
-                            gflops = attention_flops(b, h, s, d, causal, pass_) / (ms[impl] * 1e6)
-                            rows.append(dict(cell, impl=impl, ms=ms[impl], gflops=gflops, threads=args.threads,
-                                             peak_mem_bytes=mem.peak,
-                                             fraction_of_peak=gflops / peak if peak else None))
-                            print(f"{impl:9s} {pass_} {cell['dtype']:8s} s {s:5d} d {d:3d} "
-                                  f"{'causal' if causal else 'full  '} {ms[impl]:9.3f} ms {gflops:8.1f} GFLOP/s",
-                                  flush=True)
-                        ratios.append(dict(cell, flare_over_torch=ms["torch-cpu"] / ms["flare"]))
+                        def step(out=out, ins=ins, grad=grad):
+                            torch.autograd.grad(out, ins, grad, retain_graph=True)
+                    with PeakMemory() as mem:
+                        ms[impl] = median_ms(step, warmup, iters)
+                    gflops = attention_flops(b, h, s_q, s_k, d, causal, pass_) / (ms[impl] * 1e6)
+                    rows.append(dict(cell, impl=impl, ms=ms[impl], gflops=gflops, threads=args.threads,
+                                     peak_mem_bytes=mem.peak,
+                                     fraction_of_peak=gflops / peak if peak else None))
+                    print(f"{impl:9s} {pass_} {cell['dtype']:8s} b {b} s {s_q:5d}/{s_k:5d} h {h:2d}/{h_kv:2d} d {d:3d} "
+                          f"{'causal' if causal else 'full  '} {ms[impl]:9.3f} ms {gflops:8.1f} GFLOP/s",
+                          flush=True)
+                ratios.append(dict(cell, flare_over_torch=ms["torch-cpu"] / ms["flare"]))
 
     result = {"card": cpu_model(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
