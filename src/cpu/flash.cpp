@@ -812,14 +812,20 @@ void decode_task(const AttentionParams& p, const DecodeTask& t, float* partial, 
       prefetch_rows(p.v, p.dtype, first.v + (j0 + nk) * p.v_row_stride, p.v_row_stride, next, d);
     }
     matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, kt, kDecodeLd, d, s, kDecodeLd, nullptr});
+    // Keys [ta[r], te[r]) of the tile that query row r sees (every head alike).
+    int ta[kDecodeRows], te[kDecodeRows];
     bool masked = false;  // some row does not see some key of the tile
+    for (int r = 0; r < len_q; ++r) {
+      ta[r] = std::clamp(lo[r] - j0, 0, nk);
+      te[r] = std::clamp(hi[r] - j0, 0, nk);
+      masked = masked || ta[r] > 0 || te[r] < nk;
+    }
     for (int g = 0; g < t.heads; ++g)
       for (int r = 0; r < len_q; ++r) {
         const int row = g * len_q + r;
         const Head& hd = heads[g];
         float* srow = s + row * kDecodeLd;
-        const int a = std::clamp(lo[r] - j0, 0, nk), e = std::clamp(hi[r] - j0, 0, nk);
-        masked = masked || a > 0 || e < nk;
+        const int a = ta[r], e = te[r];
         // Online softmax over the row's keys of the tile: scores, the tile's max, then weights.
         Vec vmax = simd::splat(-kInf);
         for (int n = 0; n < kvecs; ++n) {
@@ -854,10 +860,9 @@ void decode_task(const AttentionParams& p, const DecodeTask& t, float* partial, 
     } else {
       for (int row = 0; row < rows; ++row) {
         const int r = row % len_q;
-        const int a = std::clamp(lo[r] - j0, 0, nk), e = std::clamp(hi[r] - j0, 0, nk);
         for (int dim = 0; dim < d; ++dim) {
           float acc = 0.0f;
-          for (int k = a; k < e; ++k) acc = simd::fma(s[row * kDecodeLd + k], vt[k * ldr + dim], acc);
+          for (int k = ta[r]; k < te[r]; ++k) acc = simd::fma(s[row * kDecodeLd + k], vt[k * ldr + dim], acc);
           o[row * ldr + dim] += acc;
         }
       }
