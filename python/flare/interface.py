@@ -239,8 +239,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (like q), or (out, softmax_lse (b, h, s_q) float32) with return_softmax_lse.
 
     The caches must be writable arrays of the caller (a NumPy array or torch tensor, not a
-    JAX array): flare writes k and v into them. CPU only for now: CUDA tensors raise
-    NotImplementedError.
+    JAX array): flare writes k and v into them. CPU and CUDA tensors (float16 / bfloat16 on
+    CUDA, where the integer tensors' values are checked by the kernels: a sequence that breaks
+    a rule gets NaN in its rows of out and softmax_lse, and nothing is appended to its cache).
     """
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad: left-padded caches are not supported yet")

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/params.h"
+#include "cuda/decode/decode_params.h"
 #include "flare/attention.h"
 
 namespace flare {
@@ -65,6 +66,9 @@ namespace cuda {
 // Implemented in src/cuda when FLARE_WITH_CUDA, else stubs that return kUnsupported.
 Status forward(const AttentionParams& p, Stream stream);
 Status backward(const AttentionParams& p, Stream stream);
+// attention_with_kvcache on CUDA tensors (src/cuda/decode): the append, the attention over the
+// cache in place and the split-KV merge, on device `device_index` and `stream`.
+Status kvcache_forward(const DecodeParams& p, int device_index, Stream stream);
 }  // namespace cuda
 
 }  // namespace flare

@@ -272,6 +272,106 @@ Status validate_values(const KVCacheArgs& c, Plan* plan) {
   return {};
 }
 
+// CUDA tensors: cache_seqlens, block_table and cache_batch_idx stay on the device (reading them
+// would synchronise), so the kernels check their values (cuda/decode/decode_params.h). One length
+// for every sequence is a host value: it is checked here like the CPU path's.
+Status validate_scalar_length(const KVCacheArgs& c, Plan* plan) {
+  if (c.cache_seqlens.defined()) return {};
+  if (c.cache_seqlen + plan->seqlen_new > plan->capacity)
+    return invalid("cache_seqlen = ", c.cache_seqlen, " plus seqlen_new = ", plan->seqlen_new,
+                   " exceeds the cache capacity ", plan->capacity,
+                   plan->paged ? " (max_blocks * block_size)" : " (seqlen_cache)");
+  if (plan->rotary) {
+    const int64_t q_span = plan->rotate_q_per_row ? plan->seqlen_q : std::min<int64_t>(plan->seqlen_q, 1);
+    const int64_t need = c.cache_seqlen + std::max(plan->seqlen_new, q_span);
+    if (need > c.rotary_cos.shape[0])
+      return invalid("rotary_cos: seqlen_rotary = ", c.rotary_cos.shape[0],
+                     " is too short: the sequences rotate positions up to ", need - 1);
+  }
+  return {};
+}
+
+bool aligned16(const TensorView& t) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int i = 0; i < t.ndim - 1; ++i)
+    if (t.stride[i] % 8 != 0) return false;
+  return true;
+}
+
+// The CUDA kernels' view of a validated call.
+cuda::DecodeParams decode_params(const TensorView& q, const KVCacheArgs& c, const TensorView& o,
+                                 const TensorView& lse, const AttentionParams& scores,
+                                 const Plan& plan) {
+  cuda::DecodeParams p;
+  p.dtype = q.dtype;
+  p.batch = static_cast<int>(plan.batch);
+  p.seqlen_q = static_cast<int>(plan.seqlen_q);
+  p.heads_q = static_cast<int>(plan.heads_q);
+  p.heads_kv = static_cast<int>(plan.heads_kv);
+  p.head_dim = static_cast<int>(plan.head_dim);
+  p.group = p.heads_q / p.heads_kv;
+  p.q = q.data;
+  p.q_batch_stride = q.stride[0], p.q_row_stride = q.stride[1], p.q_head_stride = q.stride[2];
+  p.o = o.data;
+  p.o_batch_stride = o.stride[0], p.o_row_stride = o.stride[1], p.o_head_stride = o.stride[2];
+  p.lse = lse.defined() ? static_cast<float*>(lse.data) : nullptr;
+  p.k_cache = c.k_cache.data;
+  p.v_cache = c.v_cache.data;
+  for (int i = 0; i < 3; ++i) {
+    p.k_stride[i] = c.k_cache.stride[i];
+    p.v_stride[i] = c.v_cache.stride[i];
+  }
+  if (plan.paged) {
+    p.block_table = static_cast<const int32_t*>(c.block_table.data);
+    p.block_table_stride[0] = c.block_table.stride[0];
+    p.block_table_stride[1] = c.block_table.stride[1];
+    p.block_size = static_cast<int>(plan.block_size);
+    p.num_blocks = static_cast<int>(c.k_cache.shape[0]);
+  } else if (c.cache_batch_idx.defined()) {
+    p.cache_batch_idx = static_cast<const int32_t*>(c.cache_batch_idx.data);
+    p.cache_batch_idx_stride = c.cache_batch_idx.stride[0];
+  }
+  p.batch_cache = static_cast<int>(c.k_cache.shape[0]);
+  if (c.cache_seqlens.defined()) {
+    p.cache_seqlens = static_cast<const int32_t*>(c.cache_seqlens.data);
+    p.cache_seqlens_stride = c.cache_seqlens.stride[0];
+  }
+  p.cache_seqlen = c.cache_seqlen;
+  p.capacity = plan.capacity;
+  if (plan.seqlen_new > 0) {
+    p.k_new = c.k_new.data;
+    p.v_new = c.v_new.data;
+    for (int i = 0; i < 3; ++i) {
+      p.k_new_stride[i] = c.k_new.stride[i];
+      p.v_new_stride[i] = c.v_new.stride[i];
+    }
+    p.seqlen_new = static_cast<int>(plan.seqlen_new);
+  }
+  if (plan.rotary) {
+    p.rotary_cos = c.rotary_cos.data;
+    p.rotary_sin = c.rotary_sin.data;
+    for (int i = 0; i < 2; ++i) {
+      p.cos_stride[i] = c.rotary_cos.stride[i];
+      p.sin_stride[i] = c.rotary_sin.stride[i];
+    }
+    p.rotary_fp32 = c.rotary_cos.dtype == DType::kFloat32;
+    p.rotary_interleaved = c.rotary_interleaved;
+    p.rotate_q_per_row = plan.rotate_q_per_row;
+    p.rotary_half = static_cast<int>(plan.rotary_half);
+    p.seqlen_rotary = c.rotary_cos.shape[0];
+  }
+  p.scale = scores.scale;
+  p.softcap = scores.softcap;
+  p.softcap_inverse = scores.softcap > 0.0f ? 1.0f / scores.softcap : 0.0f;
+  p.alibi_slopes = scores.alibi_slopes;
+  p.alibi_batch_stride = scores.alibi_batch_stride;
+  p.window_left = scores.window_left;
+  p.window_right = scores.window_right;
+  p.aligned16 = plan.head_dim % 8 == 0 && aligned16(c.k_cache) && aligned16(c.v_cache);
+  p.num_splits = c.num_splits;
+  return p;
+}
+
 // Element offset of (token t, kv head h, 0) of sequence i in a cache view.
 int64_t cache_offset(const TensorView& cache, const KVCacheArgs& c, const Plan& plan, int64_t i,
                      int64_t t, int64_t h) {
@@ -313,7 +413,6 @@ void copy_head(const void* src, int64_t src_off, void* dst, int64_t dst_off, DTy
 Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const TensorView& o,
                               const TensorView& lse, const AttentionOptions& options,
                               Stream stream) {
-  (void)stream;  // used once CUDA kernels exist
   // q, o, lse and the options: attention_forward's own checks, with q standing in for k and v.
   FLARE_RETURN_IF_ERROR(check_tensor_rank(q, "q", 4, "(batch, seqlen_q, heads_q, head_dim)"));
   if (options.dropout_p != 0.0f)
@@ -332,8 +431,8 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
   std::vector<float> lse_packed(static_cast<size_t>(b * hq * sq));  // (h_q, b·s_q)
   const TensorView lse_check =
       lse.defined() ? lse : TensorView::contiguous(lse_packed.data(), DType::kFloat32, {b, hq, sq}, q.device, q.device_index);
-  AttentionParams unused;
-  FLARE_RETURN_IF_ERROR(make_forward_params(q, q, q, o, lse_check, options, {}, &unused));
+  AttentionParams scores;  // the score modifiers, as attention_forward reads them
+  FLARE_RETURN_IF_ERROR(make_forward_params(q, q, q, o, lse_check, options, {}, &scores));
 
   Plan plan;
   FLARE_RETURN_IF_ERROR(validate_shapes(q, c, options, &plan));
@@ -351,9 +450,10 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
   FLARE_RETURN_IF_ERROR(check_written_disjoint({&lse, "lse"}, args));
   FLARE_RETURN_IF_ERROR(check_written_disjoint({&kc_written, "k_cache"}, args));
   FLARE_RETURN_IF_ERROR(check_written_disjoint({&vc_written, "v_cache"}, args));
-  if (q.device == DeviceType::kCUDA)
-    return Status::unsupported(
-        "attention_with_kvcache: KV-cache decoding has no CUDA kernels yet; pass CPU tensors");
+  if (q.device == DeviceType::kCUDA) {
+    FLARE_RETURN_IF_ERROR(validate_scalar_length(c, &plan));
+    return cuda::kvcache_forward(decode_params(q, c, o, lse, scores, plan), q.device_index, stream);
+  }
   FLARE_RETURN_IF_ERROR(validate_values(c, &plan));
 
   // The packed varlen problem the backends solve: q rows b·s_q + j, sequence i's keys at

@@ -215,14 +215,8 @@ Status backward(const AttentionParams& p, Stream stream) {
     return Status::unsupported(
         "q: the CUDA backward takes float16 or bfloat16 tensors (as FlashAttention does), got " +
         std::string(dtype_name(p.dtype)) + "; convert the inputs, or use CPU tensors");
-  int current = 0;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err != cudaSuccess) return cuda_failure("cudaGetDevice", err);
-  if (current != p.device_index && (err = cudaSetDevice(p.device_index)) != cudaSuccess)
-    return cuda_failure("cudaSetDevice", err);
-  const Status status = run_backward(p, static_cast<cudaStream_t>(stream));
-  if (current != p.device_index) cudaSetDevice(current);
-  return status;
+  return on_device(p.device_index,
+                   [&] { return run_backward(p, static_cast<cudaStream_t>(stream)); });
 }
 
 }  // namespace cuda

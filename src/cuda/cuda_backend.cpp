@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/backends.h"
+#include "cuda/device_probe.h"
 #include "cuda/fwd_fixup.h"
 #include "cuda/sm80/fwd_launch.h"
 #include "cuda/sm90/fwd_launch.h"
@@ -45,21 +46,6 @@ int forward_bucket(DType dtype, int head_dim) {
 #include "flare/cuda_fwd_variants.inc"
 #undef FLARE_CUDA_FWD_VARIANT
   return best;
-}
-
-// Runs `launch` on the tensors' device, restoring the caller's current device afterwards.
-template <typename Launch>
-Status on_device(int device_index, Launch launch) {
-  int current = 0;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err != cudaSuccess)
-    return Status::device_error(std::string("cudaGetDevice: ") + cudaGetErrorString(err));
-  if (current != device_index && (err = cudaSetDevice(device_index)) != cudaSuccess)
-    return Status::device_error("cudaSetDevice(" + std::to_string(device_index) +
-                                "): " + cudaGetErrorString(err));
-  const Status status = launch();
-  if (current != device_index) cudaSetDevice(current);
-  return status;
 }
 
 // Whether the sm90 kernel of p's bucket runs p on the current device.

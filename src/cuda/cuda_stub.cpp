@@ -12,6 +12,11 @@ Status forward(const AttentionParams&, Stream) {
 
 Status backward(const AttentionParams& p, Stream s) { return forward(p, s); }
 
+Status kvcache_forward(const DecodeParams&, int, Stream) {
+  return Status::unsupported("q: CUDA tensors need a flare build with CUDA (configure with "
+                             "-DFLARE_CUDA=ON on a machine with nvcc)");
+}
+
 }  // namespace cuda
 
 bool cuda_built() { return false; }

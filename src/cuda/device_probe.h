@@ -150,4 +150,19 @@ inline Status allow_dynamic_smem(const void* kernel, int bytes) {
   return {};
 }
 
+// Runs `launch` on the tensors' device, restoring the caller's current device afterwards.
+template <typename Launch>
+inline Status on_device(int device_index, Launch launch) {
+  int current = 0;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess)
+    return Status::device_error(std::string("cudaGetDevice: ") + cudaGetErrorString(err));
+  if (current != device_index && (err = cudaSetDevice(device_index)) != cudaSuccess)
+    return Status::device_error("cudaSetDevice(" + std::to_string(device_index) +
+                                "): " + cudaGetErrorString(err));
+  const Status status = launch();
+  if (current != device_index) cudaSetDevice(current);
+  return status;
+}
+
 }  // namespace flare::cuda

@@ -84,6 +84,10 @@ flare_cuda90_variants(bwd ${FLARE_CUDA_BWD90_HEAD_DIMS})
 # Forward dispatch (the backward's is src/cuda/backward.cpp, listed below) and the forward's
 # non-finite fixup kernel.
 target_sources(flare PRIVATE src/cuda/cuda_backend.cpp src/cuda/fwd_fixup.cu)
+
+# KV-cache decoding (src/cuda/decode): one unit per dtype, each with the three head-dim buckets.
+target_sources(flare PRIVATE src/cuda/decode/decode.cpp src/cuda/decode/decode_fp16.cu
+                             src/cuda/decode/decode_bf16.cu)
 target_include_directories(flare PUBLIC $<BUILD_INTERFACE:${flare_gen_dir}>)
 # Device code is C++17: CMake 3.25 (the minimum) knows no C++20 flag for nvcc and would refuse to
 # generate the build with the top level's CMAKE_CUDA_STANDARD 20.

@@ -1,0 +1,6 @@
+// decode_bf16.cu — the CUDA KV-cache decoding kernels for kBFloat16 tensors (decode_launch.cuh).
+#include "cuda/decode/decode_launch.cuh"
+
+namespace flare::cuda::decode {
+template Status launch<DType::kBFloat16>(const DecodeParams& p, cudaStream_t stream);
+}  // namespace flare::cuda::decode

@@ -1,0 +1,589 @@
+// decode_kernel.cuh — KV-cache decoding on CUDA: the attention of a few new query rows over each
+// sequence's cache, read in place (contiguous or paged), split over keys.
+//
+// Work split. The query rows of one (sequence, kv head) — s_q rows times the `group` query heads
+// that share the kv head — are packed into tiles of 16 rows, row r = (query row r / group, query
+// head r % group): with GQA one K/V row feeds every head of its group, and the 16-row tile is one
+// tensor-core product per 8 keys. A CTA takes one (row tile, sequence · kv head, split) and its
+// four warps take every fourth key block of the split's key range, each with its own double-
+// buffered K/V tiles in shared memory (no CTA-wide barrier until the end), an online softmax in
+// registers and O accumulated in fp32. The warps' partial results are combined in shared memory;
+// with one split the CTA writes o and lse, with several it writes fp32 partials (O, LSE) that
+// merge_kernel combines with the rule of dist/merge.h. Decoding reads each cache byte once per
+// call, so the kernel is built to keep the memory busy: 16-byte copies (cp.async) two stages ahead.
+//
+// Masks and score modifiers are those of core/score_mod.h with the mask aligned to the bottom
+// right (query row j of s_q sits at key position j + len − s_q).
+//
+// NaN and Inf. The tensor-core path computes P·V over whole key blocks, so a key a row must not
+// see can still reach it as 0 · Inf; and a row whose visible scores are all −inf comes out as
+// "no key" (LSE −inf, O 0) where the reference gives NaN. Both show as a non-finite O or LSE in a
+// row that sees at least one key, and only then: such rows are recomputed by exact_row, one warp
+// per row, with the reference's own arithmetic over the visible keys alone (never taken on finite
+// data, so it costs nothing there).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/numeric.h"
+#include "core/score_mod.h"
+#include "cuda/decode/decode_launch.h"
+#include "cuda/decode/decode_params.h"
+#include "cuda/ptx/cp_async.cuh"
+#include "cuda/ptx/fast_math.cuh"
+#include "cuda/ptx/ldmatrix.cuh"
+#include "cuda/ptx/mma.cuh"
+
+namespace flare::cuda::decode {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- sequence checks ----------------------------------------------------------------------------
+
+// What a kernel needs to know of sequence i, and whether its integer arguments obey the rules the
+// host checks on the CPU path: cache_seqlens ≥ 0, length within the capacity, the cache row
+// (cache_batch_idx) inside the cache, the rotary tables long enough. Block-table entries are
+// checked where they are read (cache_offset).
+struct Sequence {
+  bool ok;
+  int len_before;     // tokens in the cache before this call's append
+  int len;            // keys attended: len_before + seqlen_new (0 when !ok)
+  int64_t cache_row;  // contiguous caches
+};
+
+__device__ __forceinline__ Sequence sequence_of(const DecodeParams& p, int i) {
+  Sequence s{true, p.cache_seqlen, 0, i};
+  if (p.cache_seqlens != nullptr) s.len_before = p.cache_seqlens[i * p.cache_seqlens_stride];
+  const int64_t n = static_cast<int64_t>(s.len_before) + p.seqlen_new;
+  s.ok = s.len_before >= 0 && n <= p.capacity;
+  if (p.block_table == nullptr && p.cache_batch_idx != nullptr)
+    s.cache_row = p.cache_batch_idx[i * p.cache_batch_idx_stride];
+  if (p.block_table == nullptr) s.ok = s.ok && s.cache_row >= 0 && s.cache_row < p.batch_cache;
+  if (p.rotary_cos != nullptr) {
+    const int q_span = p.rotate_q_per_row ? p.seqlen_q : (p.seqlen_q < 1 ? p.seqlen_q : 1);
+    const int span = p.seqlen_new > q_span ? p.seqlen_new : q_span;
+    s.ok = s.ok && static_cast<int64_t>(s.len_before) + span <= p.seqlen_rotary;
+  }
+  s.len = s.ok ? static_cast<int>(n) : 0;
+  return s;
+}
+
+// Element offset of (token t, kv head h, 0) of sequence i in a cache with `stride`; −1 when the
+// block_table entry holding t lies outside [0, num_blocks).
+__device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, const int64_t (&stride)[3],
+                                                const Sequence& s, int i, int t, int h) {
+  if (p.block_table != nullptr) {
+    const int32_t blk =
+        p.block_table[i * p.block_table_stride[0] + (t / p.block_size) * p.block_table_stride[1]];
+    if (blk < 0 || blk >= p.num_blocks) return -1;
+    return blk * stride[0] + static_cast<int64_t>(t % p.block_size) * stride[1] + h * stride[2];
+  }
+  return s.cache_row * stride[0] + static_cast<int64_t>(t) * stride[1] + h * stride[2];
+}
+
+// ---- rotary ------------------------------------------------------------------------------------
+
+// Element e of the head vector x (unit stride, p.dtype) rotated at position pos, rounded to the
+// dtype once: the CPU path's arithmetic (kvcache.cpp, copy_head), with the products and the sum
+// kept apart so no FMA changes a bit.
+__device__ __forceinline__ float rotated_element(const DecodeParams& p, const void* x, int64_t base,
+                                                 int e, int64_t pos) {
+  const int half = p.rotary_half;
+  if (p.rotary_cos == nullptr || e >= 2 * half) return load_as_float(x, base + e, p.dtype);
+  const bool first = p.rotary_interleaved ? (e & 1) == 0 : e < half;
+  const int m = p.rotary_interleaved ? e >> 1 : (first ? e : e - half);
+  const int e0 = p.rotary_interleaved ? 2 * m : m, e1 = p.rotary_interleaved ? 2 * m + 1 : m + half;
+  const DType table = p.rotary_fp32 ? DType::kFloat32 : p.dtype;
+  const float co = load_as_float(p.rotary_cos, pos * p.cos_stride[0] + m * p.cos_stride[1], table);
+  const float si = load_as_float(p.rotary_sin, pos * p.sin_stride[0] + m * p.sin_stride[1], table);
+  const float x0 = load_as_float(x, base + e0, p.dtype), x1 = load_as_float(x, base + e1, p.dtype);
+  const float r = first ? __fsub_rn(__fmul_rn(x0, co), __fmul_rn(x1, si))
+                        : __fadd_rn(__fmul_rn(x0, si), __fmul_rn(x1, co));
+  return round_to(p.dtype, r);
+}
+
+// Query row j of sequence i, head h, element e, as attended (rotated when rotary is on).
+__device__ __forceinline__ float query_element(const DecodeParams& p, const Sequence& s, int i,
+                                               int j, int h, int e) {
+  const int64_t base = i * p.q_batch_stride + j * p.q_row_stride + h * p.q_head_stride;
+  const int64_t pos = static_cast<int64_t>(s.len_before) + (p.rotate_q_per_row ? j : 0);
+  return rotated_element(p, p.q, base, e, pos);
+}
+
+// ---- scores -------------------------------------------------------------------------------------
+
+// The score of (query row j, key t) from the raw dot product q·k, natural base: scale, softcap,
+// ALiBi, in the reference's order.
+__device__ __forceinline__ float modified_score(const DecodeParams& p, float dot, float slope,
+                                                int j, int t, int len) {
+  float x = dot * p.scale;
+  if (p.softcap > 0.0f) x = p.softcap * tanhf(x * p.softcap_inverse);
+  if (p.alibi_slopes != nullptr) x += alibi_bias(slope, j, t, p.seqlen_q, len);
+  return x;
+}
+
+__device__ __forceinline__ float slope_of(const DecodeParams& p, int i, int h) {
+  return p.alibi_slopes ? p.alibi_slopes[i * p.alibi_batch_stride + h] : 0.0f;
+}
+
+// ---- the exact path for rows with NaN or Inf ----------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __float2half_rn(x);
+  else
+    return __float2bfloat16_rn(x);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_element(void* base, int64_t index, float x) {
+  static_cast<T*>(base)[index] = from_float<T>(x);
+}
+
+// The score of (query row j, head h, key t) with fp32 dot products, as exact_row reads it.
+__device__ __forceinline__ float exact_score(const DecodeParams& p, const Sequence& s, int i, int j,
+                                             int h, int t, float slope) {
+  const int64_t k_off = cache_offset(p, p.k_stride, s, i, t, h / p.group);
+  if (k_off < 0) return NAN;
+  float dot = 0.0f;
+  for (int e = 0; e < p.head_dim; ++e)
+    dot += query_element(p, s, i, j, h, e) * load_as_float(p.k_cache, k_off + e, p.dtype);
+  return modified_score(p, dot, slope, j, t, s.len);
+}
+
+// One warp recomputes row (i, j, h) as the reference does — m the largest visible score that is
+// not NaN, LSE = m + log Σ exp(s − m), O = Σ exp(s − LSE)·v — over the visible keys only, in fp32,
+// and writes o and lse. kMaxD / 32 accumulators per lane.
+template <typename T, int kMaxD>
+__device__ __forceinline__ void exact_row(const DecodeParams& p, const Sequence& s, int i, int j,
+                                          int h) {
+  const int lane = threadIdx.x % 32, kvh = h / p.group, d = p.head_dim;
+  const KeyRange keys = visible_keys(j, p.seqlen_q, s.len, p.window_left, p.window_right);
+  const float slope = slope_of(p, i, h);
+  // A block_table entry out of range reads as a NaN score or value: the row comes out NaN.
+  auto score = [&](int t) { return exact_score(p, s, i, j, h, t, slope); };
+
+  float m = -INFINITY;
+  for (int t = keys.lo + lane; t < keys.hi; t += 32) {
+    const float x = score(t);
+    if (x > m) m = x;
+  }
+  for (int off = 16; off > 0; off /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, m, off);
+    if (other > m) m = other;  // lanes' maxima are never NaN: the reference's comparison
+  }
+  float sum = 0.0f;
+  for (int t = keys.lo + lane; t < keys.hi; t += 32) sum += expf(score(t) - m);
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  const float lse = m + logf(sum);
+  float acc[kMaxD / 32] = {};
+  for (int t0 = keys.lo; t0 < keys.hi; t0 += 32) {
+    const int t = t0 + lane;
+    const float prob = t < keys.hi ? expf(score(t) - lse) : 0.0f;
+    const int n = keys.hi - t0 < 32 ? keys.hi - t0 : 32;
+    for (int k = 0; k < n; ++k) {
+      const float pk = __shfl_sync(0xffffffffu, prob, k);
+      const int64_t v_off = cache_offset(p, p.v_stride, s, i, t0 + k, kvh);
+#pragma unroll
+      for (int c = 0; c < kMaxD / 32; ++c)
+        if (c * 32 + lane < d)
+          acc[c] += v_off < 0 ? NAN : pk * load_as_float(p.v_cache, v_off + c * 32 + lane, p.dtype);
+    }
+  }
+  const int64_t o_base = i * p.o_batch_stride + j * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int c = 0; c < kMaxD / 32; ++c)
+    if (c * 32 + lane < d) store_element<T>(p.o, o_base + c * 32 + lane, acc[c]);
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[(static_cast<int64_t>(i) * p.heads_q + h) * p.seqlen_q + j] = lse;
+}
+
+// ---- the tiled kernel ---------------------------------------------------------------------------
+
+template <int kHeadDim>
+struct Tile {
+  static constexpr int kRows = 16;                // query rows per CTA: one mma M
+  static constexpr int kWarps = 4;                // each over every fourth key block
+  static constexpr int kKeys = keys_per_block(kHeadDim);
+  static constexpr int kChunks = kHeadDim / 8;    // 16-byte chunks per row
+  static constexpr int kBlockElems = kKeys * kHeadDim;
+  static constexpr int kStages = 2;
+  // Q, then per warp and stage a K and a V block; the combine reuses the blocks' space.
+  static constexpr int kQElems = kRows * kHeadDim;
+  static constexpr int kWarpElems = kStages * 2 * kBlockElems;
+  template <typename T>
+  static constexpr int smem_bytes() {
+    return static_cast<int>((kQElems + kWarps * kWarpElems) * sizeof(T));
+  }
+  static_assert(kKeys % 16 == 0 && kChunks >= 8, "decode tile: whole mma steps, 8+ chunks a row");
+};
+
+// Element offset of (row r, 16-byte chunk c) in a tile whose rows hold kChunks chunks: chunks are
+// XOR-swizzled by the row's low three bits, so the eight rows one ldmatrix reads hit eight
+// different bank groups.
+template <int kChunks>
+__device__ __forceinline__ int swizzled(int r, int c) {
+  return r * kChunks * 8 + ((c ^ (r & 7)) << 3);
+}
+
+// Copies key rows [t0, t0 + kKeys) of one cache (K or V) into a tile, rows past `t_end` and
+// elements past head_dim as zeros (zeros keep Q·Kᵀ exact and 0·V finite). Paged rows are found
+// through the block table; an entry out of range leaves zeros and sets *bad.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void load_key_block(const DecodeParams& p, const void* cache,
+                                               const int64_t (&stride)[3], const Sequence& s,
+                                               int i, int kvh, int t0, int t_end, T* tile,
+                                               bool* bad) {
+  using TL = Tile<kHeadDim>;
+  const int lane = threadIdx.x % 32;
+  const T* base = static_cast<const T*>(cache);
+#pragma unroll 4
+  for (int idx = lane; idx < TL::kKeys * TL::kChunks; idx += 32) {
+    const int r = idx / TL::kChunks, c = idx % TL::kChunks, t = t0 + r;
+    T* dst = tile + swizzled<TL::kChunks>(r, c);
+    const int64_t off = t < t_end ? cache_offset(p, stride, s, i, t, kvh) : -2;
+    if (off == -1) *bad = true;
+    const int valid = off < 0 ? 0 : (p.head_dim - c * 8 < 8 ? p.head_dim - c * 8 : 8);
+    if (p.aligned16) {
+      ptx::cp_async_16_zfill(ptx::smem_addr(dst), base + (valid > 0 ? off + c * 8 : 0), valid > 0);
+    } else {
+      for (int e = 0; e < 8; ++e) dst[e] = e < valid ? base[off + c * 8 + e] : from_float<T>(0.0f);
+    }
+  }
+  ptx::cp_async_commit();
+}
+
+// Per-thread online-softmax state of the two rows (g, g + 8) a lane holds.
+struct RowState {
+  float m[2] = {-INFINITY, -INFINITY};  // running maximum, base 2
+  float l[2] = {0.0f, 0.0f};            // running sum of exp2(s − m), this lane's columns
+};
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(128, 1) decode_kernel(const DecodeParams p) {
+  using TL = Tile<kHeadDim>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* q_tile = reinterpret_cast<T*>(smem_raw);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+
+  const int i = blockIdx.x / p.heads_kv, kvh = blockIdx.x % p.heads_kv;
+  const int split = blockIdx.y, row0 = blockIdx.z * TL::kRows;
+  const int rows_total = p.seqlen_q * p.group;
+  const Sequence s = sequence_of(p, i);
+
+  // The tile's rows: packed row r → query row j, query head h.
+  auto row_query = [&](int r) { return (row0 + r) / p.group; };
+  auto row_head = [&](int r) { return kvh * p.group + (row0 + r) % p.group; };
+  auto row_keys = [&](int r) {
+    if (row0 + r >= rows_total) return KeyRange{0, 0};
+    return visible_keys(row_query(r), p.seqlen_q, s.len, p.window_left, p.window_right);
+  };
+
+  // The keys any row of the tile sees, and this split's share of them in whole key blocks.
+  int lo = s.len, hi = 0;
+  for (int r = 0; r < TL::kRows; ++r) {
+    const KeyRange k = row_keys(r);
+    if (k.lo < k.hi) {
+      lo = min(lo, k.lo);
+      hi = max(hi, k.hi);
+    }
+  }
+  const int span_blocks = hi > lo ? (hi - lo + TL::kKeys - 1) / TL::kKeys : 0;
+  const int blocks_per_split = (span_blocks + p.num_splits - 1) / p.num_splits;
+  const int k_begin = lo + split * blocks_per_split * TL::kKeys;
+  const int k_end = min(hi, k_begin + blocks_per_split * TL::kKeys);
+  const int n_blocks = k_end > k_begin ? (k_end - k_begin + TL::kKeys - 1) / TL::kKeys : 0;
+
+  // Q, rotated, rows past the problem and elements past head_dim as zeros.
+  for (int idx = threadIdx.x; idx < TL::kRows * kHeadDim; idx += blockDim.x) {
+    const int r = idx / kHeadDim, e = idx % kHeadDim;
+    float x = 0.0f;
+    if (s.ok && row0 + r < rows_total && e < p.head_dim)
+      x = query_element(p, s, i, row_query(r), row_head(r), e);
+    q_tile[swizzled<TL::kChunks>(r, e / 8) + e % 8] = from_float<T>(x);
+  }
+  __syncthreads();
+
+  // This lane's two rows: visible keys and ALiBi slopes.
+  KeyRange vis[2];
+  float slope[2];
+  int qrow[2];
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int r = g + 8 * h2;
+    vis[h2] = row_keys(r);
+    qrow[h2] = row_query(r);
+    slope[h2] = row0 + r < rows_total ? slope_of(p, i, row_head(r)) : 0.0f;
+  }
+  const bool plain_scores = p.softcap <= 0.0f && p.alibi_slopes == nullptr;
+
+  T* my_tiles = q_tile + TL::kQElems + warp * TL::kWarpElems;
+  auto k_tile = [&](int stage) { return my_tiles + stage * 2 * TL::kBlockElems; };
+  auto v_tile = [&](int stage) { return k_tile(stage) + TL::kBlockElems; };
+
+  float acc_o[kHeadDim / 8][4] = {};
+  RowState st;
+  bool bad = !s.ok;
+  if (s.ok && warp < n_blocks) {
+    auto issue = [&](int blk, int stage) {
+      const int t0 = k_begin + blk * TL::kKeys;
+      load_key_block<T, kHeadDim>(p, p.k_cache, p.k_stride, s, i, kvh, t0, k_end, k_tile(stage), &bad);
+      load_key_block<T, kHeadDim>(p, p.v_cache, p.v_stride, s, i, kvh, t0, k_end, v_tile(stage), &bad);
+    };
+    issue(warp, 0);
+    int stage = 0;
+    for (int blk = warp; blk < n_blocks; blk += TL::kWarps, stage ^= 1) {
+      const bool next = blk + TL::kWarps < n_blocks;
+      if (next) {
+        issue(blk + TL::kWarps, stage ^ 1);
+        ptx::cp_async_wait<2>();
+      } else {
+        ptx::cp_async_wait<0>();
+      }
+      __syncwarp();
+      const T* kt = k_tile(stage);
+      const T* vt = v_tile(stage);
+      const int t0 = k_begin + blk * TL::kKeys;
+
+      // S = Q·Kᵀ for 16 rows × kKeys keys.
+      float acc_s[TL::kKeys / 8][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t a[4];
+        ptx::ldmatrix_x4(a, ptx::smem_addr(q_tile + swizzled<TL::kChunks>(
+                                                        (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                        kk * 2 + (lane >> 4))));
+#pragma unroll
+        for (int np = 0; np < TL::kKeys / 16; ++np) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4(b, ptx::smem_addr(kt + swizzled<TL::kChunks>(
+                                                      np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                      kk * 2 + ((lane >> 3) & 1))));
+          ptx::mma_m16n8k16<T>(acc_s[2 * np], a, b[0], b[1]);
+          ptx::mma_m16n8k16<T>(acc_s[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+
+      // Scores (base 2), masks, the online softmax; P rounded into A fragments.
+      float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < TL::kKeys / 8; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int h2 = c / 2, t = t0 + nt * 8 + 2 * tq + (c & 1);
+          float x;
+          if (t >= k_end || t < vis[h2].lo || t >= vis[h2].hi) {
+            x = -INFINITY;
+          } else if (plain_scores) {
+            x = acc_s[nt][c] * (p.scale * kLog2e);
+          } else {
+            x = modified_score(p, acc_s[nt][c], slope[h2], qrow[h2], t, s.len) * kLog2e;
+          }
+          acc_s[nt][c] = x;
+          row_max[h2] = fmaxf(row_max[h2], x);
+        }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        row_max[h2] = fmaxf(row_max[h2], __shfl_xor_sync(0xffffffffu, row_max[h2], 1));
+        row_max[h2] = fmaxf(row_max[h2], __shfl_xor_sync(0xffffffffu, row_max[h2], 2));
+        const float m_new = fmaxf(st.m[h2], row_max[h2]);
+        m_use[h2] = m_new == -INFINITY ? 0.0f : m_new;  // no key yet: exp2(−inf − 0) = 0
+        alpha[h2] = ptx::exp2_approx(st.m[h2] - m_use[h2]);
+        st.m[h2] = m_new;
+        st.l[h2] *= alpha[h2];
+      }
+#pragma unroll
+      for (int dt = 0; dt < kHeadDim / 8; ++dt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_o[dt][c] *= alpha[c / 2];
+#pragma unroll
+      for (int nt = 0; nt < TL::kKeys / 8; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float pr = ptx::exp2_approx(acc_s[nt][c] - m_use[c / 2]);
+          acc_s[nt][c] = pr;
+          st.l[c / 2] += pr;
+        }
+
+      // O += P·V.
+#pragma unroll
+      for (int kk = 0; kk < TL::kKeys / 16; ++kk) {
+        const uint32_t a[4] = {ptx::pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]),
+                               ptx::pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]),
+                               ptx::pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]),
+                               ptx::pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, ptx::smem_addr(vt + swizzled<TL::kChunks>(
+                                                            kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                            dp * 2 + (lane >> 4))));
+          ptx::mma_m16n8k16<T>(acc_o[2 * dp], a, b[0], b[1]);
+          ptx::mma_m16n8k16<T>(acc_o[2 * dp + 1], a, b[2], b[3]);
+        }
+      }
+      __syncwarp();  // the next iteration's copies overwrite this stage
+    }
+  }
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    st.l[h2] += __shfl_xor_sync(0xffffffffu, st.l[h2], 1);
+    st.l[h2] += __shfl_xor_sync(0xffffffffu, st.l[h2], 2);
+  }
+
+  // Combine the four warps: each leaves its m, l and O (fp32) in the space of the key blocks.
+  __shared__ float warp_m[TL::kWarps][TL::kRows], warp_l[TL::kWarps][TL::kRows];
+  __shared__ int any_bad;
+  __shared__ int row_exact[TL::kRows];
+  if (threadIdx.x == 0) any_bad = 0;
+  if (threadIdx.x < TL::kRows) row_exact[threadIdx.x] = 0;
+  __syncthreads();  // every warp is past its last read of the key blocks
+  if (bad) atomicOr(&any_bad, 1);
+  float* warp_o = reinterpret_cast<float*>(q_tile + TL::kQElems);  // [warp][row][kHeadDim]
+  float* my_o = warp_o + warp * TL::kRows * kHeadDim;
+  if (tq == 0) {
+    warp_m[warp][g] = st.m[0];
+    warp_m[warp][g + 8] = st.m[1];
+    warp_l[warp][g] = st.l[0];
+    warp_l[warp][g + 8] = st.l[1];
+  }
+#pragma unroll
+  for (int dt = 0; dt < kHeadDim / 8; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      my_o[(g + 8 * (c / 2)) * kHeadDim + dt * 8 + 2 * tq + (c & 1)] = acc_o[dt][c];
+  __syncthreads();
+
+  const bool failed = any_bad != 0;
+  for (int idx = threadIdx.x; idx < TL::kRows * kHeadDim; idx += blockDim.x) {
+    const int r = idx / kHeadDim, e = idx % kHeadDim;
+    if (row0 + r >= rows_total || e >= p.head_dim) continue;
+    float m = -INFINITY;
+    for (int w = 0; w < TL::kWarps; ++w) m = fmaxf(m, warp_m[w][r]);
+    const float m_use = m == -INFINITY ? 0.0f : m;
+    float l = 0.0f, o = 0.0f;
+    for (int w = 0; w < TL::kWarps; ++w) {
+      const float scale = ptx::exp2_approx(warp_m[w][r] - m_use);
+      l += warp_l[w][r] * scale;
+      o += warp_o[(w * TL::kRows + r) * kHeadDim + e] * scale;
+    }
+    // l = 0: no key seen (O 0, LSE −inf); NaN in l stays NaN in both.
+    float out = l == 0.0f ? 0.0f : o / l;
+    float lse = l == 0.0f ? -INFINITY : (m + log2f(l)) * kLn2;
+    if (failed) out = lse = NAN;
+    const int j = row_query(r), h = row_head(r);
+    const int64_t row_id = (static_cast<int64_t>(i) * p.heads_q + h) * p.seqlen_q + j;
+    if (p.num_splits > 1) {
+      const int64_t part = static_cast<int64_t>(split) * p.batch * p.heads_q * p.seqlen_q + row_id;
+      p.partial_o[part * p.head_dim + e] = out;
+      if (e == 0) p.partial_lse[part] = lse;
+      continue;
+    }
+    const KeyRange k = row_keys(r);
+    if (!failed && k.lo < k.hi && !(isfinite(out) && isfinite(lse))) {
+      row_exact[r] = 1;  // the exact path writes the whole row
+      continue;
+    }
+    store_element<T>(p.o, i * p.o_batch_stride + j * p.o_row_stride + h * p.o_head_stride + e, out);
+    if (e == 0 && p.lse != nullptr) p.lse[row_id] = lse;
+  }
+  if (p.num_splits > 1) return;
+  __syncthreads();
+  for (int r = warp; r < TL::kRows; r += TL::kWarps)
+    if (row_exact[r]) exact_row<T, kHeadDim>(p, s, i, row_query(r), row_head(r));
+}
+
+// ---- split-KV merge -----------------------------------------------------------------------------
+
+// One warp per row; grid (query rows / 4, heads_q, batch). LSE = log Σ exp(LSE_s), O = Σ exp(LSE_s − LSE)·O_s over
+// the splits, the larger LSE taken out first (dist/merge.h's rule for any number of blocks). A
+// NaN partial stays NaN; rows left non-finite with a visible key take the exact path.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(128, 1) merge_kernel(const DecodeParams p) {
+  const int j = blockIdx.x * 4 + threadIdx.x / 32, h = blockIdx.y, i = blockIdx.z;
+  if (j >= p.seqlen_q) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t row_id = (static_cast<int64_t>(i) * p.heads_q + h) * p.seqlen_q + j;
+  const Sequence s = sequence_of(p, i);
+
+  float m = -INFINITY;
+  for (int sp = 0; sp < p.num_splits; ++sp) m = fmaxf(m, p.partial_lse[sp * rows + row_id]);
+  const float m_use = m == -INFINITY ? 0.0f : m;
+  float sum = 0.0f;
+  for (int sp = 0; sp < p.num_splits; ++sp) sum += expf(p.partial_lse[sp * rows + row_id] - m_use);
+  const float lse = sum == 0.0f ? -INFINITY : m_use + logf(sum);  // NaN partials: NaN
+  float out[kHeadDim / 32];
+  bool finite = isfinite(lse);
+#pragma unroll
+  for (int c = 0; c < kHeadDim / 32; ++c) {
+    const int e = c * 32 + lane;
+    out[c] = 0.0f;
+    if (e >= p.head_dim || sum == 0.0f) continue;
+    for (int sp = 0; sp < p.num_splits; ++sp) {
+      const float w = expf(p.partial_lse[sp * rows + row_id] - lse);
+      if (w != 0.0f) out[c] += w * p.partial_o[(sp * rows + row_id) * p.head_dim + e];
+    }
+    finite = finite && isfinite(out[c]);
+  }
+  const int64_t o_base = i * p.o_batch_stride + j * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int c = 0; c < kHeadDim / 32; ++c)
+    if (c * 32 + lane < p.head_dim) store_element<T>(p.o, o_base + c * 32 + lane, out[c]);
+  if (lane == 0 && p.lse != nullptr) p.lse[row_id] = lse;
+  // A non-finite row that sees a key is rewritten by the exact path (the same warp, after its
+  // own stores).
+  const KeyRange keys = visible_keys(j, p.seqlen_q, s.len, p.window_left, p.window_right);
+  if (__any_sync(0xffffffffu, !finite) && s.ok && keys.lo < keys.hi)
+    exact_row<T, kHeadDim>(p, s, i, j, h);
+}
+
+// ---- the append ---------------------------------------------------------------------------------
+
+// One warp per (sequence, new row, kv head); grid (new rows / 4, heads_kv, batch). k_new rotated at its position (fp32, one rounding,
+// as the CPU path) and v_new copied into the cache. A sequence whose values break a rule — or
+// any of whose appended blocks lies outside the cache — is left entirely unwritten.
+template <typename T>
+__global__ void __launch_bounds__(128) append_kernel(const DecodeParams p) {
+  const int j = blockIdx.x * 4 + threadIdx.x / 32, h = blockIdx.y, i = blockIdx.z;
+  if (j >= p.seqlen_new) return;
+  const int lane = threadIdx.x % 32;
+  const Sequence s = sequence_of(p, i);
+  if (!s.ok) return;
+  bool bad = false;
+  if (p.block_table != nullptr && s.len > s.len_before) {
+    const int first = s.len_before / p.block_size, last = (s.len - 1) / p.block_size;
+    for (int lb = first + lane; lb <= last; lb += 32) {
+      const int32_t blk = p.block_table[i * p.block_table_stride[0] + lb * p.block_table_stride[1]];
+      bad = bad || blk < 0 || blk >= p.num_blocks;
+    }
+  }
+  if (__any_sync(0xffffffffu, bad)) return;
+  const int pos = s.len_before + j;
+  const int64_t k_dst = cache_offset(p, p.k_stride, s, i, pos, h);
+  const int64_t v_dst = cache_offset(p, p.v_stride, s, i, pos, h);
+  const int64_t k_src = i * p.k_new_stride[0] + j * p.k_new_stride[1] + h * p.k_new_stride[2];
+  const int64_t v_src = i * p.v_new_stride[0] + j * p.v_new_stride[1] + h * p.v_new_stride[2];
+  T* kc = static_cast<T*>(p.k_cache);
+  T* vc = static_cast<T*>(p.v_cache);
+  const T* kn = static_cast<const T*>(p.k_new);
+  const T* vn = static_cast<const T*>(p.v_new);
+  for (int e = lane; e < p.head_dim; e += 32) {
+    if (p.rotary_cos != nullptr)
+      store_from_float(kc, k_dst + e, p.dtype, rotated_element(p, kn, k_src, e, pos));
+    else
+      kc[k_dst + e] = kn[k_src + e];
+    vc[v_dst + e] = vn[v_src + e];
+  }
+}
+
+}  // namespace flare::cuda::decode

@@ -1,0 +1,65 @@
+// decode_launch.cuh — launch<dtype> (decode_launch.h) over the kernels of decode_kernel.cuh;
+// included by the one translation unit per dtype that instantiates it.
+#pragma once
+
+#include <string>
+
+#include "cuda/decode/decode_kernel.cuh"
+#include "cuda/decode/decode_launch.h"
+#include "cuda/device_probe.h"
+
+namespace flare::cuda::decode {
+
+template <DType kDType>
+using Element = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
+
+inline Status launched(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    return Status::device_error(std::string("KV-cache decoding, ") + what + " launch: " +
+                                cudaGetErrorString(err));
+  return {};
+}
+
+// A grid of one warp per (row < rows, head < heads, sequence < batch), four warps a block.
+inline dim3 warp_grid(int rows, int heads, int batch) {
+  return dim3(static_cast<unsigned>((rows + 3) / 4), static_cast<unsigned>(heads),
+              static_cast<unsigned>(batch));
+}
+
+template <typename T, int kHeadDim>
+Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
+  const auto kernel = decode_kernel<T, kHeadDim>;
+  constexpr int smem = Tile<kHeadDim>::template smem_bytes<T>();
+  FLARE_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
+  const int row_tiles = (p.seqlen_q * p.group + kRowsPerTile - 1) / kRowsPerTile;
+  const dim3 grid(static_cast<unsigned>(p.batch * p.heads_kv), static_cast<unsigned>(p.num_splits),
+                  static_cast<unsigned>(row_tiles));
+  kernel<<<grid, 128, smem, stream>>>(p);
+  FLARE_RETURN_IF_ERROR(launched("attention"));
+  if (p.num_splits > 1) {
+    merge_kernel<T, kHeadDim><<<warp_grid(p.seqlen_q, p.heads_q, p.batch), 128, 0, stream>>>(p);
+    FLARE_RETURN_IF_ERROR(launched("split merge"));
+  }
+  return {};
+}
+
+template <DType kDType>
+Status launch(const DecodeParams& p, cudaStream_t stream) {
+  using T = Element<kDType>;
+  if (p.seqlen_new > 0 && p.batch > 0) {
+    append_kernel<T><<<warp_grid(p.seqlen_new, p.heads_kv, p.batch), 128, 0, stream>>>(p);
+    FLARE_RETURN_IF_ERROR(launched("append"));
+  }
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return {};
+  switch (head_dim_bucket(p.head_dim)) {
+    case 64: return launch_bucket<T, 64>(p, stream);
+    case 128: return launch_bucket<T, 128>(p, stream);
+    case 256: return launch_bucket<T, 256>(p, stream);
+    default:
+      return Status::unsupported("q: head_dim " + std::to_string(p.head_dim) +
+                                 " exceeds 256, the largest the CUDA decoding kernels take");
+  }
+}
+
+}  // namespace flare::cuda::decode
