@@ -24,7 +24,7 @@
 // ALiBi, GQA/MQA and the backends are those of attention.h; dropout is not offered (inference).
 //
 // Rules, each checked before anything is written (a rejected call leaves o, lse and both caches
-// untouched): block sizes are any value ≥ 1 on the CPU; the block_table entries a sequence uses
+// untouched): block sizes are any value ≥ 1; the block_table entries a sequence uses
 // (its first ceil(n_i / block_size)) lie in [0, num_blocks) — unused entries are not read, so
 // padding such as −1 is fine; n_i ≤ the capacity (s_cache, or max_blocks · block_size);
 // cache_batch_idx (contiguous caches only) lies in [0, b_cache); a cache row or block that one
@@ -33,9 +33,12 @@
 //
 // Backends: CPU tensors run on the float64 reference (Backend::kReference) or the CPU flash kernel
 // (kAuto, kFlash) over the gathered cache rows; paged and contiguous caches holding the same
-// values give bit-identical results. num_splits (0 = automatic) sizes a split-KV GPU launch; the
-// CPU ignores it. CUDA tensors are validated and then answered with kUnsupported: KV-cache
-// decoding has no GPU kernels yet.
+// values give bit-identical results. CUDA tensors (float16, bfloat16) run the decoding kernels of
+// src/cuda/decode over the cache in place; num_splits (0 = automatic, at most 128) is their
+// split-KV count, which the CPU ignores. On CUDA the values of cache_seqlens, block_table and
+// cache_batch_idx are checked by the kernels, not the host (that would synchronise): a sequence
+// whose values break a rule above gets NaN in its rows of o and lse and nothing appended; the
+// rule that appended rows and blocks are private is the caller's to keep there (docs/kvcache.md).
 #pragma once
 
 #include "flare/attention.h"

@@ -233,28 +233,48 @@ __device__ __forceinline__ int swizzled(int r, int c) {
   return r * kChunks * 8 + ((c ^ (r & 7)) << 3);
 }
 
-// Copies key rows [t0, t0 + kKeys) of one cache (K or V) into a tile, rows past `t_end` and
+// Copies key rows [t0, t0 + kKeys) of the K and V caches into a tile each, rows past `t_end` and
 // elements past head_dim as zeros (zeros keep Q·Kᵀ exact and 0·V finite). Paged rows are found
-// through the block table; an entry out of range leaves zeros and sets *bad.
+// through the block table, once for both caches; an entry out of range leaves zeros and sets *bad.
 template <typename T, int kHeadDim>
-__device__ __forceinline__ void load_key_block(const DecodeParams& p, const void* cache,
-                                               const int64_t (&stride)[3], const Sequence& s,
-                                               int i, int kvh, int t0, int t_end, T* tile,
-                                               bool* bad) {
+__device__ __forceinline__ void load_kv_block(const DecodeParams& p, const Sequence& s, int i,
+                                              int kvh, int t0, int t_end, T* k_tile, T* v_tile,
+                                              bool* bad) {
   using TL = Tile<kHeadDim>;
   const int lane = threadIdx.x % 32;
-  const T* base = static_cast<const T*>(cache);
+  const T* k_base = static_cast<const T*>(p.k_cache);
+  const T* v_base = static_cast<const T*>(p.v_cache);
 #pragma unroll 4
   for (int idx = lane; idx < TL::kKeys * TL::kChunks; idx += 32) {
     const int r = idx / TL::kChunks, c = idx % TL::kChunks, t = t0 + r;
-    T* dst = tile + swizzled<TL::kChunks>(r, c);
-    const int64_t off = t < t_end ? cache_offset(p, stride, s, i, t, kvh) : -2;
-    if (off == -1) *bad = true;
-    const int valid = off < 0 ? 0 : (p.head_dim - c * 8 < 8 ? p.head_dim - c * 8 : 8);
+    const int dst = swizzled<TL::kChunks>(r, c);
+    int64_t k_off = -2, v_off = -2;
+    if (t < t_end) {
+      if (p.block_table != nullptr) {
+        const int32_t blk = p.block_table[i * p.block_table_stride[0] +
+                                          (t / p.block_size) * p.block_table_stride[1]];
+        if (blk < 0 || blk >= p.num_blocks) {
+          *bad = true;
+        } else {
+          const int64_t row = t % p.block_size;
+          k_off = blk * p.k_stride[0] + row * p.k_stride[1] + kvh * p.k_stride[2];
+          v_off = blk * p.v_stride[0] + row * p.v_stride[1] + kvh * p.v_stride[2];
+        }
+      } else {
+        k_off = s.cache_row * p.k_stride[0] + static_cast<int64_t>(t) * p.k_stride[1] + kvh * p.k_stride[2];
+        v_off = s.cache_row * p.v_stride[0] + static_cast<int64_t>(t) * p.v_stride[1] + kvh * p.v_stride[2];
+      }
+    }
+    const int valid = k_off < 0 ? 0 : (p.head_dim - c * 8 < 8 ? p.head_dim - c * 8 : 8);
     if (p.aligned16) {
-      ptx::cp_async_16_zfill(ptx::smem_addr(dst), base + (valid > 0 ? off + c * 8 : 0), valid > 0);
+      const bool copy = valid > 0;
+      ptx::cp_async_16_zfill(ptx::smem_addr(k_tile + dst), k_base + (copy ? k_off + c * 8 : 0), copy);
+      ptx::cp_async_16_zfill(ptx::smem_addr(v_tile + dst), v_base + (copy ? v_off + c * 8 : 0), copy);
     } else {
-      for (int e = 0; e < 8; ++e) dst[e] = e < valid ? base[off + c * 8 + e] : from_float<T>(0.0f);
+      for (int e = 0; e < 8; ++e) {
+        k_tile[dst + e] = e < valid ? k_base[k_off + c * 8 + e] : from_float<T>(0.0f);
+        v_tile[dst + e] = e < valid ? v_base[v_off + c * 8 + e] : from_float<T>(0.0f);
+      }
     }
   }
   ptx::cp_async_commit();
@@ -334,9 +354,8 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const DecodeParams p) {
   bool bad = !s.ok;
   if (s.ok && warp < n_blocks) {
     auto issue = [&](int blk, int stage) {
-      const int t0 = k_begin + blk * TL::kKeys;
-      load_key_block<T, kHeadDim>(p, p.k_cache, p.k_stride, s, i, kvh, t0, k_end, k_tile(stage), &bad);
-      load_key_block<T, kHeadDim>(p, p.v_cache, p.v_stride, s, i, kvh, t0, k_end, v_tile(stage), &bad);
+      load_kv_block<T, kHeadDim>(p, s, i, kvh, k_begin + blk * TL::kKeys, k_end, k_tile(stage),
+                                 v_tile(stage), &bad);
     };
     issue(warp, 0);
     int stage = 0;
@@ -344,7 +363,7 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const DecodeParams p) {
       const bool next = blk + TL::kWarps < n_blocks;
       if (next) {
         issue(blk + TL::kWarps, stage ^ 1);
-        ptx::cp_async_wait<2>();
+        ptx::cp_async_wait<1>();  // one group per block: this block's has landed
       } else {
         ptx::cp_async_wait<0>();
       }
