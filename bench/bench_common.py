@@ -40,17 +40,21 @@ def pass_step(torch, forward, q, k, v, dout, pass_):
     return step
 
 
-def queued_times_ms(torch, step, warmup, iters):
+def queued_times_ms(torch, step, warmup, iters, spin_cycles=0):
     """Milliseconds of each of `iters` runs queued back to back after `warmup` runs.
 
     An event between each run: the host queues ahead of the GPU, so each interval is one run's
     GPU time, not the Python dispatch before it (the same ~10-100 µs for every implementation,
     which would otherwise dominate the small cases). `flare bench` times its calls the same way.
+    Runs shorter than their own dispatch need `spin_cycles`: a spin kernel queued first keeps the
+    GPU busy while the host queues them all.
     """
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    if spin_cycles:
+        torch.cuda._sleep(spin_cycles)
     events[0].record()
     for i in range(iters):
         step()

@@ -15,7 +15,8 @@
 #    package's tests with torch on the GPU; then, unless --no-bench, through the Python package:
 #    bench/compare.py (flare against SDPA's flash, cuDNN, efficient and math backends on the
 #    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png),
-#    bench/host_overhead.py (host and GPU time per call, eager and compiled: DIR/host_overhead.json)
+#    bench/host_overhead.py (host and GPU time per call, eager and compiled: DIR/host_overhead.json),
+#    bench/decode_bench.py (KV-cache decoding against SDPA over the same cache: DIR/decode.json)
 #    and bench/gpt_loss.py (a small GPT trained with flare's attention and with SDPA's; fails unless
 #    the loss curves agree within the spread between SDPA backends: DIR/gpt_loss-<card>-<date>
 #    .json and .png); 7. training throughput, flare-train against bench/train_torch.py
@@ -180,6 +181,13 @@ if [[ $python -eq 1 ]]; then
       log "host_overhead.json written"
     else
       status=1; log "host_overhead.py FAILED (host_overhead.log)"; tail -20 "$out/host_overhead.log"
+    fi
+    log "bench/decode_bench.py: KV-cache decoding (contiguous and paged) vs SDPA over the same cache"
+    if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/decode_bench.py \
+         --json "$out/decode.json" > "$out/decode.log" 2>&1; then
+      tail -1 "$out/decode.log" | tee -a "$out/summary.log"
+    else
+      status=1; log "decode_bench.py FAILED (decode.log)"; tail -20 "$out/decode.log"
     fi
     log "bench/gpt_loss.py: GPT loss curves, flare vs SDPA (flash reference; efficient, cuDNN)"
     if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/gpt_loss.py \
