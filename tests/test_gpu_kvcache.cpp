@@ -36,6 +36,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -217,6 +218,10 @@ void inject(Decode& s) {
 }
 
 Decode make_setup(const Case& c, uint64_t seed) {
+  for (int len : c.cache_lens)  // a mistake in the test itself: its cache would overflow
+    if (len + c.seqlen_new > c.capacity)
+      throw std::invalid_argument(cat("case holds ", len, " + ", c.seqlen_new,
+                                      " tokens in a capacity of ", c.capacity, ": ", c.describe()));
   Decode s;
   s.c = c;
   std::mt19937_64 rng(seed);
@@ -451,10 +456,10 @@ std::vector<double> read_all(const HostTensor& t) {
   return r;
 }
 
-// Every element of two same-layout tensors (padding included) has the same bits, or both are NaN
-// (a NaN's payload is no part of the contract: a NaN key rotates to a NaN on either device).
-::testing::AssertionResult same_elements(const std::string& name, const HostTensor& got,
-                                         const HostTensor& want) {
+// Every element of two same-layout tensors (padding included) has the same bits, or, where
+// `nan_equal`, both are NaN. On failure: the first element that differs.
+::testing::AssertionResult compare_elements(const std::string& name, const HostTensor& got,
+                                            const HostTensor& want, bool nan_equal) {
   const DType dt = want.view.dtype;
   const size_t es = dtype_size(dt);
   if (got.bytes.size() != want.bytes.size())
@@ -464,11 +469,24 @@ std::vector<double> read_all(const HostTensor& t) {
     if (std::memcmp(&got.bytes[e * es], &want.bytes[e * es], es) == 0) continue;
     const float g = load_as_float(got.bytes.data(), static_cast<int64_t>(e), dt);
     const float w = load_as_float(want.bytes.data(), static_cast<int64_t>(e), dt);
-    if (std::isnan(g) && std::isnan(w)) continue;
+    if (nan_equal && std::isnan(g) && std::isnan(w)) continue;
     return ::testing::AssertionFailure() << name << " element " << e << " is " << g << ", expected "
-                                         << w << " (seed " << test_seed() << ")";
+                                         << w << (std::isnan(g) && std::isnan(w) ? " (other NaN bits)" : "")
+                                         << " (seed " << test_seed() << ")";
   }
   return ::testing::AssertionSuccess();
+}
+
+// Bit for bit, except that any NaN equals any NaN: a NaN's payload is no part of the contract (a
+// NaN key rotates to a NaN on either device, not necessarily the same one).
+::testing::AssertionResult same_elements(const std::string& name, const HostTensor& got,
+                                         const HostTensor& want) {
+  return compare_elements(name, got, want, true);
+}
+// Bit for bit, NaNs included: a determinism check, or "nothing was written".
+::testing::AssertionResult same_bits(const std::string& name, const HostTensor& got,
+                                     const HostTensor& want) {
+  return compare_elements(name, got, want, false);
 }
 
 void expect_outputs_match(const Decode& gpu, const Expected& ex) {
@@ -488,8 +506,8 @@ Decode check_case(const Case& c) {
   if (!st.ok()) return gpu;
   Decode cpu = make_setup(c, test_seed());
   run_on_cpu(&cpu);
-  EXPECT_TRUE(same_elements("k_cache", gpu.k_cache, cpu.k_cache));
-  EXPECT_TRUE(same_elements("v_cache", gpu.v_cache, cpu.v_cache));
+  EXPECT_TRUE(same_bits("k_cache", gpu.k_cache, cpu.k_cache));
+  EXPECT_TRUE(same_bits("v_cache", gpu.v_cache, cpu.v_cache));
   expect_outputs_match(gpu, expected(cpu));
   return gpu;
 }
@@ -592,8 +610,9 @@ TEST_P(GpuKVCache, PagedEqualsContiguousBitForBit) {
     for (int bs : {1, 3, 16, 256}) {
       c.block_size = bs;
       const Decode paged = check_case(c);
-      EXPECT_EQ(contiguous.o.bytes, paged.o.bytes) << "o, block_size " << bs << ": " << c.describe();
-      EXPECT_EQ(contiguous.lse.bytes, paged.lse.bytes) << "lse, block_size " << bs << ": " << c.describe();
+      const std::string what = cat(" of block_size ", bs, " against contiguous | ", c.describe());
+      EXPECT_TRUE(same_bits("o" + what, paged.o, contiguous.o));
+      EXPECT_TRUE(same_bits("lse" + what, paged.lse, contiguous.lse));
     }
   }
 }
@@ -801,8 +820,8 @@ TEST_P(GpuKVCache, LseIsOptional) {
   const Decode with = check_case(c);
   c.with_lse = false;
   const Decode without = check_case(c);
-  EXPECT_EQ(with.o.bytes, without.o.bytes) << c.describe();
-  EXPECT_EQ(with.k_cache.bytes, without.k_cache.bytes) << c.describe();
+  EXPECT_TRUE(same_bits("o without lse | " + c.describe(), without.o, with.o));
+  EXPECT_TRUE(same_bits("k_cache without lse | " + c.describe(), without.k_cache, with.k_cache));
 }
 
 // The same call twice gives the same bits, on the default stream and on a stream of its own.
@@ -830,11 +849,11 @@ TEST_P(GpuKVCache, BitwiseRunToRunAndOnAStream) {
     ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
     ASSERT_TRUE(st.ok()) << st.to_string();
     for (const Decode* run : {&again, &streamed}) {
-      const char* which = run == &again ? "second run" : "run on a stream";
-      EXPECT_EQ(first.o.bytes, run->o.bytes) << which << ": o";
-      EXPECT_EQ(first.lse.bytes, run->lse.bytes) << which << ": lse";
-      EXPECT_EQ(first.k_cache.bytes, run->k_cache.bytes) << which << ": k_cache";
-      EXPECT_EQ(first.v_cache.bytes, run->v_cache.bytes) << which << ": v_cache";
+      const std::string which = run == &again ? "second run: " : "run on a stream: ";
+      EXPECT_TRUE(same_bits(which + "o", run->o, first.o));
+      EXPECT_TRUE(same_bits(which + "lse", run->lse, first.lse));
+      EXPECT_TRUE(same_bits(which + "k_cache", run->k_cache, first.k_cache));
+      EXPECT_TRUE(same_bits(which + "v_cache", run->v_cache, first.v_cache));
     }
   }
 }
@@ -947,7 +966,8 @@ void check_bad_sequence(const Case& base_case, const BadValue& bad) {
   const Status st = run_on_gpu(&gpu, bad.edit);
   ASSERT_TRUE(st.ok()) << "a device-side value cannot fail the call: " << st.to_string();
 
-  // Caches: the valid call's, except that the bad sequence's new rows were never written.
+  // Caches: the valid call's, except that the bad sequence's new rows were never written (they
+  // keep their poison's exact bits: a NaN written over them shows too).
   const size_t es = dtype_size(c.dtype);
   for (int j = 0; j < c.seqlen_new; ++j)
     for (int h = 0; h < c.heads_kv; ++h) {
@@ -956,8 +976,8 @@ void check_bad_sequence(const Case& base_case, const BadValue& bad) {
       std::memcpy(&cpu.k_cache.bytes[off], &before.k_cache.bytes[off], bytes);
       std::memcpy(&cpu.v_cache.bytes[off], &before.v_cache.bytes[off], bytes);
     }
-  EXPECT_TRUE(same_elements("k_cache", gpu.k_cache, cpu.k_cache));
-  EXPECT_TRUE(same_elements("v_cache", gpu.v_cache, cpu.v_cache));
+  EXPECT_TRUE(same_bits("k_cache", gpu.k_cache, cpu.k_cache));
+  EXPECT_TRUE(same_bits("v_cache", gpu.v_cache, cpu.v_cache));
 
   // Outputs: sequence i owns a contiguous run of o (b, s_q, h_q, d) and of lse (b, h_q, s_q).
   const Expected ex = expected(cpu);
@@ -1040,16 +1060,17 @@ void expect_rejected(const Case& c, StatusCode code, const std::string& expect, 
   EXPECT_EQ(st.code(), code) << st.to_string();
   EXPECT_NE(st.message().find(expect), std::string::npos)
       << "message \"" << st.message() << "\" should contain \"" << expect << "\"";
-  EXPECT_EQ(gpu.o.bytes, before.o.bytes) << "o was written";
-  EXPECT_EQ(gpu.lse.bytes, before.lse.bytes) << "lse was written";
-  EXPECT_EQ(gpu.k_cache.bytes, before.k_cache.bytes) << "k_cache was written";
-  EXPECT_EQ(gpu.v_cache.bytes, before.v_cache.bytes) << "v_cache was written";
+  EXPECT_TRUE(same_bits("o (must be unwritten)", gpu.o, before.o));
+  EXPECT_TRUE(same_bits("lse (must be unwritten)", gpu.lse, before.lse));
+  EXPECT_TRUE(same_bits("k_cache (must be unwritten)", gpu.k_cache, before.k_cache));
+  EXPECT_TRUE(same_bits("v_cache (must be unwritten)", gpu.v_cache, before.v_cache));
 }
 
 TEST_P(GpuKVCache, HostCheckedErrorsNameTheArgumentAndWriteNothing) {
   Case c = base();
   c.block_size = 8;
   c.capacity = 40;
+  c.cache_lens = {5, 17};
   c.seqlen_new = 2;
   c.rotary = 1;
   c.alibi = 1;
@@ -1075,11 +1096,11 @@ TEST_P(GpuKVCache, HostCheckedErrorsNameTheArgumentAndWriteNothing) {
        [](Call& k) { k.args.cache_batch_idx = k.args.cache_seqlens; }},
       {"cache_seqlen = 39 plus seqlen_new = 2 exceeds the cache capacity 40",
        [](Call& k) { k.args.cache_seqlens = {}; k.args.cache_seqlen = 39; }},
-      {"rotary_cos: seqlen_rotary = 10 is too short", [](Call& k) {
+      {"rotary_cos: seqlen_rotary = 6 is too short", [](Call& k) {
          k.args.cache_seqlens = {};
-         k.args.cache_seqlen = 9;
-         k.args.rotary_cos.shape[0] = 10;
-         k.args.rotary_sin.shape[0] = 10;
+         k.args.cache_seqlen = 5;  // positions 5 and 6 rotate
+         k.args.rotary_cos.shape[0] = 6;
+         k.args.rotary_sin.shape[0] = 6;
        }},
       {"rotary_cos: dtype", [&](Call& k) { k.args.rotary_cos.dtype = other; }},
       {"rotary_cos: rotary_dim", [](Call& k) { k.args.rotary_cos.shape[1] = 33; k.args.rotary_sin.shape[1] = 33; }},
