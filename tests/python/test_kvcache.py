@@ -187,3 +187,89 @@ def test_rejections_name_the_argument_and_leave_the_cache(rng):
     with pytest.raises(TypeError, match="cache_seqlens"):
         flare.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, cache_seqlens="5")
     np.testing.assert_array_equal(case.k_cache, before)
+
+
+# ---- CUDA tensors --------------------------------------------------------------------------------
+# The same calls with torch CUDA tensors (float16, which the NumPy reference can round to; the C++
+# suite tests/test_gpu_kvcache.cpp covers bfloat16 and the rest): the caches after the call must
+# equal those of the same call on CPU tensors bit for bit, and the outputs follow the tolerance
+# rule above against the float64 reference. Skipped without torch, a CUDA device, or a flare
+# build with CUDA kernels.
+
+def _cuda_missing():
+    try:
+        import torch
+    except ImportError:
+        return "needs torch"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    if not flare.cuda_built():
+        return "this flare build has no CUDA kernels"
+    return None
+
+
+requires_cuda = pytest.mark.skipif(_cuda_missing() is not None, reason=str(_cuda_missing()))
+
+
+def _call_on(device, case, *, rotary, causal=True, num_splits=0, **kw):
+    """case's call on torch tensors of `device`: (out, lse, k_cache, v_cache) as NumPy arrays."""
+    import torch
+    t = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    k_cache, v_cache = t(case.k_cache), t(case.v_cache)
+    alibi = kw.pop("alibi_slopes", None)
+    out, lse = flare.flash_attn_with_kvcache(
+        t(case.q), k_cache, v_cache, t(case.k_new), t(case.v_new),
+        rotary_cos=t(case.cos) if rotary else None, rotary_sin=t(case.sin) if rotary else None,
+        cache_seqlens=t(case.cache_seqlens), block_table=t(case.block_table), causal=causal,
+        rotary_interleaved=rotary == "interleaved", alibi_slopes=t(alibi), num_splits=num_splits,
+        return_softmax_lse=True, **kw)
+    if device == "cuda":
+        assert out.is_cuda and lse.is_cuda and out.dtype == torch.float16
+        torch.cuda.synchronize()
+    return tuple(x.cpu().numpy() for x in (out, lse, k_cache, v_cache))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("block_size", [0, 1, 16, 7])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
+def test_cuda_decode_matches_cpu(rng, seed, rotary, block_size, num_splits):
+    case = Case(rng, b=3, s_q=3, s_new=3, h=8, h_kv=2, d=64, lens=(0, 17, 36),
+                block_size=block_size, rotary=rotary, dtype=np.float16)
+    out, lse, k_cache, v_cache = _call_on("cuda", case, rotary=rotary, num_splits=num_splits)
+    _, _, k_cpu, v_cpu = _call_on("cpu", case, rotary=rotary, num_splits=num_splits)
+    np.testing.assert_array_equal(k_cache, k_cpu, err_msg=f"k_cache, CUDA vs CPU (seed {seed})")
+    np.testing.assert_array_equal(v_cache, v_cpu, err_msg=f"v_cache, CUDA vs CPU (seed {seed})")
+    case.k_cache, case.v_cache = k_cache, v_cache
+    check(case, seed, out, lse, True)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [0, 7])
+@pytest.mark.parametrize("h_kv", [1, 2])
+def test_cuda_gqa_window_softcap_alibi(rng, seed, h_kv, num_splits):
+    case = Case(rng, h=8, h_kv=h_kv, s_q=3, s_new=1, lens=(30, 9), d=40, dtype=np.float16,
+                block_size=4)
+    slopes = (2.0 ** -np.arange(1, 9)).astype(np.float32)
+    kw = dict(window_size=(5, 0), softcap=4.0)
+    out, lse, k_cache, v_cache = _call_on("cuda", case, rotary=None, causal=False,
+                                          num_splits=num_splits, alibi_slopes=slopes, **kw)
+    _, _, k_cpu, _ = _call_on("cpu", case, rotary=None, causal=False, alibi_slopes=slopes, **kw)
+    np.testing.assert_array_equal(k_cache, k_cpu, err_msg=f"k_cache, CUDA vs CPU (seed {seed})")
+    case.k_cache, case.v_cache = k_cache, v_cache
+    check(case, seed, out, lse, False, window=(5, 0), softcap=4.0, alibi_slopes=slopes)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_paged_equals_contiguous_bit_for_bit(seed):
+    results = []
+    for block_size in (0, 1, 8):
+        case = Case(np.random.default_rng(seed), s_q=2, s_new=2, lens=(3, 30), block_size=block_size,
+                    rotary="halves", dtype=np.float16)
+        results.append(_call_on("cuda", case, rotary="halves", num_splits=3)[:2])
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0], err_msg=f"o (seed {seed})")
+        np.testing.assert_array_equal(lse, results[0][1], err_msg=f"lse (seed {seed})")
