@@ -11,8 +11,8 @@ namespace flare::cuda {
 namespace {
 
 // Splits of the key range. A call's CTAs are (sequence · kv head) × row tiles; decoding has few
-// of them (b 1, 8 kv heads, one query row: 8 CTAs for 132 SMs), so the keys are split until about
-// two CTAs per SM are busy, each split keeping 8+ key blocks (two per warp) of the largest
+// of them (b 1, 8 kv heads, one query row: 8 CTAs for 132 SMs), so the keys are split until every
+// SM holds as many CTAs as fit, each split keeping 16+ key blocks (four per warp) of the largest
 // length the cache can hold. The caller's num_splits, when given, wins (at most kMaxSplits).
 int split_count(const DecodeParams& p, int sms) {
   using namespace decode;
@@ -21,8 +21,8 @@ int split_count(const DecodeParams& p, int sms) {
   const int64_t ctas = std::max<int64_t>(1, static_cast<int64_t>(p.batch) * p.heads_kv * row_tiles);
   if (p.num_splits > 0) return std::min(p.num_splits, kMaxSplits);
   const int64_t blocks = (p.capacity + keys_per_block(bucket) - 1) / keys_per_block(bucket);
-  const int64_t want = (2 * static_cast<int64_t>(sms) + ctas - 1) / ctas;
-  return static_cast<int>(std::clamp<int64_t>(std::min(want, blocks / 8), 1, kMaxSplits));
+  const int64_t want = (static_cast<int64_t>(ctas_per_sm(bucket)) * sms + ctas - 1) / ctas;
+  return static_cast<int>(std::clamp<int64_t>(std::min(want, blocks / 16), 1, kMaxSplits));
 }
 
 Status failure(const char* what, cudaError_t err) {

@@ -233,38 +233,51 @@ __device__ __forceinline__ int swizzled(int r, int c) {
   return r * kChunks * 8 + ((c ^ (r & 7)) << 3);
 }
 
+// Element offsets of key t's K and V rows (−2 past t_end, −1 for a block_table entry outside
+// [0, num_blocks)).
+struct RowOffsets {
+  int64_t k, v;
+};
+__device__ __forceinline__ RowOffsets kv_row_offsets(const DecodeParams& p, const Sequence& s, int i,
+                                                     int kvh, int t, int t_end) {
+  if (t >= t_end) return {-2, -2};
+  int64_t slot, row;
+  if (p.block_table != nullptr) {
+    const int32_t blk =
+        p.block_table[i * p.block_table_stride[0] + (t / p.block_size) * p.block_table_stride[1]];
+    if (blk < 0 || blk >= p.num_blocks) return {-1, -1};
+    slot = blk;
+    row = t % p.block_size;
+  } else {
+    slot = s.cache_row;
+    row = t;
+  }
+  return {slot * p.k_stride[0] + row * p.k_stride[1] + kvh * p.k_stride[2],
+          slot * p.v_stride[0] + row * p.v_stride[1] + kvh * p.v_stride[2]};
+}
+
 // Copies key rows [t0, t0 + kKeys) of the K and V caches into a tile each, rows past `t_end` and
-// elements past head_dim as zeros (zeros keep Q·Kᵀ exact and 0·V finite). Paged rows are found
-// through the block table, once for both caches; an entry out of range leaves zeros and sets *bad.
+// elements past head_dim as zeros (zeros keep Q·Kᵀ exact and 0·V finite). Lane r finds the rows
+// r and r + 32 (one block-table read each, all lanes at once) and hands their offsets to the
+// lanes that copy them; an entry out of range leaves zeros and sets *bad.
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void load_kv_block(const DecodeParams& p, const Sequence& s, int i,
                                               int kvh, int t0, int t_end, T* k_tile, T* v_tile,
                                               bool* bad) {
   using TL = Tile<kHeadDim>;
+  static_assert(TL::kKeys <= 64, "two rows per lane");
   const int lane = threadIdx.x % 32;
   const T* k_base = static_cast<const T*>(p.k_cache);
   const T* v_base = static_cast<const T*>(p.v_cache);
-#pragma unroll 4
+  const RowOffsets lo = kv_row_offsets(p, s, i, kvh, t0 + lane, min(t_end, t0 + TL::kKeys));
+  const RowOffsets hi = kv_row_offsets(p, s, i, kvh, t0 + 32 + lane, min(t_end, t0 + TL::kKeys));
+  if (lo.k == -1 || hi.k == -1) *bad = true;
+#pragma unroll
   for (int idx = lane; idx < TL::kKeys * TL::kChunks; idx += 32) {
-    const int r = idx / TL::kChunks, c = idx % TL::kChunks, t = t0 + r;
+    const int r = idx / TL::kChunks, c = idx % TL::kChunks;  // r / 32 is the same in every lane
+    const int64_t k_off = __shfl_sync(0xffffffffu, r < 32 ? lo.k : hi.k, r % 32);
+    const int64_t v_off = __shfl_sync(0xffffffffu, r < 32 ? lo.v : hi.v, r % 32);
     const int dst = swizzled<TL::kChunks>(r, c);
-    int64_t k_off = -2, v_off = -2;
-    if (t < t_end) {
-      if (p.block_table != nullptr) {
-        const int32_t blk = p.block_table[i * p.block_table_stride[0] +
-                                          (t / p.block_size) * p.block_table_stride[1]];
-        if (blk < 0 || blk >= p.num_blocks) {
-          *bad = true;
-        } else {
-          const int64_t row = t % p.block_size;
-          k_off = blk * p.k_stride[0] + row * p.k_stride[1] + kvh * p.k_stride[2];
-          v_off = blk * p.v_stride[0] + row * p.v_stride[1] + kvh * p.v_stride[2];
-        }
-      } else {
-        k_off = s.cache_row * p.k_stride[0] + static_cast<int64_t>(t) * p.k_stride[1] + kvh * p.k_stride[2];
-        v_off = s.cache_row * p.v_stride[0] + static_cast<int64_t>(t) * p.v_stride[1] + kvh * p.v_stride[2];
-      }
-    }
     const int valid = k_off < 0 ? 0 : (p.head_dim - c * 8 < 8 ? p.head_dim - c * 8 : 8);
     if (p.aligned16) {
       const bool copy = valid > 0;
@@ -287,7 +300,7 @@ struct RowState {
 };
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(128, 1) decode_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(const DecodeParams p) {
   using TL = Tile<kHeadDim>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* q_tile = reinterpret_cast<T*>(smem_raw);
@@ -322,8 +335,10 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const DecodeParams p) {
   const int k_end = min(hi, k_begin + blocks_per_split * TL::kKeys);
   const int n_blocks = k_end > k_begin ? (k_end - k_begin + TL::kKeys - 1) / TL::kKeys : 0;
 
-  // Q, rotated, rows past the problem and elements past head_dim as zeros.
-  for (int idx = threadIdx.x; idx < TL::kRows * kHeadDim; idx += blockDim.x) {
+  // Q, rotated, rows past the problem and elements past head_dim as zeros; unrolled, so that
+  // every thread's loads are in flight together.
+#pragma unroll
+  for (int idx = threadIdx.x; idx < TL::kRows * kHeadDim; idx += 128) {
     const int r = idx / kHeadDim, e = idx % kHeadDim;
     float x = 0.0f;
     if (s.ok && row0 + r < rows_total && e < p.head_dim)
@@ -420,10 +435,12 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const DecodeParams p) {
         st.m[h2] = m_new;
         st.l[h2] *= alpha[h2];
       }
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // a row max moved
 #pragma unroll
-      for (int dt = 0; dt < kHeadDim / 8; ++dt)
+        for (int dt = 0; dt < kHeadDim / 8; ++dt)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc_o[dt][c] *= alpha[c / 2];
+          for (int c = 0; c < 4; ++c) acc_o[dt][c] *= alpha[c / 2];
+      }
 #pragma unroll
       for (int nt = 0; nt < TL::kKeys / 8; ++nt)
 #pragma unroll
@@ -535,25 +552,43 @@ __global__ void __launch_bounds__(128, 1) merge_kernel(const DecodeParams p) {
   const int64_t row_id = (static_cast<int64_t>(i) * p.heads_q + h) * p.seqlen_q + j;
   const Sequence s = sequence_of(p, i);
 
+  // The splits' LSEs, a lane per split.
+  constexpr int kPerLane = kMaxSplits / 32;
+  float part_lse[kPerLane];
   float m = -INFINITY;
-  for (int sp = 0; sp < p.num_splits; ++sp) m = fmaxf(m, p.partial_lse[sp * rows + row_id]);
+#pragma unroll
+  for (int c = 0; c < kPerLane; ++c) {
+    const int sp = c * 32 + lane;
+    part_lse[c] = sp < p.num_splits ? p.partial_lse[sp * rows + row_id] : -INFINITY;
+    m = fmaxf(m, part_lse[c]);
+  }
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   const float m_use = m == -INFINITY ? 0.0f : m;
   float sum = 0.0f;
-  for (int sp = 0; sp < p.num_splits; ++sp) sum += expf(p.partial_lse[sp * rows + row_id] - m_use);
-  const float lse = sum == 0.0f ? -INFINITY : m_use + logf(sum);  // NaN partials: NaN
-  float out[kHeadDim / 32];
+#pragma unroll
+  for (int c = 0; c < kPerLane; ++c) sum += expf(part_lse[c] - m_use);  // NaN partials: NaN
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  const float lse = sum == 0.0f ? -INFINITY : m_use + logf(sum);
+  float weight[kPerLane];
+#pragma unroll
+  for (int c = 0; c < kPerLane; ++c) weight[c] = sum == 0.0f ? 0.0f : expf(part_lse[c] - lse);
+  float out[kHeadDim / 32] = {};
+#pragma unroll 4
+  for (int sp = 0; sp < p.num_splits; ++sp) {
+    float mine = weight[0];  // split sp's weight sits in lane sp % 32, register sp / 32
+#pragma unroll
+    for (int c = 1; c < kPerLane; ++c)
+      if (sp / 32 == c) mine = weight[c];
+    const float w = __shfl_sync(0xffffffffu, mine, sp % 32);
+    if (w == 0.0f) continue;  // a split in which the row sees no key
+#pragma unroll
+    for (int c = 0; c < kHeadDim / 32; ++c)
+      if (c * 32 + lane < p.head_dim)
+        out[c] += w * p.partial_o[(sp * rows + row_id) * p.head_dim + c * 32 + lane];
+  }
   bool finite = isfinite(lse);
 #pragma unroll
-  for (int c = 0; c < kHeadDim / 32; ++c) {
-    const int e = c * 32 + lane;
-    out[c] = 0.0f;
-    if (e >= p.head_dim || sum == 0.0f) continue;
-    for (int sp = 0; sp < p.num_splits; ++sp) {
-      const float w = expf(p.partial_lse[sp * rows + row_id] - lse);
-      if (w != 0.0f) out[c] += w * p.partial_o[(sp * rows + row_id) * p.head_dim + e];
-    }
-    finite = finite && isfinite(out[c]);
-  }
+  for (int c = 0; c < kHeadDim / 32; ++c) finite = finite && isfinite(out[c]);
   const int64_t o_base = i * p.o_batch_stride + j * p.o_row_stride + h * p.o_head_stride;
 #pragma unroll
   for (int c = 0; c < kHeadDim / 32; ++c)
@@ -568,40 +603,39 @@ __global__ void __launch_bounds__(128, 1) merge_kernel(const DecodeParams p) {
 
 // ---- the append ---------------------------------------------------------------------------------
 
-// One warp per (sequence, new row, kv head); grid (new rows / 4, heads_kv, batch). k_new rotated at its position (fp32, one rounding,
-// as the CPU path) and v_new copied into the cache. A sequence whose values break a rule — or
-// any of whose appended blocks lies outside the cache — is left entirely unwritten.
+// One CTA per sequence: first every block_table entry the sequence uses (its first
+// ceil(len / block_size)) is checked, then its warps write the (new row, kv head) vectors: k_new
+// rotated at its position (fp32, one rounding, as the CPU path) and v_new. A sequence whose
+// values break a rule is left entirely unwritten.
 template <typename T>
 __global__ void __launch_bounds__(128) append_kernel(const DecodeParams p) {
-  const int j = blockIdx.x * 4 + threadIdx.x / 32, h = blockIdx.y, i = blockIdx.z;
-  if (j >= p.seqlen_new) return;
-  const int lane = threadIdx.x % 32;
+  const int i = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Sequence s = sequence_of(p, i);
   if (!s.ok) return;
   bool bad = false;
-  if (p.block_table != nullptr && s.len > s.len_before) {
-    const int first = s.len_before / p.block_size, last = (s.len - 1) / p.block_size;
-    for (int lb = first + lane; lb <= last; lb += 32) {
+  if (p.block_table != nullptr)
+    for (int lb = threadIdx.x; lb < (s.len + p.block_size - 1) / p.block_size; lb += blockDim.x) {
       const int32_t blk = p.block_table[i * p.block_table_stride[0] + lb * p.block_table_stride[1]];
       bad = bad || blk < 0 || blk >= p.num_blocks;
     }
-  }
-  if (__any_sync(0xffffffffu, bad)) return;
-  const int pos = s.len_before + j;
-  const int64_t k_dst = cache_offset(p, p.k_stride, s, i, pos, h);
-  const int64_t v_dst = cache_offset(p, p.v_stride, s, i, pos, h);
-  const int64_t k_src = i * p.k_new_stride[0] + j * p.k_new_stride[1] + h * p.k_new_stride[2];
-  const int64_t v_src = i * p.v_new_stride[0] + j * p.v_new_stride[1] + h * p.v_new_stride[2];
+  if (__syncthreads_or(bad)) return;
   T* kc = static_cast<T*>(p.k_cache);
   T* vc = static_cast<T*>(p.v_cache);
   const T* kn = static_cast<const T*>(p.k_new);
   const T* vn = static_cast<const T*>(p.v_new);
-  for (int e = lane; e < p.head_dim; e += 32) {
-    if (p.rotary_cos != nullptr)
-      store_from_float(kc, k_dst + e, p.dtype, rotated_element(p, kn, k_src, e, pos));
-    else
-      kc[k_dst + e] = kn[k_src + e];
-    vc[v_dst + e] = vn[v_src + e];
+  for (int item = warp; item < p.seqlen_new * p.heads_kv; item += blockDim.x / 32) {
+    const int j = item / p.heads_kv, h = item % p.heads_kv, pos = s.len_before + j;
+    const int64_t k_dst = cache_offset(p, p.k_stride, s, i, pos, h);
+    const int64_t v_dst = cache_offset(p, p.v_stride, s, i, pos, h);
+    const int64_t k_src = i * p.k_new_stride[0] + j * p.k_new_stride[1] + h * p.k_new_stride[2];
+    const int64_t v_src = i * p.v_new_stride[0] + j * p.v_new_stride[1] + h * p.v_new_stride[2];
+    for (int e = lane; e < p.head_dim; e += 32) {
+      if (p.rotary_cos != nullptr)
+        store_from_float(kc, k_dst + e, p.dtype, rotated_element(p, kn, k_src, e, pos));
+      else
+        kc[k_dst + e] = kn[k_src + e];
+      vc[v_dst + e] = vn[v_src + e];
+    }
   }
 }
 

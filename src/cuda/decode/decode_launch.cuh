@@ -48,7 +48,7 @@ template <DType kDType>
 Status launch(const DecodeParams& p, cudaStream_t stream) {
   using T = Element<kDType>;
   if (p.seqlen_new > 0 && p.batch > 0) {
-    append_kernel<T><<<warp_grid(p.seqlen_new, p.heads_kv, p.batch), 128, 0, stream>>>(p);
+    append_kernel<T><<<p.batch, 128, 0, stream>>>(p);
     FLARE_RETURN_IF_ERROR(launched("append"));
   }
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return {};

@@ -14,8 +14,11 @@ namespace flare::cuda::decode {
 constexpr int head_dim_bucket(int head_dim) {
   return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 256 ? 256 : 0;
 }
-// Keys in one block a warp handles: 8 KiB of fp16/bf16 per K or V block.
-constexpr int keys_per_block(int bucket) { return 4096 / bucket; }
+// Keys in one block a warp handles: 4 KiB of fp16/bf16 per K or V block (16 keys at least, one
+// mma k-step of P·V), so that three CTAs fit on an SM up to head dim 128 (decode_kernel.cuh).
+constexpr int keys_per_block(int bucket) { return 2048 / bucket > 16 ? 2048 / bucket : 16; }
+// CTAs of the attention kernel one SM holds (shared memory and registers).
+constexpr int ctas_per_sm(int bucket) { return bucket <= 128 ? 3 : 1; }
 constexpr int kRowsPerTile = 16;  // packed query rows per CTA
 constexpr int kMaxSplits = 128;
 
