@@ -470,6 +470,10 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
       __syncwarp();  // the next iteration's copies overwrite this stage
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The split merge may be scheduled now (it waits for this grid's results before reading).
+  if (p.num_splits > 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     st.l[h2] += __shfl_xor_sync(0xffffffffu, st.l[h2], 1);
@@ -545,6 +549,11 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
 // NaN partial stays NaN; rows left non-finite with a visible key take the exact path.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(128, 1) merge_kernel(const DecodeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched before the attention kernel ends (programmatic dependent launch): wait for its
+  // partials here.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int j = blockIdx.x * 4 + threadIdx.x / 32, h = blockIdx.y, i = blockIdx.z;
   if (j >= p.seqlen_q) return;
   const int lane = threadIdx.x % 32;

@@ -38,8 +38,21 @@ Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
   kernel<<<grid, 128, smem, stream>>>(p);
   FLARE_RETURN_IF_ERROR(launched("attention"));
   if (p.num_splits > 1) {
-    merge_kernel<T, kHeadDim><<<warp_grid(p.seqlen_q, p.heads_q, p.batch), 128, 0, stream>>>(p);
-    FLARE_RETURN_IF_ERROR(launched("split merge"));
+    // Programmatic dependent launch: the merge is scheduled while the attention runs and waits
+    // for it in the kernel (griddepcontrol.wait), so its launch latency leaves the critical path.
+    cudaLaunchConfig_t config{};
+    config.gridDim = warp_grid(p.seqlen_q, p.heads_q, p.batch);
+    config.blockDim = dim3(128);
+    config.stream = stream;
+    cudaLaunchAttribute early{};
+    early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    early.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &early;
+    config.numAttrs = 1;
+    if (const cudaError_t err = cudaLaunchKernelEx(&config, merge_kernel<T, kHeadDim>, p);
+        err != cudaSuccess)
+      return Status::device_error(std::string("KV-cache decoding, split merge launch: ") +
+                                  cudaGetErrorString(err));
   }
   return {};
 }
