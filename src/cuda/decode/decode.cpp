@@ -12,7 +12,7 @@ namespace {
 
 // Splits of the key range. A call's CTAs are (sequence · kv head) × row tiles; decoding has few
 // of them (b 1, 8 kv heads, one query row: 8 CTAs for 132 SMs), so the keys are split until every
-// SM holds as many CTAs as fit, each split keeping 4+ key blocks (one per warp) of the largest
+// SM holds as many CTAs as fit, each split keeping 8+ key blocks (two per warp) of the largest
 // length the cache can hold. The caller's num_splits, when given, wins (at most kMaxSplits).
 int split_count(const DecodeParams& p, int sms) {
   using namespace decode;
@@ -22,7 +22,7 @@ int split_count(const DecodeParams& p, int sms) {
   if (p.num_splits > 0) return std::min(p.num_splits, kMaxSplits);
   const int64_t blocks = (p.capacity + keys_per_block(bucket) - 1) / keys_per_block(bucket);
   const int64_t want = (static_cast<int64_t>(ctas_per_sm(bucket)) * sms + ctas - 1) / ctas;
-  return static_cast<int>(std::clamp<int64_t>(std::min(want, blocks / 4), 1, kMaxSplits));
+  return static_cast<int>(std::clamp<int64_t>(std::min(want, blocks / 8), 1, kMaxSplits));
 }
 
 Status failure(const char* what, cudaError_t err) {

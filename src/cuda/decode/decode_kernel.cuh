@@ -335,6 +335,18 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
   const int k_end = min(hi, k_begin + blocks_per_split * TL::kKeys);
   const int n_blocks = k_end > k_begin ? (k_end - k_begin + TL::kKeys - 1) / TL::kKeys : 0;
 
+  T* my_tiles = q_tile + TL::kQElems + warp * TL::kWarpElems;
+  auto k_tile = [&](int stage) { return my_tiles + stage * 2 * TL::kBlockElems; };
+  auto v_tile = [&](int stage) { return k_tile(stage) + TL::kBlockElems; };
+
+  bool bad = !s.ok;
+  auto issue = [&](int blk, int stage) {
+    load_kv_block<T, kHeadDim>(p, s, i, kvh, k_begin + blk * TL::kKeys, k_end, k_tile(stage),
+                               v_tile(stage), &bad);
+  };
+  // The first key block is on its way before Q is read: the two latencies overlap.
+  if (s.ok && warp < n_blocks) issue(warp, 0);
+
   // Q, rotated, rows past the problem and elements past head_dim as zeros; unrolled, so that
   // every thread's loads are in flight together.
 #pragma unroll
@@ -360,19 +372,9 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
   }
   const bool plain_scores = p.softcap <= 0.0f && p.alibi_slopes == nullptr;
 
-  T* my_tiles = q_tile + TL::kQElems + warp * TL::kWarpElems;
-  auto k_tile = [&](int stage) { return my_tiles + stage * 2 * TL::kBlockElems; };
-  auto v_tile = [&](int stage) { return k_tile(stage) + TL::kBlockElems; };
-
   float acc_o[kHeadDim / 8][4] = {};
   RowState st;
-  bool bad = !s.ok;
   if (s.ok && warp < n_blocks) {
-    auto issue = [&](int blk, int stage) {
-      load_kv_block<T, kHeadDim>(p, s, i, kvh, k_begin + blk * TL::kKeys, k_end, k_tile(stage),
-                                 v_tile(stage), &bad);
-    };
-    issue(warp, 0);
     int stage = 0;
     for (int blk = warp; blk < n_blocks; blk += TL::kWarps, stage ^= 1) {
       const bool next = blk + TL::kWarps < n_blocks;
