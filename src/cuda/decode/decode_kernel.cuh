@@ -233,60 +233,71 @@ __device__ __forceinline__ int swizzled(int r, int c) {
   return r * kChunks * 8 + ((c ^ (r & 7)) << 3);
 }
 
-// Element offsets of key t's K and V rows (−2 past t_end, −1 for a block_table entry outside
-// [0, num_blocks)).
-struct RowOffsets {
-  int64_t k, v;
-};
-__device__ __forceinline__ RowOffsets kv_row_offsets(const DecodeParams& p, const Sequence& s, int i,
-                                                     int kvh, int t, int t_end) {
-  if (t >= t_end) return {-2, -2};
-  int64_t slot, row;
-  if (p.block_table != nullptr) {
-    const int32_t blk =
-        p.block_table[i * p.block_table_stride[0] + (t / p.block_size) * p.block_table_stride[1]];
-    if (blk < 0 || blk >= p.num_blocks) return {-1, -1};
-    slot = blk;
-    row = t % p.block_size;
+// Copies one 16-byte chunk (`valid` of its 8 elements, the rest zeros) into shared memory. With
+// valid ≤ 0 nothing is read (cp.async with source size 0), so src may point anywhere.
+template <typename T>
+__device__ __forceinline__ void copy_chunk(T* dst, const T* src, int valid, bool aligned16) {
+  if (aligned16) {
+    ptx::cp_async_16_zfill(ptx::smem_addr(dst), src, valid > 0);
   } else {
-    slot = s.cache_row;
-    row = t;
+    for (int e = 0; e < 8; ++e) dst[e] = e < valid ? src[e] : from_float<T>(0.0f);
   }
-  return {slot * p.k_stride[0] + row * p.k_stride[1] + kvh * p.k_stride[2],
-          slot * p.v_stride[0] + row * p.v_stride[1] + kvh * p.v_stride[2]};
 }
 
 // Copies key rows [t0, t0 + kKeys) of the K and V caches into a tile each, rows past `t_end` and
-// elements past head_dim as zeros (zeros keep Q·Kᵀ exact and 0·V finite). Lane r finds the rows
-// r and r + 32 (one block-table read each, all lanes at once) and hands their offsets to the
-// lanes that copy them; an entry out of range leaves zeros and sets *bad.
+// elements past head_dim as zeros (zeros keep Q·Kᵀ exact and 0·V finite). A lane always copies
+// the same 16-byte chunk of its rows, kRowsPerPass rows apart, so its addresses advance by a
+// constant (contiguous caches) or by a page walk (paged: one block-table read per row, the page
+// index carried from row to row); an entry out of range leaves zeros and sets *bad.
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void load_kv_block(const DecodeParams& p, const Sequence& s, int i,
                                               int kvh, int t0, int t_end, T* k_tile, T* v_tile,
                                               bool* bad) {
   using TL = Tile<kHeadDim>;
-  static_assert(TL::kKeys <= 64, "two rows per lane");
-  const int lane = threadIdx.x % 32;
-  const T* k_base = static_cast<const T*>(p.k_cache);
-  const T* v_base = static_cast<const T*>(p.v_cache);
-  const RowOffsets lo = kv_row_offsets(p, s, i, kvh, t0 + lane, min(t_end, t0 + TL::kKeys));
-  const RowOffsets hi = kv_row_offsets(p, s, i, kvh, t0 + 32 + lane, min(t_end, t0 + TL::kKeys));
-  if (lo.k == -1 || hi.k == -1) *bad = true;
+  constexpr int kRowsPerPass = 32 / TL::kChunks;
+  const int lane = threadIdx.x % 32, c = lane % TL::kChunks, r0 = lane / TL::kChunks;
+  const int width = p.head_dim - c * 8 < 8 ? p.head_dim - c * 8 : 8;  // ≤ 0 past head_dim
+  const T* k_base = static_cast<const T*>(p.k_cache) + kvh * p.k_stride[2] + c * 8;
+  const T* v_base = static_cast<const T*>(p.v_cache) + kvh * p.v_stride[2] + c * 8;
+  if (p.block_table == nullptr) {
+    const T* k_row = k_base + s.cache_row * p.k_stride[0] + static_cast<int64_t>(t0 + r0) * p.k_stride[1];
+    const T* v_row = v_base + s.cache_row * p.v_stride[0] + static_cast<int64_t>(t0 + r0) * p.v_stride[1];
 #pragma unroll
-  for (int idx = lane; idx < TL::kKeys * TL::kChunks; idx += 32) {
-    const int r = idx / TL::kChunks, c = idx % TL::kChunks;  // r / 32 is the same in every lane
-    const int64_t k_off = __shfl_sync(0xffffffffu, r < 32 ? lo.k : hi.k, r % 32);
-    const int64_t v_off = __shfl_sync(0xffffffffu, r < 32 ? lo.v : hi.v, r % 32);
-    const int dst = swizzled<TL::kChunks>(r, c);
-    const int valid = k_off < 0 ? 0 : (p.head_dim - c * 8 < 8 ? p.head_dim - c * 8 : 8);
-    if (p.aligned16) {
-      const bool copy = valid > 0;
-      ptx::cp_async_16_zfill(ptx::smem_addr(k_tile + dst), k_base + (copy ? k_off + c * 8 : 0), copy);
-      ptx::cp_async_16_zfill(ptx::smem_addr(v_tile + dst), v_base + (copy ? v_off + c * 8 : 0), copy);
-    } else {
-      for (int e = 0; e < 8; ++e) {
-        k_tile[dst + e] = e < valid ? k_base[k_off + c * 8 + e] : from_float<T>(0.0f);
-        v_tile[dst + e] = e < valid ? v_base[v_off + c * 8 + e] : from_float<T>(0.0f);
+    for (int it = 0; it < TL::kKeys / kRowsPerPass; ++it) {
+      const int r = it * kRowsPerPass + r0;
+      const int valid = t0 + r < t_end ? width : 0;
+      copy_chunk(k_tile + swizzled<TL::kChunks>(r, c), k_row, valid, p.aligned16);
+      copy_chunk(v_tile + swizzled<TL::kChunks>(r, c), v_row, valid, p.aligned16);
+      k_row += kRowsPerPass * p.k_stride[1];
+      v_row += kRowsPerPass * p.v_stride[1];
+    }
+  } else {
+    const int32_t* table = p.block_table + i * p.block_table_stride[0];
+    int page = (t0 + r0) / p.block_size, in_page = (t0 + r0) % p.block_size;
+#pragma unroll
+    for (int it = 0; it < TL::kKeys / kRowsPerPass; ++it) {
+      const int r = it * kRowsPerPass + r0;
+      int valid = 0;
+      int64_t blk = 0;
+      if (t0 + r < t_end) {
+        blk = table[page * p.block_table_stride[1]];
+        if (blk < 0 || blk >= p.num_blocks) {
+          *bad = true;
+          blk = 0;
+        } else {
+          valid = width;
+        }
+      }
+      copy_chunk(k_tile + swizzled<TL::kChunks>(r, c),
+                 k_base + blk * p.k_stride[0] + static_cast<int64_t>(in_page) * p.k_stride[1], valid,
+                 p.aligned16);
+      copy_chunk(v_tile + swizzled<TL::kChunks>(r, c),
+                 v_base + blk * p.v_stride[0] + static_cast<int64_t>(in_page) * p.v_stride[1], valid,
+                 p.aligned16);
+      in_page += kRowsPerPass;
+      if (in_page >= p.block_size) {  // the next row is on a later page
+        page += in_page / p.block_size;
+        in_page %= p.block_size;
       }
     }
   }
@@ -371,6 +382,15 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
     slope[h2] = row0 + r < rows_total ? slope_of(p, i, row_head(r)) : 0.0f;
   }
   const bool plain_scores = p.softcap <= 0.0f && p.alibi_slopes == nullptr;
+  const float scale_log2 = p.scale * kLog2e;
+  // Keys every row of the tile sees (rows past the problem aside): [tile_lo, tile_hi).
+  int tile_lo = 0, tile_hi = s.len;
+  for (int r = 0; r < TL::kRows && row0 + r < rows_total; ++r) {
+    const KeyRange k = row_keys(r);
+    tile_lo = max(tile_lo, k.lo);
+    tile_hi = min(tile_hi, k.hi);
+  }
+  float alpha[2];
 
   float acc_o[kHeadDim / 8][4] = {};
   RowState st;
@@ -408,7 +428,10 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
         }
       }
 
-      // Scores (base 2), masks, the online softmax; P rounded into A fragments.
+      // Scores (base 2), masks, the online softmax; P rounded into A fragments. A block every
+      // row of the tile sees whole takes no mask test (padding rows past the problem get scores
+      // too, but are never written).
+      const bool open = plain_scores && t0 >= tile_lo && t0 + TL::kKeys <= min(k_end, tile_hi);
       float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nt = 0; nt < TL::kKeys / 8; ++nt)
@@ -416,17 +439,20 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
         for (int c = 0; c < 4; ++c) {
           const int h2 = c / 2, t = t0 + nt * 8 + 2 * tq + (c & 1);
           float x;
-          if (t >= k_end || t < vis[h2].lo || t >= vis[h2].hi) {
+          if (open) {
+            x = acc_s[nt][c] * scale_log2;
+          } else if (t >= k_end || t < vis[h2].lo || t >= vis[h2].hi) {
             x = -INFINITY;
           } else if (plain_scores) {
-            x = acc_s[nt][c] * (p.scale * kLog2e);
+            x = acc_s[nt][c] * scale_log2;
           } else {
             x = modified_score(p, acc_s[nt][c], slope[h2], qrow[h2], t, s.len) * kLog2e;
           }
           acc_s[nt][c] = x;
           row_max[h2] = fmaxf(row_max[h2], x);
         }
-      float alpha[2], m_use[2];
+      float m_use[2];
+      bool moved = false;  // O needs rescaling only where a row that has seen a key found a new max
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         row_max[h2] = fmaxf(row_max[h2], __shfl_xor_sync(0xffffffffu, row_max[h2], 1));
@@ -434,10 +460,11 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
         const float m_new = fmaxf(st.m[h2], row_max[h2]);
         m_use[h2] = m_new == -INFINITY ? 0.0f : m_new;  // no key yet: exp2(−inf − 0) = 0
         alpha[h2] = ptx::exp2_approx(st.m[h2] - m_use[h2]);
+        moved = moved || (m_new != st.m[h2] && st.m[h2] != -INFINITY);
         st.m[h2] = m_new;
         st.l[h2] *= alpha[h2];
       }
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // a row max moved
+      if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
         for (int dt = 0; dt < kHeadDim / 8; ++dt)
 #pragma unroll
