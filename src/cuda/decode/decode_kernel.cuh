@@ -246,9 +246,9 @@ __device__ __forceinline__ void copy_chunk(T* dst, const T* src, int valid, bool
 
 // Copies key rows [t0, t0 + kKeys) of the K and V caches into a tile each, rows past `t_end` and
 // elements past head_dim as zeros (zeros keep Q·Kᵀ exact and 0·V finite). A lane always copies
-// the same 16-byte chunk of its rows, kRowsPerPass rows apart, so its addresses advance by a
-// constant (contiguous caches) or by a page walk (paged: one block-table read per row, the page
-// index carried from row to row); an entry out of range leaves zeros and sets *bad.
+// the same 16-byte chunk of its rows, kRowsPerPass rows apart: its addresses advance by a
+// constant in a contiguous cache; in a paged one each row's page comes from the block table (an
+// entry out of range leaves zeros and sets *bad).
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void load_kv_block(const DecodeParams& p, const Sequence& s, int i,
                                               int kvh, int t0, int t_end, T* k_tile, T* v_tile,
@@ -272,33 +272,36 @@ __device__ __forceinline__ void load_kv_block(const DecodeParams& p, const Seque
       v_row += kRowsPerPass * p.v_stride[1];
     }
   } else {
+    // Lane r reads the table entries of rows r and r + 32 — all reads issued before any copy
+    // (the copies' asm is a compiler barrier) — and the copying lanes take them by shuffle.
+    static_assert(TL::kKeys <= 64, "two rows per lane");
     const int32_t* table = p.block_table + i * p.block_table_stride[0];
-    int page = (t0 + r0) / p.block_size, in_page = (t0 + r0) % p.block_size;
+    int32_t entry[2] = {0, 0};
+    int in_page[2] = {0, 0};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = t0 + lane + 32 * half;
+      if (lane + 32 * half < TL::kKeys && t < t_end) {
+        entry[half] = table[(t / p.block_size) * p.block_table_stride[1]];
+        in_page[half] = t % p.block_size;
+        if (entry[half] < 0 || entry[half] >= p.num_blocks) {
+          *bad = true;
+          entry[half] = -1;
+        }
+      } else {
+        entry[half] = -1;
+      }
+    }
 #pragma unroll
     for (int it = 0; it < TL::kKeys / kRowsPerPass; ++it) {
-      const int r = it * kRowsPerPass + r0;
-      int valid = 0;
-      int64_t blk = 0;
-      if (t0 + r < t_end) {
-        blk = table[page * p.block_table_stride[1]];
-        if (blk < 0 || blk >= p.num_blocks) {
-          *bad = true;
-          blk = 0;
-        } else {
-          valid = width;
-        }
-      }
+      const int r = it * kRowsPerPass + r0;  // r / 32 is the same in every lane
+      const int64_t blk = __shfl_sync(0xffffffffu, r < 32 ? entry[0] : entry[1], r % 32);
+      const int64_t row = __shfl_sync(0xffffffffu, r < 32 ? in_page[0] : in_page[1], r % 32);
+      const int valid = blk >= 0 ? width : 0;
       copy_chunk(k_tile + swizzled<TL::kChunks>(r, c),
-                 k_base + blk * p.k_stride[0] + static_cast<int64_t>(in_page) * p.k_stride[1], valid,
-                 p.aligned16);
+                 k_base + blk * p.k_stride[0] + row * p.k_stride[1], valid, p.aligned16);
       copy_chunk(v_tile + swizzled<TL::kChunks>(r, c),
-                 v_base + blk * p.v_stride[0] + static_cast<int64_t>(in_page) * p.v_stride[1], valid,
-                 p.aligned16);
-      in_page += kRowsPerPass;
-      if (in_page >= p.block_size) {  // the next row is on a later page
-        page += in_page / p.block_size;
-        in_page %= p.block_size;
-      }
+                 v_base + blk * p.v_stride[0] + row * p.v_stride[1], valid, p.aligned16);
     }
   }
   ptx::cp_async_commit();
