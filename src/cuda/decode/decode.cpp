@@ -48,6 +48,9 @@ Status kvcache_forward(const DecodeParams& params, int device_index, Stream stre
     p.num_splits = split_count(p, device.sms);
     const int64_t row_tiles = (static_cast<int64_t>(p.seqlen_q) * p.group + decode::kRowsPerTile - 1) /
                               decode::kRowsPerTile;
+    if (p.batch > 65535)
+      return Status::unsupported("q: batch = " + std::to_string(p.batch) +
+                                 " exceeds the decoding grid's 65535 sequences; split the call");
     if (row_tiles > 65535 || static_cast<int64_t>(p.batch) * p.heads_kv > INT32_MAX)
       return Status::unsupported("q: seqlen_q * heads_q / heads_kv = " +
                                  std::to_string(static_cast<int64_t>(p.seqlen_q) * p.group) +

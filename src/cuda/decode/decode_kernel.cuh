@@ -576,9 +576,11 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
 
 // ---- split-KV merge -----------------------------------------------------------------------------
 
-// One warp per row; grid (query rows / 4, heads_q, batch). LSE = log Σ exp(LSE_s), O = Σ exp(LSE_s − LSE)·O_s over
-// the splits, the larger LSE taken out first (dist/merge.h's rule for any number of blocks). A
-// NaN partial stays NaN; rows left non-finite with a visible key take the exact path.
+// One CTA per row; grid (s_q, heads_q, batch). LSE = log Σ exp(LSE_s), O = Σ exp(LSE_s − LSE)·O_s
+// over the splits, the larger LSE taken out first (dist/merge.h's rule for any number of blocks).
+// The splits' partial O rows are read four warps at a time, each lane holding a run of
+// kHeadDim / 32 elements, so up to 128 splits take a few rounds of memory latency, not one per
+// split. A NaN partial stays NaN; rows left non-finite with a visible key take the exact path.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(128, 1) merge_kernel(const DecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -586,15 +588,13 @@ __global__ void __launch_bounds__(128, 1) merge_kernel(const DecodeParams p) {
   // partials here.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-  const int j = blockIdx.x * 4 + threadIdx.x / 32, h = blockIdx.y, i = blockIdx.z;
-  if (j >= p.seqlen_q) return;
-  const int lane = threadIdx.x % 32;
+  constexpr int kWarps = 4, kPerLane = kMaxSplits / 32, kRun = kHeadDim / 32;
+  const int j = blockIdx.x, h = blockIdx.y, i = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t row_id = (static_cast<int64_t>(i) * p.heads_q + h) * p.seqlen_q + j;
-  const Sequence s = sequence_of(p, i);
 
-  // The splits' LSEs, a lane per split.
-  constexpr int kPerLane = kMaxSplits / 32;
+  // Every warp reads the splits' LSEs (a lane per split) and forms the same weights.
   float part_lse[kPerLane];
   float m = -INFINITY;
 #pragma unroll
@@ -613,30 +613,43 @@ __global__ void __launch_bounds__(128, 1) merge_kernel(const DecodeParams p) {
   float weight[kPerLane];
 #pragma unroll
   for (int c = 0; c < kPerLane; ++c) weight[c] = sum == 0.0f ? 0.0f : expf(part_lse[c] - lse);
-  float out[kHeadDim / 32] = {};
+
+  // Warp w sums splits w, w + 4, …; lane l elements [l·kRun, (l + 1)·kRun).
+  float acc[kRun] = {};
+  const int e0 = lane * kRun;
 #pragma unroll 4
-  for (int sp = 0; sp < p.num_splits; ++sp) {
+  for (int sp = warp; sp < p.num_splits; sp += kWarps) {
     float mine = weight[0];  // split sp's weight sits in lane sp % 32, register sp / 32
 #pragma unroll
     for (int c = 1; c < kPerLane; ++c)
       if (sp / 32 == c) mine = weight[c];
     const float w = __shfl_sync(0xffffffffu, mine, sp % 32);
-    if (w == 0.0f) continue;  // a split in which the row sees no key
+    const float* part = p.partial_o + (sp * rows + row_id) * p.head_dim;
 #pragma unroll
-    for (int c = 0; c < kHeadDim / 32; ++c)
-      if (c * 32 + lane < p.head_dim)
-        out[c] += w * p.partial_o[(sp * rows + row_id) * p.head_dim + c * 32 + lane];
+    for (int v = 0; v < kRun; ++v)
+      if (e0 + v < p.head_dim) acc[v] += w * part[e0 + v];
   }
+  __shared__ float by_warp[kWarps][kHeadDim];
+#pragma unroll
+  for (int v = 0; v < kRun; ++v) by_warp[warp][e0 + v] = acc[v];
+  __syncthreads();
+  if (warp != 0) return;
+  float out[kRun];
   bool finite = isfinite(lse);
 #pragma unroll
-  for (int c = 0; c < kHeadDim / 32; ++c) finite = finite && isfinite(out[c]);
+  for (int v = 0; v < kRun; ++v) {
+    out[v] = sum == 0.0f ? 0.0f
+                         : by_warp[0][e0 + v] + by_warp[1][e0 + v] + by_warp[2][e0 + v] + by_warp[3][e0 + v];
+    finite = finite && isfinite(out[v]);
+  }
   const int64_t o_base = i * p.o_batch_stride + j * p.o_row_stride + h * p.o_head_stride;
 #pragma unroll
-  for (int c = 0; c < kHeadDim / 32; ++c)
-    if (c * 32 + lane < p.head_dim) store_element<T>(p.o, o_base + c * 32 + lane, out[c]);
+  for (int v = 0; v < kRun; ++v)
+    if (e0 + v < p.head_dim) store_element<T>(p.o, o_base + e0 + v, out[v]);
   if (lane == 0 && p.lse != nullptr) p.lse[row_id] = lse;
   // A non-finite row that sees a key is rewritten by the exact path (the same warp, after its
   // own stores).
+  const Sequence s = sequence_of(p, i);
   const KeyRange keys = visible_keys(j, p.seqlen_q, s.len, p.window_left, p.window_right);
   if (__any_sync(0xffffffffu, !finite) && s.ok && keys.lo < keys.hi)
     exact_row<T, kHeadDim>(p, s, i, j, h);

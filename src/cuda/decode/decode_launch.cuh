@@ -21,12 +21,6 @@ inline Status launched(const char* what) {
   return {};
 }
 
-// A grid of one warp per (row < rows, head < heads, sequence < batch), four warps a block.
-inline dim3 warp_grid(int rows, int heads, int batch) {
-  return dim3(static_cast<unsigned>((rows + 3) / 4), static_cast<unsigned>(heads),
-              static_cast<unsigned>(batch));
-}
-
 template <typename T, int kHeadDim>
 Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
   const auto kernel = decode_kernel<T, kHeadDim>;
@@ -41,7 +35,8 @@ Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
     // Programmatic dependent launch: the merge is scheduled while the attention runs and waits
     // for it in the kernel (griddepcontrol.wait), so its launch latency leaves the critical path.
     cudaLaunchConfig_t config{};
-    config.gridDim = warp_grid(p.seqlen_q, p.heads_q, p.batch);
+    config.gridDim = dim3(static_cast<unsigned>(p.seqlen_q), static_cast<unsigned>(p.heads_q),
+                          static_cast<unsigned>(p.batch));
     config.blockDim = dim3(128);
     config.stream = stream;
     cudaLaunchAttribute early{};
