@@ -65,6 +65,17 @@ TEST(CpuFlashSimd, ExpEdgeCases) {
     EXPECT_LE(ulps(y[i], std::exp(static_cast<double>(x[i]))), 1.0) << "lane " << i;
 }
 
+// The register transpose the fp32 tile loads use: every element lands at its mirror position.
+TEST(CpuFlashSimd, TransposeMirrorsEveryElement) {
+  constexpr int n = cpu::simd::kLanes;
+  cpu::simd::Vec v[n];
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < n; ++j) v[r][j] = static_cast<float>(r * 100 + j);
+  cpu::simd::transpose(v);
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < n; ++j) EXPECT_EQ(v[r][j], static_cast<float>(j * 100 + r)) << r << ", " << j;
+}
+
 TEST(CpuFlashSimd, TanhWithinFewUlpAndSaturates) {
   double worst = 0.0, worst_x = 0.0;
   for (int i = -1'000'000; i <= 1'000'000; ++i) {

@@ -260,10 +260,27 @@ void load_rows(const void* src, DType dtype, int64_t offset, int64_t stride, int
   }
 }
 
-// `rows` rows into a transposed tile (d, width); columns [rows, width) zeroed.
+// `rows` rows into a transposed tile (d, width); columns [rows, width) zeroed. fp32 rows go
+// kLanes × kLanes blocks at a time through registers (simd::transpose): a row scattered element
+// by element touches d lines of the tile for every row, and was the decoding path's main cost.
 void load_transposed(const void* src, DType dtype, int64_t offset, int64_t stride, int rows, int d,
                      float* dst, int width, float* row_buffer) {
-  for (int r = 0; r < rows; ++r) {
+  int r = 0;
+  if (dtype == DType::kFloat32) {
+    const float* s = static_cast<const float*>(src) + offset;
+    const int d_blocks = d - d % kLanes;
+    for (; r + kLanes <= rows; r += kLanes) {
+      for (int c = 0; c < d_blocks; c += kLanes) {
+        Vec block[kLanes];
+        for (int k = 0; k < kLanes; ++k) block[k] = simd::load(s + (r + k) * stride + c);
+        simd::transpose(block);
+        for (int k = 0; k < kLanes; ++k) simd::store(dst + (c + k) * width + r, block[k]);
+      }
+      for (int k = 0; k < kLanes; ++k)
+        for (int c = d_blocks; c < d; ++c) dst[c * width + r + k] = s[(r + k) * stride + c];
+    }
+  }
+  for (; r < rows; ++r) {
     load_row(src, dtype, offset + r * stride, d, row_buffer);
     for (int c = 0; c < d; ++c) dst[c * width + r] = row_buffer[c];
   }

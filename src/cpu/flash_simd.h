@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>  // declares every level's intrinsics, whatever the compiler's target
@@ -211,6 +212,38 @@ inline Vec exp(Vec x) {
   const Vec two_n2 = reinterpret_cast<Vec>((n - n1 + 127) << 23);
   return p * two_n1 * two_n2;
 }
+
+// ---- transpose of a kLanes × kLanes block held in kLanes vectors ------------------------------
+//
+// By block swaps: at level h (kLanes/2, …, 2, 1), in each pair of rows r and r + h with bit h of r
+// clear, the lanes of row r with bit h set trade places with the lanes h lower of row r + h —
+// the off-diagonal h × h blocks swap — and after the last level every block is transposed.
+// Each trade is one two-source shuffle per row.
+namespace transpose_detail {
+// Lane j of the new row r (upper = false) or r + h (upper = true), as an index into the
+// concatenation (row r, row r + h) that __builtin_shufflevector reads.
+constexpr int source(int j, int h, bool upper) {
+  if (!upper) return (j & h) ? kLanes + j - h : j;
+  return (j & h) ? kLanes + j : j + h;
+}
+template <int h, bool upper, size_t... J>
+inline Vec trade(Vec lo, Vec hi, std::index_sequence<J...>) {
+  return __builtin_shufflevector(lo, hi, source(static_cast<int>(J), h, upper)...);
+}
+template <int h>
+inline void level(Vec (&v)[kLanes]) {
+  for (int r = 0; r < kLanes; ++r) {
+    if (r & h) continue;
+    const Vec lo = v[r], hi = v[r + h];
+    v[r] = trade<h, false>(lo, hi, std::make_index_sequence<kLanes>{});
+    v[r + h] = trade<h, true>(lo, hi, std::make_index_sequence<kLanes>{});
+  }
+  if constexpr (h > 1) level<h / 2>(v);
+}
+}  // namespace transpose_detail
+
+// v[r][j] becomes v[j][r].
+inline void transpose(Vec (&v)[kLanes]) { transpose_detail::level<kLanes / 2>(v); }
 
 inline Vec tanh(Vec x) {
   const Vec ax = abs(x);
