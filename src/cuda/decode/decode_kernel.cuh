@@ -10,7 +10,8 @@
 // registers and O accumulated in fp32. The warps' partial results are combined in shared memory;
 // with one split the CTA writes o and lse, with several it writes fp32 partials (O, LSE) that
 // merge_kernel combines with the rule of dist/merge.h. Decoding reads each cache byte once per
-// call, so the kernel is built to keep the memory busy: 16-byte copies (cp.async) two stages ahead.
+// call, so the kernel is built to keep the memory busy: 16-byte copies (cp.async) of the next key
+// block in flight while a warp computes on the current one, three CTAs per SM (up to d 128).
 //
 // Masks and score modifiers are those of core/score_mod.h with the mask aligned to the bottom
 // right (query row j of s_q sits at key position j + len − s_q).
@@ -87,33 +88,58 @@ __device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, const int
   return s.cache_row * stride[0] + static_cast<int64_t>(t) * stride[1] + h * stride[2];
 }
 
+// ---- element conversions ------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float load_element(const void* base, int64_t index) {
+  const T x = static_cast<const T*>(base)[index];
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(x);
+  else
+    return __bfloat162float(x);
+}
+
+// x rounded to T's precision with core/numeric.h's conversions: the CPU path's bits.
+template <typename T>
+__device__ __forceinline__ float round_as_cpu(float x) {
+  if constexpr (std::is_same_v<T, __half>)
+    return half_to_float(float_to_half(x));
+  else
+    return bf16_to_float(float_to_bf16(x));
+}
+
 // ---- rotary ------------------------------------------------------------------------------------
 
 // Element e of the head vector x (unit stride, p.dtype) rotated at position pos, rounded to the
 // dtype once: the CPU path's arithmetic (kvcache.cpp, copy_head), with the products and the sum
 // kept apart so no FMA changes a bit.
+template <typename T>
 __device__ __forceinline__ float rotated_element(const DecodeParams& p, const void* x, int64_t base,
                                                  int e, int64_t pos) {
   const int half = p.rotary_half;
-  if (p.rotary_cos == nullptr || e >= 2 * half) return load_as_float(x, base + e, p.dtype);
+  if (p.rotary_cos == nullptr || e >= 2 * half) return load_element<T>(x, base + e);
   const bool first = p.rotary_interleaved ? (e & 1) == 0 : e < half;
   const int m = p.rotary_interleaved ? e >> 1 : (first ? e : e - half);
   const int e0 = p.rotary_interleaved ? 2 * m : m, e1 = p.rotary_interleaved ? 2 * m + 1 : m + half;
-  const DType table = p.rotary_fp32 ? DType::kFloat32 : p.dtype;
-  const float co = load_as_float(p.rotary_cos, pos * p.cos_stride[0] + m * p.cos_stride[1], table);
-  const float si = load_as_float(p.rotary_sin, pos * p.sin_stride[0] + m * p.sin_stride[1], table);
-  const float x0 = load_as_float(x, base + e0, p.dtype), x1 = load_as_float(x, base + e1, p.dtype);
+  const int64_t at_cos = pos * p.cos_stride[0] + m * p.cos_stride[1];
+  const int64_t at_sin = pos * p.sin_stride[0] + m * p.sin_stride[1];
+  const float co = p.rotary_fp32 ? static_cast<const float*>(p.rotary_cos)[at_cos]
+                                 : load_element<T>(p.rotary_cos, at_cos);
+  const float si = p.rotary_fp32 ? static_cast<const float*>(p.rotary_sin)[at_sin]
+                                 : load_element<T>(p.rotary_sin, at_sin);
+  const float x0 = load_element<T>(x, base + e0), x1 = load_element<T>(x, base + e1);
   const float r = first ? __fsub_rn(__fmul_rn(x0, co), __fmul_rn(x1, si))
                         : __fadd_rn(__fmul_rn(x0, si), __fmul_rn(x1, co));
-  return round_to(p.dtype, r);
+  return round_as_cpu<T>(r);
 }
 
 // Query row j of sequence i, head h, element e, as attended (rotated when rotary is on).
+template <typename T>
 __device__ __forceinline__ float query_element(const DecodeParams& p, const Sequence& s, int i,
                                                int j, int h, int e) {
   const int64_t base = i * p.q_batch_stride + j * p.q_row_stride + h * p.q_head_stride;
   const int64_t pos = static_cast<int64_t>(s.len_before) + (p.rotate_q_per_row ? j : 0);
-  return rotated_element(p, p.q, base, e, pos);
+  return rotated_element<T>(p, p.q, base, e, pos);
 }
 
 // ---- scores -------------------------------------------------------------------------------------
@@ -148,13 +174,14 @@ __device__ __forceinline__ void store_element(void* base, int64_t index, float x
 }
 
 // The score of (query row j, head h, key t) with fp32 dot products, as exact_row reads it.
+template <typename T>
 __device__ __forceinline__ float exact_score(const DecodeParams& p, const Sequence& s, int i, int j,
                                              int h, int t, float slope) {
   const int64_t k_off = cache_offset(p, p.k_stride, s, i, t, h / p.group);
   if (k_off < 0) return NAN;
   float dot = 0.0f;
   for (int e = 0; e < p.head_dim; ++e)
-    dot += query_element(p, s, i, j, h, e) * load_as_float(p.k_cache, k_off + e, p.dtype);
+    dot += query_element<T>(p, s, i, j, h, e) * load_element<T>(p.k_cache, k_off + e);
   return modified_score(p, dot, slope, j, t, s.len);
 }
 
@@ -168,7 +195,7 @@ __device__ __forceinline__ void exact_row(const DecodeParams& p, const Sequence&
   const KeyRange keys = visible_keys(j, p.seqlen_q, s.len, p.window_left, p.window_right);
   const float slope = slope_of(p, i, h);
   // A block_table entry out of range reads as a NaN score or value: the row comes out NaN.
-  auto score = [&](int t) { return exact_score(p, s, i, j, h, t, slope); };
+  auto score = [&](int t) { return exact_score<T>(p, s, i, j, h, t, slope); };
 
   float m = -INFINITY;
   for (int t = keys.lo + lane; t < keys.hi; t += 32) {
@@ -194,7 +221,7 @@ __device__ __forceinline__ void exact_row(const DecodeParams& p, const Sequence&
 #pragma unroll
       for (int c = 0; c < kMaxD / 32; ++c)
         if (c * 32 + lane < d)
-          acc[c] += v_off < 0 ? NAN : pk * load_as_float(p.v_cache, v_off + c * 32 + lane, p.dtype);
+          acc[c] += v_off < 0 ? NAN : pk * load_element<T>(p.v_cache, v_off + c * 32 + lane);
     }
   }
   const int64_t o_base = i * p.o_batch_stride + j * p.o_row_stride + h * p.o_head_stride;
@@ -361,14 +388,15 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
   // The first key block is on its way before Q is read: the two latencies overlap.
   if (s.ok && warp < n_blocks) issue(warp, 0);
 
-  // Q, rotated, rows past the problem and elements past head_dim as zeros; unrolled, so that
-  // every thread's loads are in flight together.
-#pragma unroll
+  // Q, rotated, rows past the problem and elements past head_dim as zeros; unrolled by four, so
+  // that loads are in flight together (fully unrolled, the rotation's code made this unit the
+  // slowest of the build to compile).
+#pragma unroll 4
   for (int idx = threadIdx.x; idx < TL::kRows * kHeadDim; idx += 128) {
     const int r = idx / kHeadDim, e = idx % kHeadDim;
     float x = 0.0f;
     if (s.ok && row0 + r < rows_total && e < p.head_dim)
-      x = query_element(p, s, i, row_query(r), row_head(r), e);
+      x = query_element<T>(p, s, i, row_query(r), row_head(r), e);
     q_tile[swizzled<TL::kChunks>(r, e / 8) + e % 8] = from_float<T>(x);
   }
   __syncthreads();
@@ -685,7 +713,7 @@ __global__ void __launch_bounds__(128) append_kernel(const DecodeParams p) {
     const int64_t v_src = i * p.v_new_stride[0] + j * p.v_new_stride[1] + h * p.v_new_stride[2];
     for (int e = lane; e < p.head_dim; e += 32) {
       if (p.rotary_cos != nullptr)
-        store_from_float(kc, k_dst + e, p.dtype, rotated_element(p, kn, k_src, e, pos));
+        store_from_float(kc, k_dst + e, p.dtype, rotated_element<T>(p, kn, k_src, e, pos));
       else
         kc[k_dst + e] = kn[k_src + e];
       vc[v_dst + e] = vn[v_src + e];
