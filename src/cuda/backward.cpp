@@ -51,11 +51,6 @@ constexpr int bwd_variant_key(DType dtype, int head_dim) {
   return static_cast<int>(dtype) * 1024 + head_dim;
 }
 
-Status cuda_failure(const char* what, cudaError_t err) {
-  const std::string msg = std::string("backward: ") + what + ": " + cudaGetErrorString(err);
-  return err == cudaErrorMemoryAllocation ? Status::out_of_memory(msg) : Status::device_error(msg);
-}
-
 Status launch_main(const AttentionParams& p, const sm80::BwdWorkspace& w, int key_blocks,
                    cudaStream_t stream) {
   switch (bwd_variant_key(p.dtype, w.bucket)) {
@@ -185,9 +180,9 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   const size_t accum_bytes = static_cast<size_t>(rows) * w.bucket * w.num_splits * sizeof(float);
   void* scratch = nullptr;
   if (rows > 0) {
-    const cudaError_t err =
-        cudaMallocAsync(&scratch, dsum_bytes + accum_bytes + 2 * sizeof(int), stream);
-    if (err != cudaSuccess) return cuda_failure("cudaMallocAsync of the workspace", err);
+    FLARE_RETURN_IF_ERROR(cuda_status(
+        "backward", "cudaMallocAsync of the workspace",
+        cudaMallocAsync(&scratch, dsum_bytes + accum_bytes + 2 * sizeof(int), stream)));
     // The accumulator first: its rows are read as float4 and must stay 16-byte aligned.
     w.dq_accum = static_cast<float*>(scratch);
     w.dsum = w.dq_accum + static_cast<size_t>(rows) * w.bucket * w.num_splits;
@@ -202,8 +197,8 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   if (status.ok() && rows > 0 && has_masked_pairs(p))
     status = sm80::launch_backward_fixup(p, w, 2 * sms, stream);
   if (scratch != nullptr) {
-    const cudaError_t err = cudaFreeAsync(scratch, stream);
-    if (status.ok() && err != cudaSuccess) status = cuda_failure("cudaFreeAsync", err);
+    const Status freed = cuda_status("backward", "cudaFreeAsync", cudaFreeAsync(scratch, stream));
+    if (status.ok()) status = freed;
   }
   return status;
 }

@@ -6,6 +6,9 @@
 // PTX version a kernel was built for, whether its sm_90a code runs) and cudaFuncSetAttribute are
 // driver round trips whose answers cannot change while the process lives, so each is made once.
 // The caches are process-wide, keyed by device ordinal (and kernel), and thread-safe.
+//
+// cuda_status turns what the runtime returns into a Status, in one shape for all the CUDA
+// attention code: the operation, the call that failed, the runtime's words.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,6 +21,17 @@
 #include "flare/status.h"
 
 namespace flare::cuda {
+
+// A CUDA runtime result as a Status: ok for cudaSuccess; cudaErrorMemoryAllocation is
+// out_of_memory (the caller can free memory or make the call smaller and retry), any other error
+// device_error. The message reads "<context>: <what>: <the runtime's description>": `context`
+// names the operation ("backward"), `what` the runtime call or the launch that failed.
+inline Status cuda_status(const char* context, const std::string& what, cudaError_t err) {
+  if (err == cudaSuccess) return {};
+  std::string message = std::string(context) + ": " + what + ": " + cudaGetErrorString(err);
+  return err == cudaErrorMemoryAllocation ? Status::out_of_memory(std::move(message))
+                                          : Status::device_error(std::move(message));
+}
 
 struct DeviceFacts {
   int ordinal = 0;
@@ -59,9 +73,8 @@ inline std::unordered_map<KernelKey, KernelFacts, KernelKeyHash>& kernels() {
   return m;
 }
 
-inline Status failure(const std::string& what, cudaError_t err) {
-  return Status::device_error(what + ": " + cudaGetErrorString(err));
-}
+// The context of the probes' errors.
+inline constexpr char kContext[] = "CUDA device";
 
 // The cached facts of `kernel` on `device` (the current device), probing on first use.
 // Called with the mutex held.
@@ -70,8 +83,8 @@ inline Status kernel_facts(const void* kernel, int device, KernelFacts** out) {
   auto it = map.find({kernel, device});
   if (it == map.end()) {
     cudaFuncAttributes attr{};
-    if (const cudaError_t err = cudaFuncGetAttributes(&attr, kernel); err != cudaSuccess)
-      return failure("cudaFuncGetAttributes", err);
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kContext, "cudaFuncGetAttributes", cudaFuncGetAttributes(&attr, kernel)));
     it = map.emplace(KernelKey{kernel, device}, KernelFacts{attr.ptxVersion, attr.binaryVersion})
              .first;
   }
@@ -80,9 +93,7 @@ inline Status kernel_facts(const void* kernel, int device, KernelFacts** out) {
 }
 
 inline Status current_device(int* device) {
-  if (const cudaError_t err = cudaGetDevice(device); err != cudaSuccess)
-    return failure("cudaGetDevice", err);
-  return {};
+  return cuda_status(kContext, "cudaGetDevice", cudaGetDevice(device));
 }
 
 }  // namespace probe_detail
@@ -102,9 +113,8 @@ inline Status current_device_facts(DeviceFacts* facts) {
           std::pair{&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
           std::pair{&f.major, cudaDevAttrComputeCapabilityMajor},
           std::pair{&f.minor, cudaDevAttrComputeCapabilityMinor}})
-      if (const cudaError_t err = cudaDeviceGetAttribute(value, attribute, device);
-          err != cudaSuccess)
-        return probe_detail::failure("cudaDeviceGetAttribute", err);
+      FLARE_RETURN_IF_ERROR(cuda_status(probe_detail::kContext, "cudaDeviceGetAttribute",
+                                        cudaDeviceGetAttribute(value, attribute, device)));
     it = map.emplace(device, f).first;
   }
   *facts = it->second;
@@ -142,10 +152,9 @@ inline Status allow_dynamic_smem(const void* kernel, int bytes) {
   probe_detail::KernelFacts* facts = nullptr;
   FLARE_RETURN_IF_ERROR(probe_detail::kernel_facts(kernel, device, &facts));
   if (facts->smem_set == bytes) return {};
-  if (const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-      err != cudaSuccess)
-    return probe_detail::failure(std::to_string(bytes) + " bytes of dynamic shared memory", err);
+  FLARE_RETURN_IF_ERROR(cuda_status(
+      probe_detail::kContext, std::to_string(bytes) + " bytes of dynamic shared memory",
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)));
   facts->smem_set = bytes;
   return {};
 }
@@ -154,12 +163,12 @@ inline Status allow_dynamic_smem(const void* kernel, int bytes) {
 template <typename Launch>
 inline Status on_device(int device_index, Launch launch) {
   int current = 0;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err != cudaSuccess)
-    return Status::device_error(std::string("cudaGetDevice: ") + cudaGetErrorString(err));
-  if (current != device_index && (err = cudaSetDevice(device_index)) != cudaSuccess)
-    return Status::device_error("cudaSetDevice(" + std::to_string(device_index) +
-                                "): " + cudaGetErrorString(err));
+  FLARE_RETURN_IF_ERROR(probe_detail::current_device(&current));
+  if (current != device_index) {
+    FLARE_RETURN_IF_ERROR(cuda_status(probe_detail::kContext,
+                                      "cudaSetDevice(" + std::to_string(device_index) + ")",
+                                      cudaSetDevice(device_index)));
+  }
   const Status status = launch();
   if (current != device_index) cudaSetDevice(current);
   return status;

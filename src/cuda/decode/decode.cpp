@@ -25,11 +25,6 @@ int split_count(const DecodeParams& p, int sms) {
   return static_cast<int>(std::clamp<int64_t>(std::min(want, blocks / 8), 1, kMaxSplits));
 }
 
-Status failure(const char* what, cudaError_t err) {
-  return Status::device_error(std::string("KV-cache decoding, ") + what + ": " +
-                              cudaGetErrorString(err));
-}
-
 }  // namespace
 
 Status kvcache_forward(const DecodeParams& params, int device_index, Stream stream) {
@@ -60,16 +55,18 @@ Status kvcache_forward(const DecodeParams& params, int device_index, Stream stre
     void* scratch = nullptr;
     if (p.num_splits > 1 && rows > 0) {
       const size_t bytes = static_cast<size_t>(p.num_splits * rows) * (p.head_dim + 1) * sizeof(float);
-      if (const cudaError_t err = cudaMallocAsync(&scratch, bytes, s); err != cudaSuccess)
-        return failure("cudaMallocAsync of the split workspace", err);
+      FLARE_RETURN_IF_ERROR(cuda_status(decode::kErrorContext,
+                                        "cudaMallocAsync of the split workspace",
+                                        cudaMallocAsync(&scratch, bytes, s)));
       p.partial_o = static_cast<float*>(scratch);
       p.partial_lse = p.partial_o + p.num_splits * rows * p.head_dim;
     }
     Status status = p.dtype == DType::kFloat16 ? decode::launch<DType::kFloat16>(p, s)
                                                : decode::launch<DType::kBFloat16>(p, s);
     if (scratch != nullptr) {
-      const cudaError_t err = cudaFreeAsync(scratch, s);
-      if (status.ok() && err != cudaSuccess) status = failure("cudaFreeAsync", err);
+      const Status freed =
+          cuda_status(decode::kErrorContext, "cudaFreeAsync", cudaFreeAsync(scratch, s));
+      if (status.ok()) status = freed;
     }
     return status;
   });

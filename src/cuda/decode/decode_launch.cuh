@@ -13,14 +13,6 @@ namespace flare::cuda::decode {
 template <DType kDType>
 using Element = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
 
-inline Status launched(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status::device_error(std::string("KV-cache decoding, ") + what + " launch: " +
-                                cudaGetErrorString(err));
-  return {};
-}
-
 template <typename T, int kHeadDim>
 Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
   const auto kernel = decode_kernel<T, kHeadDim>;
@@ -30,7 +22,7 @@ Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch * p.heads_kv), static_cast<unsigned>(p.num_splits),
                   static_cast<unsigned>(row_tiles));
   kernel<<<grid, 128, smem, stream>>>(p);
-  FLARE_RETURN_IF_ERROR(launched("attention"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kErrorContext, "attention launch", cudaGetLastError()));
   if (p.num_splits > 1) {
     // Programmatic dependent launch: the merge is scheduled while the attention runs and waits
     // for it in the kernel (griddepcontrol.wait), so its launch latency leaves the critical path.
@@ -44,10 +36,8 @@ Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
     early.val.programmaticStreamSerializationAllowed = 1;
     config.attrs = &early;
     config.numAttrs = 1;
-    if (const cudaError_t err = cudaLaunchKernelEx(&config, merge_kernel<T, kHeadDim>, p);
-        err != cudaSuccess)
-      return Status::device_error(std::string("KV-cache decoding, split merge launch: ") +
-                                  cudaGetErrorString(err));
+    FLARE_RETURN_IF_ERROR(cuda_status(kErrorContext, "split merge launch",
+                                      cudaLaunchKernelEx(&config, merge_kernel<T, kHeadDim>, p)));
   }
   return {};
 }
@@ -57,7 +47,7 @@ Status launch(const DecodeParams& p, cudaStream_t stream) {
   using T = Element<kDType>;
   if (p.seqlen_new > 0 && p.batch > 0) {
     append_kernel<T><<<p.batch, 128, 0, stream>>>(p);
-    FLARE_RETURN_IF_ERROR(launched("append"));
+    FLARE_RETURN_IF_ERROR(cuda_status(kErrorContext, "append launch", cudaGetLastError()));
   }
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return {};
   switch (head_dim_bucket(p.head_dim)) {

@@ -21,6 +21,8 @@ constexpr int keys_per_block(int bucket) { return 2048 / bucket > 16 ? 2048 / bu
 constexpr int ctas_per_sm(int bucket) { return bucket <= 128 ? 3 : 1; }
 constexpr int kRowsPerTile = 16;  // packed query rows per CTA
 constexpr int kMaxSplits = 128;
+// What the decoding's CUDA errors name as their operation (cuda_status, device_probe.h).
+inline constexpr char kErrorContext[] = "KV-cache decoding";
 
 // Appends k_new / v_new (when p.seqlen_new > 0), then runs the attention and, when
 // p.num_splits > 1, the merge (p.partial_o / p.partial_lse must then be allocated). The current
