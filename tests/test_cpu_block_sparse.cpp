@@ -444,15 +444,16 @@ TEST(CpuBlockSparseValidation, BadMasksAreNamedAndNothingIsWritten) {
   EXPECT_TRUE(all_nan(pr.o));
 }
 
-TEST(CpuBlockSparseValidation, CudaTensorsAreUnsupportedByName) {
+TEST(CpuBlockSparseValidation, CudaTensorsNeedWholeTileBlocks) {
   Problem pr = make_problem(fixed(1, 16, 16, 1, 1, 16));
   HostTensor mask = make_mask(1, 1, 1, 1, DType::kUInt8, [](int, int, int, int) { return true; });
-  // Views that claim the GPU: validation reads no CUDA memory and the call is refused before
-  // any backend runs, so host pointers are safe here.
+  // Views that claim the GPU: validation reads no CUDA memory, and 16-row blocks are refused
+  // (the CUDA kernels skip whole tiles: multiples of 128) before any backend runs, so host
+  // pointers are safe here.
   for (HostTensor* t : {&pr.q, &pr.k, &pr.v, &pr.o, &pr.lse, &pr.dout, &pr.dq, &pr.dk, &pr.dv, &mask})
     t->view.device = DeviceType::kCUDA;
-  expect_rejected(pr, {mask.view, 16, 16}, "block-sparse attention: the CUDA backend has no",
-                  StatusCode::kUnsupported);
+  expect_rejected(pr, {mask.view, 16, 16}, "block_m: the CUDA kernels take mask blocks of a "
+                  "multiple of 128", StatusCode::kUnsupported);
 }
 
 }  // namespace

@@ -295,14 +295,15 @@ TEST(CApiBlockSparseValidation, EveryRejectionIsNamedAndWritesNothing) {
   dense.options.alibi_slopes.ndim = -1;
   expect_rejected(pr, dense, &base, {"alibi_slopes: ndim = -1"});
 
-  // CUDA tensors: refused by name before any backend runs (no device memory is read).
+  // CUDA tensors with 16-row blocks: refused by name before any backend runs (no device memory
+  // is read); the CUDA kernels take multiples of 128.
   CCall cuda = c;
   for (flare_tensor* t : {&cuda.q, &cuda.k, &cuda.v, &cuda.o, &cuda.lse, &cuda.dout, &cuda.dq,
                           &cuda.dk, &cuda.dv})
     t->device = FLARE_CUDA;
   cuda.mask.mask.device = FLARE_CUDA;
   expect_rejected(pr, cuda, &cuda.mask,
-                  {"block-sparse attention: the CUDA backend has no", FLARE_UNSUPPORTED});
+                  {"block_m: the CUDA kernels take mask blocks", FLARE_UNSUPPORTED});
 }
 
 TEST(CApiBlockSparseValidation, AMaskInsideAnOutputIsRefused) {

@@ -14,10 +14,10 @@
 // varlen batches b is the number of sequences, s_q / s_k are max_seqlen_q / max_seqlen_k, and row
 // and key blocks count from the start of each sequence. Under GQA the mask is per query head.
 //
-// Block sizes: the CPU backends take any block_m, block_n ≥ 1. The CUDA kernels (not built yet:
-// on CUDA tensors these entry points return kUnsupported) will take multiples of their tiles:
-// block_m a multiple of 128 and block_n a multiple of 128 (FlashAttention-2/3 forward tiles),
-// 128 × 128 being the natural choice; masks meant for the GPU should use that granularity.
+// Block sizes: the CPU backends take any block_m, block_n ≥ 1. The CUDA kernels skip whole
+// tiles, so on CUDA tensors block_m and block_n must be multiples of 128 (every kernel tile
+// divides 128; a finer mask is refused with kUnsupported, not rounded); 128 × 128 is the natural
+// choice, and a mask written at it runs unchanged on the CPU.
 //
 // Why separate entry points rather than a field of AttentionOptions: the mask is a tensor plus
 // the granularity it is written at, meaningful only together and on the tensors' device; dense

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/backends.h"
+#include "core/block_mask.h"
 #include "core/block_sparse_backends.h"
 #include "core/message.h"
 #include "core/params.h"
@@ -67,10 +68,20 @@ Status check_disjoint_from_mask(const BlockMask& m,
   return {};
 }
 
-Status no_cuda_kernels() {
-  return Status::unsupported(
-      "block-sparse attention: the CUDA backend has no block-sparse kernels yet; pass CPU "
-      "tensors (or dense attention with causal / window masks on the GPU)");
+// The CUDA kernels skip whole tiles, so a mask block must hold whole tiles of every kernel
+// (core/block_mask.h); a finer mask is refused rather than rounded.
+Status check_cuda_block_sizes(const AttentionParams& p) {
+  if (p.block_m % kMaskTileMultiple != 0)
+    return Status::unsupported(cat(
+        "block_m: the CUDA kernels take mask blocks of a multiple of ", kMaskTileMultiple,
+        " query rows (whole tiles), got ", p.block_m, "; use block_m = 128 or a multiple, or "
+        "CPU tensors for finer masks"));
+  if (p.block_n % kMaskTileMultiple != 0)
+    return Status::unsupported(cat(
+        "block_n: the CUDA kernels take mask blocks of a multiple of ", kMaskTileMultiple,
+        " keys (whole tiles), got ", p.block_n, "; use block_n = 128 or a multiple, or CPU "
+        "tensors for finer masks"));
+  return {};
 }
 
 }  // namespace
@@ -108,10 +119,13 @@ Status block_sparse_attention_forward(const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& o,
                                       const TensorView& lse, const BlockMask& mask,
                                       const AttentionOptions& options, const VarlenArgs& varlen,
-                                      Stream /*stream: for the CUDA kernels to come*/) {
+                                      Stream stream) {
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(make_block_sparse_forward_params(q, k, v, o, lse, mask, options, varlen, &p));
-  if (p.device == DeviceType::kCUDA) return no_cuda_kernels();
+  if (p.device == DeviceType::kCUDA) {
+    FLARE_RETURN_IF_ERROR(check_cuda_block_sizes(p));
+    return cuda::forward(p, stream);
+  }
   if (options.backend == Backend::kReference) {
     cpu::store_forward(p, cpu::reference_forward(p, cpu::RefPrecision::kFloat64));
     return {};
@@ -125,11 +139,14 @@ Status block_sparse_attention_backward(const TensorView& dout, const TensorView&
                                        const TensorView& dq, const TensorView& dk,
                                        const TensorView& dv, const BlockMask& mask,
                                        const AttentionOptions& options, const VarlenArgs& varlen,
-                                       Stream /*stream: for the CUDA kernels to come*/) {
+                                       Stream stream) {
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(make_block_sparse_backward_params(dout, q, k, v, o, lse, dq, dk, dv, mask,
                                                           options, varlen, &p));
-  if (p.device == DeviceType::kCUDA) return no_cuda_kernels();
+  if (p.device == DeviceType::kCUDA) {
+    FLARE_RETURN_IF_ERROR(check_cuda_block_sizes(p));
+    return cuda::backward(p, stream);
+  }
   if (options.backend == Backend::kReference) {
     cpu::store_backward(p, cpu::reference_backward(p, cpu::RefPrecision::kFloat64));
     return {};

@@ -141,6 +141,9 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   if ((forced == tile.stages || forced == tile.min_stages) &&
       sm80::bwd_smem_bytes(w.bucket, forced) <= smem_optin)
     w.stages = forced;
+  // Block-sparse problems run the two-buffer steps, the ones that walk a block mask
+  // (sm80/bwd_kernel.cuh).
+  if (p.block_mask != nullptr) w.stages = 2;
   if (sm80::bwd_smem_bytes(w.bucket, w.stages) > smem_optin)
     return Status::unsupported(
         "q: the CUDA backward for head_dim " + std::to_string(p.head_dim) + " needs " +

@@ -3,7 +3,9 @@
 //
 // Launched after the forward kernel under a sliding-window or causal mask, the only forward
 // problems where a tile's P·V product can multiply a masked key's ±Inf/NaN V by P = 0 (without a
-// window every real key is visible to every row, and keys past a sequence end are zero-filled).
+// window every real key is visible to every row, and keys past a sequence end are zero-filled),
+// and under a block mask, where a row left with LSE = −inf may still see a key (all its scores
+// −inf: NaN in the reference) — off blocks are skipped whole, so they never pollute a row.
 // The forward kernels mark a row whose O came out non-finite with LSE = NaN; rows that see no key
 // and were not marked keep O = 0, LSE = −inf and are skipped here. One read of the LSE entries when nothing is marked.
 #include "cuda/fwd_fixup.h"
@@ -39,7 +41,7 @@ __global__ void __launch_bounds__(kRowsPerCta, 1)
       // ±Inf/NaN V; recomputed, it is O = 0, LSE = −inf); ±inf needs a recompute only where the
       // row sees a key.
       const KeyRange keys = visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
-      marked = lse != lse || keys.lo < keys.hi;
+      marked = lse != lse || row_sees_a_key(p, b, h, i, keys.lo, keys.hi);
     }
   }
   for (uint32_t todo = __ballot_sync(0xffffffffu, marked); todo != 0; todo &= todo - 1)

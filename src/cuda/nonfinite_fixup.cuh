@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/block_mask.h"
 #include "core/numeric.h"
 #include "core/params.h"
 #include "core/philox.h"
@@ -207,22 +208,25 @@ __device__ __forceinline__ void forward_recompute_row(const AttentionParams& p, 
   q_i.load(p.q, hr.q + int64_t{i} * p.q_row_stride, p.dtype, d, lane);
   o_i.zero();
   float lse = -INFINITY;
-  if (keys.lo < keys.hi) {
+  if (row_sees_a_key(p, b, h, i, keys.lo, keys.hi)) {
     // The reference's row max skips NaN scores (s > m is false); they reach the row through the
-    // sum.
+    // sum. Keys in blocks the block mask turns off are not visited.
     float m = -INFINITY, t;
     for (int j = keys.lo; j < keys.hi; ++j) {
+      if (!block_allows(p, b, h, i, j)) continue;
       const float qk = q_i.dot(p.k, hr.k + int64_t{j} * p.k_row_stride, p.dtype, d, lane);
       const float s = score(p, qk, slope, i, j, seq, &t);
       if (s > m) m = s;
     }
     float sum = 0.0f;
     for (int j = keys.lo; j < keys.hi; ++j) {
+      if (!block_allows(p, b, h, i, j)) continue;
       const float qk = q_i.dot(p.k, hr.k + int64_t{j} * p.k_row_stride, p.dtype, d, lane);
       sum += expf(score(p, qk, slope, i, j, seq, &t) - m);
     }
     lse = m + logf(sum);
     for (int j = keys.lo; j < keys.hi; ++j) {
+      if (!block_allows(p, b, h, i, j)) continue;
       const float qk = q_i.dot(p.k, hr.k + int64_t{j} * p.k_row_stride, p.dtype, d, lane);
       const float w =
           expf(score(p, qk, slope, i, j, seq, &t) - lse) * dropout_factor(p, b, h, i, j);
@@ -262,7 +266,7 @@ __device__ __forceinline__ void backward_fixup_keys(const AttentionParams& p, co
       const float slope = alibi_slope(p, b, h);
       for (int i = 0; i < seq.len_q; ++i) {
         const KeyRange vis = visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
-        if (j < vis.lo || j >= vis.hi) continue;
+        if (j < vis.lo || j >= vis.hi || !block_allows(p, b, h, i, j)) continue;
         WarpRow q_i, do_i;
         q_i.load(p.q, hr.q + int64_t{i} * p.q_row_stride, p.dtype, d, lane);
         do_i.load(p.dout, hr.dout + int64_t{i} * p.do_row_stride, p.dtype, d, lane);
@@ -295,6 +299,7 @@ __device__ __forceinline__ void backward_fixup_dq(const AttentionParams& p, cons
     float acc = 0.0f;
 #pragma unroll 1
     for (int j = keys.lo; j < keys.hi; ++j) {
+      if (!block_allows(p, b, h, i, j)) continue;
       const fixup_detail::HeadRows hr = fixup_detail::head_rows(p, b, h, seq);
       const int64_t q_off = hr.q + int64_t{i} * p.q_row_stride;
       const int64_t do_off = hr.dout + int64_t{i} * p.do_row_stride;

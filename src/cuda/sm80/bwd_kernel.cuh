@@ -63,6 +63,7 @@
 #include "core/params.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
+#include "cuda/block_walk.cuh"
 #include "cuda/device_probe.h"
 #include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/cp_async.cuh"
@@ -183,6 +184,10 @@ struct BwdConfig {
   // Three Q/dO buffers run the skewed steps (see the kernel), which need a second P/dS buffer
   // (P₁, dS₁ after P₀, dS₀, so dS stays kDsAfterP bytes after its P).
   static constexpr bool kSkewed = kStages == 3;
+  // Only the two-buffer steps walk a block mask (cuda/block_walk.cuh): its few registers spill the
+  // skewed d 128 and one-buffer d 256 kernels on sm_90a, so the launcher runs block-sparse
+  // problems with two buffers (backward.cpp).
+  static constexpr bool kBlockSparse = kStages == 2;
   static constexpr int kPdsBuffers = kSkewed ? 2 : 1;
   static constexpr uint32_t kPdsBytes = 2 * kBlockN * kBlockM * 2;
   static constexpr int kElems = kOffP + kPdsBuffers * 2 * kBlockN * kBlockM;
@@ -449,6 +454,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   constexpr uint32_t kDsAfterP = (Cfg::kOffDs - Cfg::kOffP) * 2;
 
   __shared__ int s_jb_end;    // kLeanKeyLoop: the loop bound, read back through a volatile load
+  __shared__ int s_walk_steps;     // block-sparse: QueryWalk::count_steps' sum
+  __shared__ QueryWalk s_walk;     // block-sparse: this key block's walk
   __shared__ int2 s_step[3];  // kSkewed: (query block, head) of the step in each Q/dO buffer
   auto s_step_read = [&](int stage) {
     const volatile int2* const v = &s_step[stage];
@@ -470,7 +477,22 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
     if (p.window_left >= 0) i_hi = min(seq.len_q, j0 + rows_k + p.window_left - diag);
     const int m_begin = i_lo / kBlockM;
     const int m_count = i_hi > i_lo ? (i_hi + kBlockM - 1) / kBlockM - m_begin : 0;
-    const int iters = m_count * p.head_group;
+    const int h0 = hk * p.head_group;
+    const int m_end = m_begin + m_count;
+    // Block-sparse: only the steps whose mask block is on (cuda/block_walk.cuh), the walk kept in
+    // shared memory (published by count_steps' first barrier) and read back where it advances.
+    const bool sparse = Cfg::kBlockSparse && p.block_mask != nullptr;
+    int iters = m_count * p.head_group;
+    if (sparse) {
+      const QueryWalk walk{b, j0 / p.block_n, m_begin, m_end, h0 + p.head_group, kBlockM};
+      if (tid == 0) walk.store(&s_walk);
+      iters = walk.count_steps<kThreads>(p, h0, &s_walk_steps);
+    }
+    // The step after (m, h): the next query block of head h, then the next head's first.
+    auto advance = [&](int& m, int& h) {
+      if (++m == m_end) m = m_begin, ++h;
+      if (Cfg::kBlockSparse && p.block_mask != nullptr) QueryWalk::load(&s_walk).settle(p, m, h);
+    };
 
     load_tile_swizzled<kBlockN, kHeadDim, kThreads, true>(
         sK,
@@ -483,11 +505,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
             (seq.k_row0 + j0) * p.v_row_stride + hk * p.v_head_stride,
         p.v_row_stride, rows_k, d, w.vec, tid_kv);
 
-    // Step `it` is query block m_begin + it % m_count of query head hk·group + it / m_count. The
-    // loop steps the (block, head) pair rather than dividing; the prefetch (kStages − 1 ≤ 2 steps
-    // ahead) derives its pair from the ones it holds.
+    // Steps walk (query block, head) pairs, query blocks fastest, through `walk`; the loop steps
+    // the pair rather than dividing, and the prefetch (kStages − 1 ≤ 2 steps ahead) derives its
+    // pair from the ones it holds.
     static_assert(kStages >= 1 && kStages <= 3, "the prefetch runs at most two steps ahead");
-    const int m_end = m_begin + m_count;
     auto load_query_block = [&](int it, int m, int h) {
       const int stage = it % kStages;
       const int i0 = m * kBlockM;
@@ -517,7 +538,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       }
     };
 
-    if (kStages == 2 && iters > 0) load_query_block(0, m_begin, hk * p.head_group);
+    int m_first = m_begin, h_first = h0;
+    if (sparse) QueryWalk::load(&s_walk).settle(p, m_first, h_first);
+    if (kStages == 2 && iters > 0) load_query_block(0, m_first, h_first);
     ptx::cp_async_commit();
 
     float acc_dk[kKVMt][kKVCols / 8][4] = {};  // (kKVMt·16 keys, kKVCols) per warp
@@ -815,9 +838,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
     };
 
     if constexpr (!Cfg::kSkewed) {
-      int m_at = m_begin, h = hk * p.head_group;  // this step's query block and head
+      int m_at = m_first, h = h_first;  // this step's query block and head
       for (int it = 0; it < iters; ++it) {
-        const bool wrap = m_at + 1 == m_end;
         if constexpr (kStages == 1) {
           // This step's own block, into the buffer step it − 1 read (it ended in a barrier).
           load_query_block(it, m_at, h);
@@ -830,7 +852,11 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
           // of step it + 1 overwrites. So a step needs no barrier at its end.
           ptx::cp_async_wait<0>();
           __syncthreads();
-          if (it + 1 < iters) load_query_block(it + 1, wrap ? m_begin : m_at + 1, wrap ? h + 1 : h);
+          if (it + 1 < iters) {
+            int m_next = m_at, h_next = h;
+            advance(m_next, h_next);
+            load_query_block(it + 1, m_next, h_next);
+          }
           ptx::cp_async_commit();
         }
 
@@ -840,7 +866,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         phase2(stage, 0, m_at, h, std::integral_constant<int, kByHalf>{});
         // With one Q/dO buffer, P, dS and the buffer are free again only after a barrier here.
         if constexpr (kStages == 1) __syncthreads();
-        if (++m_at == m_end) m_at = m_begin, ++h;
+        advance(m_at, h);
       }
     } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -861,13 +887,13 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       // over 100 bytes), and the halves reach the barrier at different sites. The loop holds
       // only the (block, head) pair of the last copy issued; each step's pair waits in
       // s_step[its Q/dO buffer] for the phases (two steps' pairs in registers spill at d 128).
-      int m_last = m_begin, h_last = hk * p.head_group;
+      int m_last = m_first, h_last = h_first;
       if (iters > 0) load_query_block(0, m_last, h_last);
       ptx::cp_async_commit();
       ptx::cp_async_wait<0>();
       __syncthreads();
       if (iters > 1) {
-        if (++m_last == m_end) m_last = m_begin, ++h_last;
+        advance(m_last, h_last);
         load_query_block(1, m_last, h_last);
       }
       ptx::cp_async_commit();
@@ -896,7 +922,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
           ptx::cp_async_wait<0>();
           __syncthreads();
           if (k + 2 < iters) {
-            if (++m_last == m_end) m_last = m_begin, ++h_last;
+            advance(m_last, h_last);
             load_query_block(k + 2, m_last, h_last);
           }
           ptx::cp_async_commit();
@@ -994,6 +1020,9 @@ template <DType kDType, int kHeadDim, int kStages>
 Status launch_backward_stages(const AttentionParams& p, const BwdWorkspace& w, int key_blocks,
                               cudaStream_t stream) {
   using Cfg = BwdConfig<kHeadDim, kStages>;
+  if (p.block_mask != nullptr && !Cfg::kBlockSparse)
+    return Status::internal("backward: block-sparse problems need the two-buffer kernel, not " +
+                            std::to_string(kStages));
   const auto kernel = attention_backward_kernel<kDType, kHeadDim, kStages>;
   if (const Status s = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes);
       !s.ok())

@@ -37,6 +37,7 @@
 
 #include "core/params.h"
 #include "core/score_mod.h"
+#include "cuda/block_walk.cuh"
 #include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[1 + 2 * kStages];  // kv_full, full[], empty[]
+  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages];  // kv_full, full[], empty[], at[]
   __shared__ __align__(16) float s_lse[kStages][kBlockM];   // base-2 LSE, +inf: P = 0
   __shared__ __align__(16) float s_dsum[kStages][kBlockM];  // D, 0 past the sequence end
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -126,6 +127,11 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   const uint32_t kv_full = bar0;
   auto full = [&](int s) { return bar0 + 8u * (1 + s); };
   auto empty = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
+  // Block-sparse: the producer writes each step's (query block, head) into s_step_at[its buffer]
+  // and arrives on at(buffer); the consumers read it from there. It is rewritten only after the
+  // buffer's `empty`, i.e. after every consumer is done with the step.
+  auto at = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
+  __shared__ int2 s_step_at[kStages];
 
   const int tid = threadIdx.x;
   const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -140,18 +146,28 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   if (p.window_left >= 0) i_hi = min(len_q, n0 + rows_k + p.window_left - diag);
   const int m_begin = i_lo / kBlockM;
   const int m_count = i_hi > i_lo ? (i_hi + kBlockM - 1) / kBlockM - m_begin : 0;
-  const int steps = m_count * p.head_group;  // step it: block m_begin + it % m_count, head it / m_count
+  const int h0 = hk * p.head_group;
+  // Dense, step it is query block m_begin + it % m_count of head h0 + it / m_count. Block-sparse,
+  // the steps are the walk's (cuda/block_walk.cuh), counted here by the whole CTA.
+  const QueryWalk query_walk{b, p.block_mask != nullptr ? n0 / p.block_n : 0, m_begin,
+                             m_begin + m_count, h0 + p.head_group, kBlockM};
+  __shared__ int s_steps;
+  const int steps = p.block_mask != nullptr
+                        ? query_walk.count_steps<Cfg::kThreads>(p, h0, &s_steps)
+                        : m_count * p.head_group;
 
   // The consumers read the walk back from shared memory each step (volatile): held in registers
   // across the loop, two of these values spill at d 64.
-  __shared__ int s_walk[2];  // m_begin, m_count
+  __shared__ int s_walk[3];  // m_begin, m_count, steps
   if (tid == 0) {
     s_walk[0] = m_begin;
     s_walk[1] = m_count;
+    s_walk[2] = steps;
     ptx::mbarrier_init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers);  // TMA thread, LSE/D copies
       ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
+      ptx::mbarrier_init(at(s), 1);
     }
     ptx::mbarrier_init_fence();
   }
@@ -168,10 +184,16 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         ptx::tma_load_4d(sK + pnl * Cfg::kKVPanelBytes, &tm_k, kv_full, pnl * 64, n0, hk, b);
         ptx::tma_load_4d(sV + pnl * Cfg::kKVPanelBytes, &tm_v, kv_full, pnl * 64, n0, hk, b);
       }
-      for (int it = 0; it < steps; ++it) {
+      int m = m_begin, h = h0;
+      query_walk.settle(p, m, h);
+      for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) {
         const int stage = it % kStages, round = it / kStages;
-        const int h = hk * p.head_group + it / m_count, i0 = (m_begin + it % m_count) * kBlockM;
+        const int i0 = m * kBlockM;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
+        if (p.block_mask != nullptr) {
+          s_step_at[stage] = make_int2(m, h);
+          ptx::mbarrier_arrive(at(stage));
+        }
         ptx::mbarrier_arrive_expect_tx(full(stage), 2 * Cfg::kQBytes);
 #pragma unroll
         for (int pnl = 0; pnl < Cfg::kPanels; ++pnl) {
@@ -209,6 +231,15 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   ptx::mbarrier_wait(kv_full, 0);  // also when there are no steps: the epilogue reuses K and V
 
   const volatile int* walk = s_walk;
+  // The (query block, head) of a step: arithmetic when dense, the producer's walk when
+  // block-sparse (the walk's registers spill the d 64 consumers).
+  auto step_at = [&](int step) -> int2 {
+    if (p.block_mask == nullptr)
+      return make_int2(walk[0] + step % walk[1], h0 + step / walk[1]);
+    ptx::mbarrier_wait(at(step % kStages), (step / kStages) & 1);
+    const volatile int2& slot = s_step_at[step % kStages];
+    return make_int2(slot.x, slot.y);
+  };
   // LSE and D of a step: consumer thread ct (0–255) copies row ct % 128 of the step's query block,
   // of LSE if ct < 128 and of D otherwise (where the row is inside the block), fetched one step
   // ahead and published after the step's named barrier, which proves every consumer done with the
@@ -216,8 +247,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   const int ct = tid - 128, copy_row = ct % 128;
   const bool copy_lse = ct < 128;
   auto fetch = [&](int step) -> float {
-    const int m_n = walk[1];
-    const int h = hk * p.head_group + step / m_n, i = (walk[0] + step % m_n) * kBlockM + copy_row;
+    const int2 mh = step_at(step);
+    const int h = mh.y, i = mh.x * kBlockM + copy_row;
     if (copy_row >= kBlockM || i >= len_q) return copy_lse ? -INFINITY : 0.0f;
     return copy_lse ? p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i]
                     : w.dsum[int64_t{h} * p.total_q + int64_t{b} * p.seqlen_q + i];
@@ -231,15 +262,15 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     }
     ptx::mbarrier_arrive(full(step % kStages));
   };
-  if (walk[1] > 0) publish(0, fetch(0));
+  if (walk[2] > 0) publish(0, fetch(0));
 
-  for (int it = 0; it < walk[1] * p.head_group; ++it) {
+  for (int it = 0; it < walk[2]; ++it) {
     const int stage = it % kStages;
     const uint32_t parity = (it / kStages) & 1;
-    const int m_at = walk[0], m_n = walk[1];
-    const bool more = it + 1 < m_n * p.head_group;
+    const bool more = it + 1 < walk[2];
     const float next_copy = more ? fetch(it + 1) : 0.0f;
-    const int h = hk * p.head_group + it / m_n, i0 = (m_at + it % m_n) * kBlockM;
+    const int2 mh = step_at(it);
+    const int h = mh.y, i0 = mh.x * kBlockM;
     const uint32_t q_tile = sQ + stage * Cfg::kQBytes, do_tile = sDo + stage * Cfg::kQBytes;
 
     // Sᵀ = K·Q_iᵀ and dPᵀ = V·dO_iᵀ (64 keys × kWgQueries queries per warpgroup).

@@ -32,6 +32,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/block_mask.h"
 #include "core/params.h"
 #include "core/score_mod.h"
 #include "cuda/nonfinite_fixup.cuh"
@@ -110,6 +111,13 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   const KeyRange last = visible_keys(m0 + rows_q - 1, len_q, len_k, p.window_left, p.window_right);
   const int n_begin = first.lo / kBlockN;
   const int n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : n_begin;
+  // Block-sparse: producer and consumers walk the same key steps, those on for some row of the
+  // tile (core/block_mask.h); a 192-row tile can span two mask row blocks.
+  const int rb_lo = p.block_mask != nullptr ? m0 / p.block_m : 0;
+  const int rb_hi = p.block_mask != nullptr ? (m0 + rows_q - 1) / p.block_m : 0;
+  auto next_step = [&](int n) {
+    return next_key_tile_on(p, b, h, rb_lo, rb_hi, n, n_end, kBlockN);
+  };
 
   if (tid == 0) {
     ptx::mbarrier_init(q_full, 1);
@@ -134,7 +142,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
         ptx::tma_load_4d(sQ + pnl * Cfg::kQPanelBytes, &tm_q, q_full, pnl * 64, m0, h, b);
-      for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
+      for (int n = next_step(n_begin), it = 0; n < n_end; n = next_step(n + 1), ++it) {
         const int stage = it % kStages, round = it / kStages;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
         const uint32_t k_dst = sK + stage * Cfg::kKVBytes, v_dst = sV + stage * Cfg::kKVBytes;
@@ -166,12 +174,23 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
   const uint32_t q_rows = sQ + c * 64 * 128;
+  // This warpgroup's mask row block, where the tile spans two (rows past the end take the last).
+  const int rb_mine = p.block_mask != nullptr ? min(rb_hi, (m0 + c * 64) / p.block_m) : 0;
   ptx::mbarrier_wait(q_full, 0);
 
-  for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
+  for (int n = next_step(n_begin), it = 0; n < n_end; n = next_step(n + 1), ++it) {
     const int stage = it % kStages;
     const uint32_t parity = (it / kStages) & 1;
     const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
+    if (kBlockM > kMaskTileMultiple && rb_lo != rb_hi &&
+        !block_on(p, b, h, rb_mine, n * kBlockN / p.block_n)) {
+      // Off for this warpgroup's rows only: pass the buffers on once they are full, so the
+      // arrival counts toward this round of `empty` and not the one before.
+      ptx::mbarrier_wait(k_full(stage), parity);
+      ptx::mbarrier_wait(v_full(stage), parity);
+      ptx::mbarrier_arrive(empty(stage));
+      continue;
+    }
 
     // S = Q·K_jᵀ (64 × kBlockN per warpgroup).
     float s[kBlockN / 2];
@@ -269,7 +288,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   // non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
   float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  const bool every_key_visible = !windowed && len_k > 0;
+  const bool every_key_visible = !windowed && p.block_mask == nullptr && len_k > 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];

@@ -1,0 +1,71 @@
+// block_walk.cuh — the backward kernels' walk over the (query tile, query head) steps of one key
+// block, which under a block mask visits only the steps whose mask block is on.
+//
+// A backward CTA holds one key block (inside one mask column block: every kernel tile divides
+// kMaskTileMultiple, core/block_mask.h) and steps through query tiles m in [m_begin, m_end) of
+// each query head h in [h_begin, h_end) of its kv head's group, m fastest. Dense, every step is
+// on and the walk is the plain double loop; block-sparse, a step whose mask block is off is never
+// visited, so its Q, dO, LSE and D are never read.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "core/block_mask.h"
+#include "core/params.h"
+
+namespace flare::cuda {
+
+struct QueryWalk {
+  int b;          // sequence
+  int col_block;  // the key block's mask column block
+  int m_begin, m_end, h_end;
+  int tile_m;  // rows per query tile
+
+  // A copy of one kept in shared memory, read through volatile loads so that a kernel tight on
+  // registers holds none of its fields across its loops.
+  __device__ __forceinline__ static QueryWalk load(const volatile QueryWalk* at) {
+    return {at->b, at->col_block, at->m_begin, at->m_end, at->h_end, at->tile_m};
+  }
+  __device__ __forceinline__ void store(volatile QueryWalk* at) const {
+    at->b = b, at->col_block = col_block, at->m_begin = m_begin, at->m_end = m_end;
+    at->h_end = h_end, at->tile_m = tile_m;
+  }
+
+  // Moves (m, h) to the first step at or after it that is on; h == h_end once the walk is over.
+  __device__ __forceinline__ void settle(const AttentionParams& p, int& m, int& h) const {
+    if (p.block_mask == nullptr) return;
+    for (; h < h_end; m = m_begin, ++h) {
+      m = next_query_tile_on(p, b, h, col_block, m, m_end, tile_m);
+      if (m < m_end) return;
+    }
+  }
+
+  // The step after (m, h).
+  __device__ __forceinline__ void advance(const AttentionParams& p, int& m, int& h) const {
+    if (++m == m_end) m = m_begin, ++h;
+    settle(p, m, h);
+  }
+
+  // How many steps are on, with every thread of the CTA (kThreads of them) reading a share of the
+  // mask blocks; `scratch` is a shared int. Starts and ends with a barrier; the caller keeps one
+  // more between two calls (the value is read after the second).
+  template <int kThreads>
+  __device__ int count_steps(const AttentionParams& p, int h_begin, int* scratch) const {
+    const int per_block = p.block_m / tile_m;
+    const int blk_begin = m_begin / per_block;
+    const int blocks = m_end > m_begin ? (m_end - 1) / per_block + 1 - blk_begin : 0;
+    if (threadIdx.x == 0) *scratch = 0;
+    __syncthreads();
+    int mine = 0;
+    for (int i = threadIdx.x; i < blocks * (h_end - h_begin); i += kThreads) {
+      const int r = blk_begin + i % blocks, h = h_begin + i / blocks;
+      if (block_on(p, b, h, r, col_block))
+        mine += min(m_end, (r + 1) * per_block) - max(m_begin, r * per_block);
+    }
+    if (mine != 0) atomicAdd(scratch, mine);
+    __syncthreads();
+    return *scratch;
+  }
+};
+
+}  // namespace flare::cuda
