@@ -184,9 +184,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         ptx::tma_load_4d(sK + pnl * Cfg::kKVPanelBytes, &tm_k, kv_full, pnl * 64, n0, hk, b);
         ptx::tma_load_4d(sV + pnl * Cfg::kKVPanelBytes, &tm_v, kv_full, pnl * 64, n0, hk, b);
       }
-      int m = m_begin, h = h0;
-      query_walk.settle(p, m, h);
-      for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) {
+      // Step it: Q_i and dO_i of query block m, head h into its buffer.
+      auto issue = [&](int it, int m, int h) {
         const int stage = it % kStages, round = it / kStages;
         const int i0 = m * kBlockM;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
@@ -202,6 +201,13 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
           ptx::tma_load_4d(sDo + stage * Cfg::kQBytes + pnl * Cfg::kQPanelBytes, &tm_do,
                            full(stage), pnl * 64, i0, h, b);
         }
+      };
+      if (p.block_mask == nullptr) {
+        for (int it = 0; it < steps; ++it) issue(it, m_begin + it % m_count, h0 + it / m_count);
+      } else {
+        int m = m_begin, h = h0;
+        query_walk.settle(p, m, h);
+        for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) issue(it, m, h);
       }
     }
     return;
@@ -235,7 +241,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // block-sparse (the walk's registers spill the d 64 consumers).
   auto step_at = [&](int step) -> int2 {
     if (p.block_mask == nullptr)
-      return make_int2(walk[0] + step % walk[1], h0 + step / walk[1]);
+      return make_int2(walk[0] + step % walk[1], hk * p.head_group + step / walk[1]);
     ptx::mbarrier_wait(at(step % kStages), (step / kStages) & 1);
     const volatile int2& slot = s_step_at[step % kStages];
     return make_int2(slot.x, slot.y);

@@ -111,12 +111,13 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   const KeyRange last = visible_keys(m0 + rows_q - 1, len_q, len_k, p.window_left, p.window_right);
   const int n_begin = first.lo / kBlockN;
   const int n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : n_begin;
-  // Block-sparse: producer and consumers walk the same key steps, those on for some row of the
-  // tile (core/block_mask.h); a 192-row tile can span two mask row blocks.
-  const int rb_lo = p.block_mask != nullptr ? m0 / p.block_m : 0;
-  const int rb_hi = p.block_mask != nullptr ? (m0 + rows_q - 1) / p.block_m : 0;
-  auto next_step = [&](int n) {
-    return next_key_tile_on(p, b, h, rb_lo, rb_hi, n, n_end, kBlockN);
+  // Block-sparse (core/block_mask.h): whether key step n is on for query rows row_lo..row_hi.
+  // Producer and consumers skip the same steps, those off for every row of the tile; a 192-row
+  // tile (d 64) can span two mask row blocks, so a consumer may still get a step that is off for
+  // its own rows. Dense, the loops pay one uniform branch per step.
+  auto step_on = [&](int n, int row_lo, int row_hi) {
+    const int col = n * kBlockN / p.block_n, r_lo = row_lo / p.block_m, r_hi = row_hi / p.block_m;
+    return block_on(p, b, h, r_lo, col) || (r_hi != r_lo && block_on(p, b, h, r_hi, col));
   };
 
   if (tid == 0) {
@@ -142,8 +143,10 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
         ptx::tma_load_4d(sQ + pnl * Cfg::kQPanelBytes, &tm_q, q_full, pnl * 64, m0, h, b);
-      for (int n = next_step(n_begin), it = 0; n < n_end; n = next_step(n + 1), ++it) {
-        const int stage = it % kStages, round = it / kStages;
+      for (int n = n_begin, it = 0; n < n_end; ++n) {
+        if (p.block_mask != nullptr && !step_on(n, m0, m0 + rows_q - 1)) continue;
+        const int step = it++;
+        const int stage = step % kStages, round = step / kStages;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
         const uint32_t k_dst = sK + stage * Cfg::kKVBytes, v_dst = sV + stage * Cfg::kKVBytes;
         ptx::mbarrier_arrive_expect_tx(k_full(stage), Cfg::kKVBytes);
@@ -174,22 +177,24 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
   const uint32_t q_rows = sQ + c * 64 * 128;
-  // This warpgroup's mask row block, where the tile spans two (rows past the end take the last).
-  const int rb_mine = p.block_mask != nullptr ? min(rb_hi, (m0 + c * 64) / p.block_m) : 0;
   ptx::mbarrier_wait(q_full, 0);
 
-  for (int n = next_step(n_begin), it = 0; n < n_end; n = next_step(n + 1), ++it) {
-    const int stage = it % kStages;
-    const uint32_t parity = (it / kStages) & 1;
+  for (int n = n_begin, it = 0; n < n_end; ++n) {
+    if (p.block_mask != nullptr && !step_on(n, m0, m0 + rows_q - 1)) continue;
+    const int step = it++;
+    const int stage = step % kStages;
+    const uint32_t parity = (step / kStages) & 1;
     const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
-    if (kBlockM > kMaskTileMultiple && rb_lo != rb_hi &&
-        !block_on(p, b, h, rb_mine, n * kBlockN / p.block_n)) {
-      // Off for this warpgroup's rows only: pass the buffers on once they are full, so the
-      // arrival counts toward this round of `empty` and not the one before.
-      ptx::mbarrier_wait(k_full(stage), parity);
-      ptx::mbarrier_wait(v_full(stage), parity);
-      ptx::mbarrier_arrive(empty(stage));
-      continue;
+    if (kBlockM > kMaskTileMultiple && p.block_mask != nullptr) {
+      const int own_row = min(m0 + c * 64, m0 + rows_q - 1);  // rows past the end: the last one's
+      if (!step_on(n, own_row, own_row)) {
+        // Off for this warpgroup's rows only: pass the buffers on once they are full, so the
+        // arrival counts toward this round of `empty` and not the one before.
+        ptx::mbarrier_wait(k_full(stage), parity);
+        ptx::mbarrier_wait(v_full(stage), parity);
+        ptx::mbarrier_arrive(empty(stage));
+        continue;
+      }
     }
 
     // S = Q·K_jᵀ (64 × kBlockN per warpgroup).
