@@ -453,10 +453,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   constexpr uint32_t kDoAfterQ = (Cfg::kOffDo - Cfg::kOffQ) * 2;
   constexpr uint32_t kDsAfterP = (Cfg::kOffDs - Cfg::kOffP) * 2;
 
-  __shared__ int s_jb_end;    // kLeanKeyLoop: the loop bound, read back through a volatile load
-  __shared__ int s_walk_steps;     // block-sparse: QueryWalk::count_steps' sum
-  __shared__ QueryWalk s_walk;     // block-sparse: this key block's walk
-  __shared__ int2 s_step[3];  // kSkewed: (query block, head) of the step in each Q/dO buffer
+  __shared__ int s_jb_end;      // kLeanKeyLoop: the loop bound, read back through a volatile load
+  __shared__ int s_walk_steps;  // block-sparse: QueryWalk::count_steps' sum
+  __shared__ QueryWalk s_walk;  // block-sparse: this key block's walk
+  __shared__ int2 s_step[3];    // kSkewed: (query block, head) of the step in each Q/dO buffer
   auto s_step_read = [&](int stage) {
     const volatile int2* const v = &s_step[stage];
     return make_int2(v->x, v->y);

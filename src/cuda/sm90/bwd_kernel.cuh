@@ -60,6 +60,7 @@ struct Bwd90Config {
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
+  static constexpr bool kBlockSparse = kTile.block_sparse;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kPanels = kHeadDim / 64;
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages];  // kv_full, full[], empty[], at[]
+  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages];   // kv_full, full[], empty[], at[]
   __shared__ __align__(16) float s_lse[kStages][kBlockM];   // base-2 LSE, +inf: P = 0
   __shared__ __align__(16) float s_dsum[kStages][kBlockM];  // D, 0 past the sequence end
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -147,14 +148,16 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   const int m_begin = i_lo / kBlockM;
   const int m_count = i_hi > i_lo ? (i_hi + kBlockM - 1) / kBlockM - m_begin : 0;
   const int h0 = hk * p.head_group;
+  // Block-sparse only where the tile takes block masks (bwd_tiles.h); the test reads the
+  // parameter each time rather than holding a flag.
+  auto sparse = [&] { return Cfg::kBlockSparse && p.block_mask != nullptr; };
   // Dense, step it is query block m_begin + it % m_count of head h0 + it / m_count. Block-sparse,
   // the steps are the walk's (cuda/block_walk.cuh), counted here by the whole CTA.
-  const QueryWalk query_walk{b, p.block_mask != nullptr ? n0 / p.block_n : 0, m_begin,
-                             m_begin + m_count, h0 + p.head_group, kBlockM};
+  const QueryWalk query_walk{
+      b, sparse() ? n0 / p.block_n : 0, m_begin, m_begin + m_count, h0 + p.head_group, kBlockM};
   __shared__ int s_steps;
-  const int steps = p.block_mask != nullptr
-                        ? query_walk.count_steps<Cfg::kThreads>(p, h0, &s_steps)
-                        : m_count * p.head_group;
+  const int steps =
+      sparse() ? query_walk.count_steps<Cfg::kThreads>(p, h0, &s_steps) : m_count * p.head_group;
 
   // The consumers read the walk back from shared memory each step (volatile): held in registers
   // across the loop, two of these values spill at d 64.
@@ -189,7 +192,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         const int stage = it % kStages, round = it / kStages;
         const int i0 = m * kBlockM;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
-        if (p.block_mask != nullptr) {
+        if (sparse()) {
           s_step_at[stage] = make_int2(m, h);
           ptx::mbarrier_arrive(at(stage));
         }
@@ -202,7 +205,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
                            full(stage), pnl * 64, i0, h, b);
         }
       };
-      if (p.block_mask == nullptr) {
+      if (!sparse()) {
         for (int it = 0; it < steps; ++it) issue(it, m_begin + it % m_count, h0 + it / m_count);
       } else {
         int m = m_begin, h = h0;
@@ -240,7 +243,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // The (query block, head) of a step: arithmetic when dense, the producer's walk when
   // block-sparse (the walk's registers spill the d 64 consumers).
   auto step_at = [&](int step) -> int2 {
-    if (p.block_mask == nullptr)
+    if (!sparse())
       return make_int2(walk[0] + step % walk[1], hk * p.head_group + step / walk[1]);
     ptx::mbarrier_wait(at(step % kStages), (step / kStages) & 1);
     const volatile int2& slot = s_step_at[step % kStages];

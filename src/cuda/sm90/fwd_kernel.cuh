@@ -57,6 +57,7 @@ struct Fwd90Config {
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kConsumers = kTile.consumers;
   static constexpr int kStages = kTile.stages;
+  static constexpr bool kBlockSparse = fwd90_takes_block_mask(kHeadDim);  // fwd_tiles.h
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kPanels = kHeadDim / 64;  // 64-column panels of a tile
   static constexpr uint32_t kQPanelBytes = kBlockM * 128;
@@ -111,13 +112,12 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   const KeyRange last = visible_keys(m0 + rows_q - 1, len_q, len_k, p.window_left, p.window_right);
   const int n_begin = first.lo / kBlockN;
   const int n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : n_begin;
-  // Block-sparse (core/block_mask.h): whether key step n is on for query rows row_lo..row_hi.
-  // Producer and consumers skip the same steps, those off for every row of the tile; a 192-row
-  // tile (d 64) can span two mask row blocks, so a consumer may still get a step that is off for
-  // its own rows. Dense, the loops pay one uniform branch per step.
-  auto step_on = [&](int n, int row_lo, int row_hi) {
-    const int col = n * kBlockN / p.block_n, r_lo = row_lo / p.block_m, r_hi = row_hi / p.block_m;
-    return block_on(p, b, h, r_lo, col) || (r_hi != r_lo && block_on(p, b, h, r_hi, col));
+  // Block-sparse (core/block_mask.h; kernels whose tile lies in one mask row block): producer
+  // and consumers skip the same key steps, those whose block is off. Dense, the loops pay one
+  // uniform branch per step.
+  auto step_off = [&](int n) {
+    return Cfg::kBlockSparse && p.block_mask != nullptr &&
+           !block_on(p, b, h, m0 / p.block_m, n * kBlockN / p.block_n);
   };
 
   if (tid == 0) {
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
       for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
         ptx::tma_load_4d(sQ + pnl * Cfg::kQPanelBytes, &tm_q, q_full, pnl * 64, m0, h, b);
       for (int n = n_begin, it = 0; n < n_end; ++n) {
-        if (p.block_mask != nullptr && !step_on(n, m0, m0 + rows_q - 1)) continue;
+        if (step_off(n)) continue;
         const int step = it++;
         const int stage = step % kStages, round = step / kStages;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
@@ -180,22 +180,11 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   ptx::mbarrier_wait(q_full, 0);
 
   for (int n = n_begin, it = 0; n < n_end; ++n) {
-    if (p.block_mask != nullptr && !step_on(n, m0, m0 + rows_q - 1)) continue;
+    if (step_off(n)) continue;
     const int step = it++;
     const int stage = step % kStages;
     const uint32_t parity = (step / kStages) & 1;
     const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
-    if (kBlockM > kMaskTileMultiple && p.block_mask != nullptr) {
-      const int own_row = min(m0 + c * 64, m0 + rows_q - 1);  // rows past the end: the last one's
-      if (!step_on(n, own_row, own_row)) {
-        // Off for this warpgroup's rows only: pass the buffers on once they are full, so the
-        // arrival counts toward this round of `empty` and not the one before.
-        ptx::mbarrier_wait(k_full(stage), parity);
-        ptx::mbarrier_wait(v_full(stage), parity);
-        ptx::mbarrier_arrive(empty(stage));
-        continue;
-      }
-    }
 
     // S = Q·K_jᵀ (64 × kBlockN per warpgroup).
     float s[kBlockN / 2];
