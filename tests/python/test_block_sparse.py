@@ -618,14 +618,123 @@ def test_a_numpy_mask_with_torch_tensors_is_named(fn):
         fn(**dict(good, block_mask=good["block_mask"].numpy()))
 
 
-@needs_torch
+# ---- CUDA ----------------------------------------------------------------------------------------
+# The kernels skip whole tiles, so mask blocks are multiples of 128 there. Each case runs torch
+# CUDA tensors (float16, which NumPy has for the reference's rounding) through autograd and checks
+# them against the masked float64 reference under the tolerance rule. Head dims pick the kernels
+# an H100 runs: d 128 / 256 the sm90 ones, d 64 and the score modifiers the sm80 ones, d 80 the
+# sm90 forward and the sm80 backward.
+
+
+def _cuda_missing():
+    if torch is None:
+        return "needs torch"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    if not flare.cuda_built():
+        return "flare was built without CUDA"
+    return None
+
+
+needs_cuda = pytest.mark.skipif(_cuda_missing() is not None, reason=str(_cuda_missing()))
+
+CUDA_CASES = [
+    # (b, s_q, s_k, h, h_kv, d, block_q, block_k, density, options)
+    (2, 300, 400, 4, 2, 128, 128, 128, 0.5, dict()),
+    (1, 520, 520, 4, 4, 64, 128, 128, 0.5, dict(causal=True)),
+    (1, 384, 640, 2, 1, 80, 256, 128, 0.6, dict(window=(100, 20))),
+    (1, 256, 300, 2, 2, 256, 128, 256, 0.7, dict()),
+    (2, 200, 260, 2, 2, 32, 128, 128, 0.5, dict(softcap=4.0, alibi=True)),
+    (1, 700, 700, 4, 1, 128, 128, 128, 0.3, dict(causal=True)),
+]
+
+
+@needs_cuda
 @pytest.mark.gpu
-@pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensors_raise_not_implemented():
-    q = torch.randn(1, 16, 2, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    mask = torch.ones(1, 1, 1, 1, dtype=torch.uint8, device="cuda")
-    with pytest.raises(NotImplementedError, match="CUDA"):
-        flare.block_sparse_attn_func(q, q, q, mask, 128, 128)
+@pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}"
+                         f"-hkv{c[4]}-d{c[5]}-blk{c[6]}x{c[7]}-" + "-".join(sorted(c[9])))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_against_reference(case, deterministic, rng, seed):
+    b, s_q, s_k, h, h_kv, d, bq, bk, density, opts = case
+    kw = case_options(rng, b, h, opts)
+    arrays = [make(rng, shape, np.float16) for shape in
+              ((b, s_q, h, d), (b, s_k, h_kv, d), (b, s_k, h_kv, d), (b, s_q, h, d))]
+    mask = random_mask(rng, (b, h, cdiv(s_q, bq), cdiv(s_k, bk)), density)
+    mask[:, :, 0, :] = 0  # the first query block sees no key: O = 0, LSE = -inf, dQ = 0
+    q, k, v = (torch.from_numpy(x).cuda().requires_grad_() for x in arrays[:3])
+    alibi = kw.get("alibi_slopes")
+    out, lse, _ = flare.block_sparse_attn_func(
+        q, k, v, torch.from_numpy(mask).cuda(), bq, bk, deterministic=deterministic,
+        return_attn_probs=True, **dict(flare_options(kw), alibi_slopes=None if alibi is None
+                                       else torch.from_numpy(alibi).cuda()))
+    out.backward(torch.from_numpy(arrays[3]).cuda())
+    check(seed, *arrays, mask, bq, bk, as_numpy(out), as_numpy(lse),
+          [as_numpy(x.grad) for x in (q, k, v)], **kw)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_varlen_against_reference(rng, seed):
+    lens_q, lens_k = [130, 0, 300, 17], [200, 40, 260, 300]
+    h, h_kv, d, block = 4, 2, 128, 128
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    arrays = [make(rng, shape, np.float16) for shape in
+              ((cu_q[-1], h, d), (cu_k[-1], h_kv, d), (cu_k[-1], h_kv, d), (cu_q[-1], h, d))]
+    mask = random_mask(rng, (len(lens_q), h, cdiv(max(lens_q), block), cdiv(max(lens_k), block)),
+                       0.6)
+    q, k, v = (torch.from_numpy(x).cuda().requires_grad_() for x in arrays[:3])
+    out, lse, _ = flare.block_sparse_attn_varlen_func(
+        q, k, v, torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda(), max(lens_q),
+        max(lens_k), torch.from_numpy(mask).cuda(), block, block, causal=True,
+        return_attn_probs=True)
+    out.backward(torch.from_numpy(arrays[3]).cuda())
+    check(seed, *arrays, mask, block, block, as_numpy(out), as_numpy(lse),
+          [as_numpy(x.grad) for x in (q, k, v)], causal=True, cu_seqlens_q=cu_q,
+          cu_seqlens_k=cu_k)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_all_on_mask_is_dense_attention_and_off_blocks_are_never_read(rng):
+    b, s, h, d, block = 1, 640, 4, 128, 128
+    q, k, v, dout = (torch.from_numpy(make(rng, (b, s, h, d), np.float16)).cuda()
+                     for _ in range(4))
+
+    def run(k, v, mask):  # deterministic: dQ's sums in a fixed order, comparable bit for bit
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        out = (flare.flash_attn_func(qq, kk, vv, causal=True, deterministic=True) if mask is None
+               else flare.block_sparse_attn_func(qq, kk, vv, mask, block, block, causal=True,
+                                                 deterministic=True))
+        out.backward(dout)
+        return [x.detach().cpu() for x in (out, qq.grad, kk.grad, vv.grad)]
+
+    ones = torch.ones(1, 1, s // block, s // block, dtype=torch.uint8, device="cuda")
+    for got, want in zip(run(k, v, ones), run(k, v, None)):
+        assert torch.equal(got, want)  # the same kernels, every step on
+    mask = torch.from_numpy(random_mask(rng, (1, h, s // block, s // block), 0.5)).cuda()
+    mask[:, :, :, 2] = 0  # key block 2 is off for every row: NaN there must not arrive
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[:, 2 * block:3 * block] = float("nan")
+    poisoned_v[:, 2 * block:3 * block] = float("inf")
+    clean, dirty = run(k, v, mask), run(poisoned_k, poisoned_v, mask)
+    for i, (got, want) in enumerate(zip(dirty, clean)):
+        if i == 0 or i == 1:  # out, dq: equal bytes
+            assert torch.equal(got, want)
+        else:  # dk, dv: the off block's rows are 0, the others equal
+            assert torch.equal(got[:, 2 * block:3 * block], torch.zeros_like(got[:, :block]))
+            assert torch.equal(torch.cat([got[:, :2 * block], got[:, 3 * block:]], 1),
+                               torch.cat([want[:, :2 * block], want[:, 3 * block:]], 1))
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("bq,bk,name", [(64, 128, "block_m"), (128, 192, "block_n")])
+def test_cuda_blocks_finer_than_tiles_are_refused_by_name(bq, bk, name):
+    q = torch.randn(1, 256, 2, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.ones(1, 1, cdiv(256, bq), cdiv(256, bk), dtype=torch.uint8, device="cuda")
+    with pytest.raises(NotImplementedError, match=f"^{name}: .*multiple of 128"):
+        flare.block_sparse_attn_func(q, q, q, mask, bq, bk)
 
 
 @needs_torch
