@@ -1,5 +1,6 @@
-// block_walk.cuh — the backward kernels' walk over the (query tile, query head) steps of one key
-// block, which under a block mask visits only the steps whose mask block is on.
+// block_walk.cuh — the CUDA kernels' walks under a block mask: how many tiles of a walk are on
+// (count_on_tiles, all threads of a CTA at once), and the backward's walk over the (query tile,
+// query head) steps of one key block (QueryWalk), which visits only the steps whose block is on.
 //
 // A backward CTA holds one key block (inside one mask column block: every kernel tile divides
 // kMaskTileMultiple, core/block_mask.h) and steps through query tiles m in [m_begin, m_end) of
@@ -14,6 +15,27 @@
 #include "core/params.h"
 
 namespace flare::cuda {
+
+// Tiles t in [t_begin, t_end) (per_block tiles to a mask block), over `lines` walks, whose block
+// is on: on(line, block) says. Every thread of the CTA (kThreads) calls it and reads a share of
+// the blocks; `scratch` is a shared int. Starts and ends with a barrier; the caller keeps one
+// more between two calls (the value is read after the second).
+template <int kThreads, typename On>
+__device__ int count_on_tiles(int lines, int t_begin, int t_end, int per_block, On on,
+                              int* scratch) {
+  const int blk_begin = t_begin / per_block;
+  const int blocks = t_end > t_begin ? (t_end - 1) / per_block + 1 - blk_begin : 0;
+  if (threadIdx.x == 0) *scratch = 0;
+  __syncthreads();
+  int mine = 0;
+  for (int i = threadIdx.x; i < blocks * lines; i += kThreads) {
+    const int r = blk_begin + i % blocks, line = i / blocks;
+    if (on(line, r)) mine += min(t_end, (r + 1) * per_block) - max(t_begin, r * per_block);
+  }
+  if (mine != 0) atomicAdd(scratch, mine);
+  __syncthreads();
+  return *scratch;
+}
 
 struct QueryWalk {
   int b;          // sequence
@@ -46,25 +68,12 @@ struct QueryWalk {
     settle(p, m, h);
   }
 
-  // How many steps are on, with every thread of the CTA (kThreads of them) reading a share of the
-  // mask blocks; `scratch` is a shared int. Starts and ends with a barrier; the caller keeps one
-  // more between two calls (the value is read after the second).
+  // How many steps are on (count_on_tiles over the heads h_begin..h_end).
   template <int kThreads>
   __device__ int count_steps(const AttentionParams& p, int h_begin, int* scratch) const {
-    const int per_block = p.block_m / tile_m;
-    const int blk_begin = m_begin / per_block;
-    const int blocks = m_end > m_begin ? (m_end - 1) / per_block + 1 - blk_begin : 0;
-    if (threadIdx.x == 0) *scratch = 0;
-    __syncthreads();
-    int mine = 0;
-    for (int i = threadIdx.x; i < blocks * (h_end - h_begin); i += kThreads) {
-      const int r = blk_begin + i % blocks, h = h_begin + i / blocks;
-      if (block_on(p, b, h, r, col_block))
-        mine += min(m_end, (r + 1) * per_block) - max(m_begin, r * per_block);
-    }
-    if (mine != 0) atomicAdd(scratch, mine);
-    __syncthreads();
-    return *scratch;
+    return count_on_tiles<kThreads>(
+        h_end - h_begin, m_begin, m_end, p.block_m / tile_m,
+        [&](int line, int r) { return block_on(p, b, h_begin + line, r, col_block); }, scratch);
   }
 };
 

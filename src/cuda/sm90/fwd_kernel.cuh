@@ -35,6 +35,7 @@
 #include "core/block_mask.h"
 #include "core/params.h"
 #include "core/score_mod.h"
+#include "cuda/block_walk.cuh"
 #include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
@@ -112,13 +113,18 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   const KeyRange last = visible_keys(m0 + rows_q - 1, len_q, len_k, p.window_left, p.window_right);
   const int n_begin = first.lo / kBlockN;
   const int n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : n_begin;
-  // Block-sparse (core/block_mask.h; kernels whose tile lies in one mask row block): producer
-  // and consumers skip the same key steps, those whose block is off. Dense, the loops pay one
-  // uniform branch per step.
-  auto step_off = [&](int n) {
-    return Cfg::kBlockSparse && p.block_mask != nullptr &&
-           !block_on(p, b, h, m0 / p.block_m, n * kBlockN / p.block_n);
-  };
+  // Block-sparse (core/block_mask.h; kernels whose tile lies in one mask row block): the steps
+  // are the key tiles whose block is on. The CTA counts them first; the producer walks the mask
+  // and writes each step's tile beside its K buffer (published by the K load's barrier), so the
+  // consumers read no mask. Dense, step it is tile n_begin + it.
+  auto sparse = [&] { return Cfg::kBlockSparse && p.block_mask != nullptr; };
+  __shared__ int s_steps;
+  __shared__ int s_step_tile[kStages];
+  const int steps =
+      sparse() ? count_on_tiles<Cfg::kThreads>(
+                     1, n_begin, n_end, p.block_n / kBlockN,
+                     [&](int, int c) { return block_on(p, b, h, m0 / p.block_m, c); }, &s_steps)
+               : n_end - n_begin;
 
   if (tid == 0) {
     ptx::mbarrier_init(q_full, 1);
@@ -143,11 +149,14 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
         ptx::tma_load_4d(sQ + pnl * Cfg::kQPanelBytes, &tm_q, q_full, pnl * 64, m0, h, b);
-      for (int n = n_begin, it = 0; n < n_end; ++n) {
-        if (step_off(n)) continue;
-        const int step = it++;
+      const int row_block = sparse() ? m0 / p.block_m : 0;
+      auto next_on = [&](int n) {
+        return sparse() ? next_key_tile_on(p, b, h, row_block, row_block, n, n_end, kBlockN) : n;
+      };
+      for (int n = next_on(n_begin), step = 0; step < steps; n = next_on(n + 1), ++step) {
         const int stage = step % kStages, round = step / kStages;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
+        if (sparse()) s_step_tile[stage] = n;
         const uint32_t k_dst = sK + stage * Cfg::kKVBytes, v_dst = sV + stage * Cfg::kKVBytes;
         ptx::mbarrier_arrive_expect_tx(k_full(stage), Cfg::kKVBytes);
 #pragma unroll
@@ -179,9 +188,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
   const uint32_t q_rows = sQ + c * 64 * 128;
   ptx::mbarrier_wait(q_full, 0);
 
-  for (int n = n_begin, it = 0; n < n_end; ++n) {
-    if (step_off(n)) continue;
-    const int step = it++;
+  for (int step = 0; step < steps; ++step) {
     const int stage = step % kStages;
     const uint32_t parity = (step / kStages) & 1;
     const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
@@ -203,7 +210,8 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 
     // Mask on boundary steps (the sm80 kernel's test: visible_keys per element, as two 32-bit
     // differences against uniform bounds).
-    const int n0 = n * kBlockN;
+    const int n0 =
+        (sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + step) * kBlockN;
     if (n0 < last.lo || n0 + kBlockN > first.hi) {
       const int col_room = len_k - n0 - 2 * t;
       const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
