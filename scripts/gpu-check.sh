@@ -16,7 +16,8 @@
 #    bench/compare.py (flare against SDPA's flash, cuDNN, efficient and math backends on the
 #    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png),
 #    bench/host_overhead.py (host and GPU time per call, eager and compiled: DIR/host_overhead.json),
-#    bench/decode_bench.py (KV-cache decoding against SDPA over the same cache: DIR/decode.json)
+#    bench/decode_bench.py (KV-cache decoding against SDPA over the same cache: DIR/decode.json),
+#    bench/block_sparse_bench.py (block-sparse time against density: DIR/block_sparse.json, .png)
 #    and bench/gpt_loss.py (a small GPT trained with flare's attention and with SDPA's; fails unless
 #    the loss curves agree within the spread between SDPA backends: DIR/gpt_loss-<card>-<date>
 #    .json and .png); 7. training throughput, flare-train against bench/train_torch.py
@@ -188,6 +189,15 @@ if [[ $python -eq 1 ]]; then
       tail -1 "$out/decode.log" | tee -a "$out/summary.log"
     else
       status=1; log "decode_bench.py FAILED (decode.log)"; tail -20 "$out/decode.log"
+    fi
+    log "bench/block_sparse_bench.py: block-sparse time against the mask's density (s 16k, 64k)"
+    if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/block_sparse_bench.py \
+         --long --out "$out/block_sparse.json" > "$out/block_sparse.log" 2>&1; then
+      tail -1 "$out/block_sparse.log" | tee -a "$out/summary.log"
+      python3 bench/plot_block_sparse.py --out "$out/block_sparse.png" "$out/block_sparse.json" ||
+        log "plot_block_sparse.py failed (the JSON is kept)"
+    else
+      status=1; log "block_sparse_bench.py FAILED (block_sparse.log)"; tail -20 "$out/block_sparse.log"
     fi
     log "bench/gpt_loss.py: GPT loss curves, flare vs SDPA (flash reference; efficient, cuDNN)"
     if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/gpt_loss.py \
