@@ -87,3 +87,29 @@ def result_path(out_dir, prefix, result, name):
     date = result.get("date", "")[:19].replace(":", "").replace("-", "")
     suffix = f"-{name}" if name else ""
     return os.path.join(out_dir, f"{prefix}-{card}-{date}{suffix}.json")
+
+
+def result_header(torch, flare, method):
+    """The fields a GPU result file opens with: card, date (UTC), commit, software, method."""
+    import datetime
+    return {
+        "card": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "software": {"torch": torch.__version__, "cuda": torch.version.cuda,
+                     "flare": flare.__version__},
+        "method": method,
+    }
+
+
+def load_result_for_plot(doc):
+    """(args, result) of a plot script called `plot.py --out CHART.png RESULT.json`; `doc` is
+    the script's docstring, whose first line describes it."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("result")
+    args = ap.parse_args()
+    with open(args.result) as f:
+        return args, json.load(f)

@@ -13,10 +13,9 @@ beside the all-on mask to show what the mask's reads cost.
   python3 bench/block_sparse_bench.py --out out.json [--quick]
 """
 import argparse
-import datetime
 import json
 
-from bench_common import git_commit, import_torch_and_flare, queued_times_ms
+from bench_common import import_torch_and_flare, queued_times_ms, result_header
 
 DENSITIES = [1.0, 0.5, 0.25, 0.1, 0.05]
 BLOCK = 128
@@ -114,13 +113,9 @@ def main():
         rows += measure(torch, flare, s, h, h_kv, causal, args.iters, spin)
     sparse = [r for r in rows if r["ratio_to_ideal"] is not None and r["density"] < 0.99]
     result = {
-        "card": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "software": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "flare": flare.__version__},
-        "method": "median GPU time of `iters` calls queued behind a spin kernel, CUDA events "
-                  "between calls; ratio_to_ideal = time / (density x time with every block on)",
+        **result_header(torch, flare, "median GPU time of `iters` calls queued behind a spin "
+                        "kernel, CUDA events between calls; ratio_to_ideal = time / (density x "
+                        "time with every block on)"),
         "worst_ratio_to_ideal": max((r["ratio_to_ideal"] for r in sparse), default=None),
         "rows": rows,
     }

@@ -10,11 +10,10 @@ of the card's peak (--peak-tbps, H100 SXM 3.35 TB/s).
   python3 bench/decode_bench.py --json out.json [--quick]
 """
 import argparse
-import datetime
 import json
 import math
 
-from bench_common import git_commit, import_torch_and_flare, queued_times_ms
+from bench_common import import_torch_and_flare, queued_times_ms, result_header
 
 # (batch, s_cache): from one long sequence to many short ones; the cache stays under ~9 GiB.
 CELLS = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 8192), (32, 4096), (64, 2048),
@@ -120,13 +119,9 @@ def main():
             if peer:
                 ratios.append(peer[0]["ms"] / r["ms"])
     result = {
-        "card": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "software": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "flare": flare.__version__},
-        "method": "median GPU time of `iters` calls queued behind a spin kernel, CUDA events "
-                  "between calls; kv_gbps = K and V bytes of the cache / time",
+        **result_header(torch, flare, "median GPU time of `iters` calls queued behind a spin "
+                        "kernel, CUDA events between calls; kv_gbps = K and V bytes of the cache "
+                        "/ time"),
         "peak_tbps": args.peak_tbps,
         "speedup_vs_torch_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios))
         if ratios else None,

@@ -9,22 +9,16 @@ the ideal.
 
 usage: plot_block_sparse.py --out CHART.png RESULT.json
 """
-import argparse
-import json
-
 import matplotlib
+
+from bench_common import load_result_for_plot
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("result")
-    args = ap.parse_args()
-    with open(args.result) as f:
-        doc = json.load(f)
+    args, doc = load_result_for_plot(__doc__)
     rows = [r for r in doc["rows"] if r["impl"] == "flare" and r["ratio_to_ideal"] is not None]
     passes = sorted({r["pass"] for r in rows}, reverse=True)  # fwd, bwd
     fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 4.5), squeeze=False)

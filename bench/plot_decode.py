@@ -9,10 +9,9 @@ bound short caches sit on the left and the bandwidth-bound long ones on the righ
 
 usage: plot_decode.py --out CHART.png RESULT.json
 """
-import argparse
-import json
-
 import matplotlib
+
+from bench_common import load_result_for_plot
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -30,12 +29,7 @@ def label_of(cell):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("result")
-    args = ap.parse_args()
-    with open(args.result) as f:
-        doc = json.load(f)
+    args, doc = load_result_for_plot(__doc__)
     frac = {}  # cell -> impl -> fraction of the peak
     for row in doc["rows"]:
         frac.setdefault(cell_of(row), {})[row["impl"]] = row["frac_peak"]

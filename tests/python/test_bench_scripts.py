@@ -106,3 +106,18 @@ def test_train_results_compares_memory_by_one_measure(tmp_path):
         assert entry["peak_mem_ratio"] == pytest.approx(ratio)
         assert entry["peak_mem_ratio_basis"].startswith("device memory in use") == like
         assert ("allocated peak" in done.stdout) != like
+
+
+RESULTS = os.path.join(BENCH, "results")
+
+
+@pytest.mark.parametrize("script,result", [
+    ("plot_decode.py", "2026-11-28-h100-decode-2fbe81e.json"),
+    ("plot_block_sparse.py", "2026-11-28-h100-block-sparse-ea1ae10.json"),
+])
+def test_plot_scripts_draw_the_committed_results(tmp_path, script, result):
+    pytest.importorskip("matplotlib")
+    chart = tmp_path / "chart.png"
+    done = run(script, "--out", str(chart), os.path.join(RESULTS, result))
+    assert done.returncode == 0, done.stderr
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,6 +20,7 @@ import pytest
 import attention_ref as ref
 import bad_args
 import flare
+from cuda_skip import requires_cuda
 
 BACKENDS = ["auto", "reference"]
 
@@ -625,19 +626,6 @@ def test_a_numpy_mask_with_torch_tensors_is_named(fn):
 # an H100 runs: d 128 / 256 the sm90 ones, d 64 and the score modifiers the sm80 ones, d 80 the
 # sm90 forward and the sm80 backward.
 
-
-def _cuda_missing():
-    if torch is None:
-        return "needs torch"
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    if not flare.cuda_built():
-        return "flare was built without CUDA"
-    return None
-
-
-needs_cuda = pytest.mark.skipif(_cuda_missing() is not None, reason=str(_cuda_missing()))
-
 CUDA_CASES = [
     # (b, s_q, s_k, h, h_kv, d, block_q, block_k, density, options)
     (2, 300, 400, 4, 2, 128, 128, 128, 0.5, dict()),
@@ -649,7 +637,7 @@ CUDA_CASES = [
 ]
 
 
-@needs_cuda
+@requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}"
                          f"-hkv{c[4]}-d{c[5]}-blk{c[6]}x{c[7]}-" + "-".join(sorted(c[9])))
@@ -672,7 +660,7 @@ def test_cuda_against_reference(case, deterministic, rng, seed):
           [as_numpy(x.grad) for x in (q, k, v)], **kw)
 
 
-@needs_cuda
+@requires_cuda
 @pytest.mark.gpu
 def test_cuda_varlen_against_reference(rng, seed):
     lens_q, lens_k = [130, 0, 300, 17], [200, 40, 260, 300]
@@ -694,7 +682,7 @@ def test_cuda_varlen_against_reference(rng, seed):
           cu_seqlens_k=cu_k)
 
 
-@needs_cuda
+@requires_cuda
 @pytest.mark.gpu
 def test_cuda_all_on_mask_is_dense_attention_and_off_blocks_are_never_read(rng):
     b, s, h, d, block = 1, 640, 4, 128, 128
@@ -727,7 +715,7 @@ def test_cuda_all_on_mask_is_dense_attention_and_off_blocks_are_never_read(rng):
                                torch.cat([want[:, :2 * block], want[:, 3 * block:]], 1))
 
 
-@needs_cuda
+@requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("bq,bk,name", [(64, 128, "block_m"), (128, 192, "block_n")])
 def test_cuda_blocks_finer_than_tiles_are_refused_by_name(bq, bk, name):

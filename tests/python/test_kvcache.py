@@ -13,6 +13,7 @@ import pytest
 
 import attention_ref as ref
 import flare
+from cuda_skip import requires_cuda
 
 
 def rotate(x, cos, sin, positions, interleaved):
@@ -196,19 +197,6 @@ def test_rejections_name_the_argument_and_leave_the_cache(rng):
 # rule above against the float64 reference. Skipped without torch, a CUDA device, or a flare
 # build with CUDA kernels.
 
-def _cuda_missing():
-    try:
-        import torch
-    except ImportError:
-        return "needs torch"
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    if not flare.cuda_built():
-        return "this flare build has no CUDA kernels"
-    return None
-
-
-requires_cuda = pytest.mark.skipif(_cuda_missing() is not None, reason=str(_cuda_missing()))
 
 
 def _call_on(device, case, *, rotary, causal=True, num_splits=0, **kw):
