@@ -89,6 +89,11 @@ def result_path(out_dir, prefix, result, name):
     return os.path.join(out_dir, f"{prefix}-{card}-{date}{suffix}.json")
 
 
+# The "method" of results timed with queued_times_ms, before what each bench adds.
+QUEUED_METHOD = ("median GPU time of `iters` calls queued behind a spin kernel, CUDA events "
+                 "between calls")
+
+
 def result_header(torch, flare, method):
     """The fields a GPU result file opens with: card, date (UTC), commit, software, method."""
     import datetime

@@ -1,4 +1,4 @@
-"""block_sparse_bench.py — block-sparse attention on one GPU: time against the density of the mask.
+"""block_sparse_bench.py — block-sparse attention on one GPU: time against the mask's density.
 
 Each cell is one (s, pass, causal) at bf16, b 1, d 128, 16 query heads (and a GQA 32/8 cell),
 with random 128×128 block masks at densities 100 % (every block on: the dense kernels' work),
@@ -15,7 +15,7 @@ beside the all-on mask to show what the mask's reads cost.
 import argparse
 import json
 
-from bench_common import import_torch_and_flare, queued_times_ms, result_header
+from bench_common import QUEUED_METHOD, import_torch_and_flare, queued_times_ms, result_header
 
 DENSITIES = [1.0, 0.5, 0.25, 0.1, 0.05]
 BLOCK = 128
@@ -113,8 +113,7 @@ def main():
         rows += measure(torch, flare, s, h, h_kv, causal, args.iters, spin)
     sparse = [r for r in rows if r["ratio_to_ideal"] is not None and r["density"] < 0.99]
     result = {
-        **result_header(torch, flare, "median GPU time of `iters` calls queued behind a spin "
-                        "kernel, CUDA events between calls; ratio_to_ideal = time / (density x "
+        **result_header(torch, flare, QUEUED_METHOD + "; ratio_to_ideal = time / (density x "
                         "time with every block on)"),
         "worst_ratio_to_ideal": max((r["ratio_to_ideal"] for r in sparse), default=None),
         "rows": rows,

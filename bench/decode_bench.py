@@ -13,7 +13,7 @@ import argparse
 import json
 import math
 
-from bench_common import import_torch_and_flare, queued_times_ms, result_header
+from bench_common import QUEUED_METHOD, import_torch_and_flare, queued_times_ms, result_header
 
 # (batch, s_cache): from one long sequence to many short ones; the cache stays under ~9 GiB.
 CELLS = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 8192), (32, 4096), (64, 2048),
@@ -119,9 +119,8 @@ def main():
             if peer:
                 ratios.append(peer[0]["ms"] / r["ms"])
     result = {
-        **result_header(torch, flare, "median GPU time of `iters` calls queued behind a spin "
-                        "kernel, CUDA events between calls; kv_gbps = K and V bytes of the cache "
-                        "/ time"),
+        **result_header(torch, flare,
+                        QUEUED_METHOD + "; kv_gbps = K and V bytes of the cache / time"),
         "peak_tbps": args.peak_tbps,
         "speedup_vs_torch_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios))
         if ratios else None,
