@@ -105,7 +105,7 @@ run_ctest() {  # label
 
 # compute-sanitizer on a small subset: memcheck (out-of-bounds, misaligned accesses) and racecheck
 # (shared-memory hazards) over ragged shapes that exercise every boundary path of both kernels,
-# sm80 and sm90.
+# sm80 and sm90, and their block-mask walks.
 sanitize() {  # tool binary filter
   if timeout 150 compute-sanitizer --tool "$1" --error-exitcode 9 "$build/tests/$2" --gtest_filter="$3" \
        > "$out/sanitizer_$1_$2.log" 2>&1; then
@@ -123,6 +123,7 @@ elif command -v compute-sanitizer >/dev/null; then
     sanitize "$tool" test_gpu_forward '*SmallestHeadDimRaggedLengths/bf16_d64:*SmallestHeadDimRaggedLengths/bf16_d256:*VarlenWithEmptySequences/bf16:GpuForwardSm90.RaggedShapesSmall'
     sanitize "$tool" test_gpu_backward 'GpuBackward.SeqlenMismatchAndFullyMaskedRows:GpuBackward.VarlenWithEmptySequences:GpuBackward.Sm90RaggedShapesSmall'
     sanitize "$tool" test_gpu_nonfinite '*GpuNonfiniteExamples*:Masks/GpuNonfiniteSm90.AllInjections/Causal_bf16_d128'
+    sanitize "$tool" test_gpu_block_sparse 'GpuBlockSparse.SmallRaggedShapes:*GpuBlockSparseUnseen.NanAndInfInOffBlocksNeverArrive/d128_s640'
   done
 else
   log "compute-sanitizer not found: sanitizer checks skipped"
