@@ -22,22 +22,19 @@ struct Bwd90Tile {
   int head_dim;  // bucket
   int block_m;
   int block_n;
-  int stages;         // Q/dO buffers
-  bool block_sparse;  // takes block masks (the producer's walk, bwd_kernel.cuh)
+  int stages;  // Q/dO buffers
 };
 
-// d 64 does not take block masks: with the walk's code in it the dense d 64 backward ran 4-8%
-// slower on an H100 (A/B in one call), so block-sparse d 64 runs the sm80 kernel.
 inline constexpr Bwd90Tile kBwd90Tiles[] = {
-    {64, 128, 128, 2, false},
-    {128, 64, 128, 2, true},
-    {256, 64, 64, 2, true},
+    {64, 128, 128, 2},
+    {128, 64, 128, 2},
+    {256, 64, 64, 2},
 };
 
 constexpr Bwd90Tile bwd90_tile(int bucket) {
   for (const Bwd90Tile& t : kBwd90Tiles)
     if (t.head_dim == bucket) return t;
-  return {0, 0, 0, 0, false};
+  return {0, 0, 0, 0};
 }
 
 // The sm90 backward bucket of a head_dim: the sm80 backward's bucket where sm90 has one of the
@@ -52,17 +49,16 @@ constexpr int bwd90_bucket(int head_dim) {
 }
 
 // Whether the sm90 backward main kernel takes a problem (before asking the device): fixed-length
-// batches with any causal or sliding-window mask, GQA/MQA, seqlen_q != seqlen_k; not dropout,
-// softcap, ALiBi, packed variable-length batches or the deterministic mode (its dQ slices). TMA
-// needs 16-byte aligned q, k, v, dout and strides in whole 16-byte units; dK and dV are written in
-// 16-byte chunks.
+// batches with any causal or sliding-window mask or block mask, GQA/MQA, seqlen_q != seqlen_k;
+// not dropout, softcap, ALiBi, packed variable-length batches or the deterministic mode (its dQ
+// slices). TMA needs 16-byte aligned q, k, v, dout and strides in whole 16-byte units; dK and dV
+// are written in 16-byte chunks.
 inline bool backward_supported(const AttentionParams& p) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
   if (bwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
   if (p.is_varlen() || p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr ||
       p.deterministic)
     return false;
-  if (p.block_mask != nullptr && !bwd90_tile(bwd90_bucket(p.head_dim)).block_sparse) return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   if (int64_t{p.heads_q} * p.total_q >= (int64_t{1} << 31)) return false;  // TMA row coordinates
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.dout) ||
