@@ -10,66 +10,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/block_sparse_backends.h"
 #include "flare/block_sparse.h"
+#include "problem_cases.h"
 #include "test_util.h"
 
 namespace flare::test {
 namespace {
 
-using OnFn = std::function<bool(int b, int h, int r, int c)>;
-
-int64_t blocks(int64_t len, int block) { return (len + block - 1) / block; }
-
-// Longest sequences of a spec: the mask's extent in rows and keys.
-int max_len_q(const ProblemSpec& s) {
-  int m = s.seqlen_q;
-  for (int x : s.varlen_q) m = std::max(m, x);
-  return s.varlen_q.empty() ? s.seqlen_q : m;
-}
-int max_len_k(const ProblemSpec& s) {
-  int m = s.seqlen_k;
-  for (int x : s.varlen_k) m = std::max(m, x);
-  return s.varlen_k.empty() ? s.seqlen_k : m;
-}
-int batch_of(const ProblemSpec& s) {
-  return s.varlen_q.empty() ? s.batch : static_cast<int>(s.varlen_q.size());
-}
-
-// A (mb, mh, rows, cols) mask of `dtype` with entries from `on`.
-HostTensor make_mask(int64_t mb, int64_t mh, int64_t rows, int64_t cols, DType dtype,
-                     const OnFn& on) {
-  HostTensor t = HostTensor::make(dtype, {mb, mh, rows, cols});
-  for (int64_t b = 0; b < mb; ++b)
-    for (int64_t h = 0; h < mh; ++h)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-          const int64_t at = ((b * mh + h) * rows + r) * cols + c;
-          const bool v = on(static_cast<int>(b), static_cast<int>(h), static_cast<int>(r),
-                            static_cast<int>(c));
-          if (dtype == DType::kInt32) {
-            reinterpret_cast<int32_t*>(t.bytes.data())[at] = v ? 7 : 0;  // any nonzero is on
-          } else {
-            t.bytes[static_cast<size_t>(at)] = v ? 1 : 0;
-          }
-        }
-  return t;
-}
-
-// Random on/off blocks with probability `density`.
-OnFn random_blocks(double density, uint64_t seed) {
-  auto rng = std::make_shared<std::mt19937_64>(seed);
-  return [rng, density](int, int, int, int) {
-    return std::uniform_real_distribution<double>(0.0, 1.0)(*rng) < density;
-  };
-}
+using namespace cases;  // fixed, fill_mask, random_mask, block_sparse_forward, ...
 
 // Runs forward and backward through the public API and checks all outputs against the
 // references of the same (masked) problem.
@@ -77,8 +31,7 @@ void check_case(const ProblemSpec& spec, const HostTensor& mask, int bm, int bn)
   SCOPED_TRACE(spec.describe() + " block " + std::to_string(bm) + "x" + std::to_string(bn));
   Problem pr = make_problem(spec);
   const BlockMask m{mask.view, bm, bn};
-  Status s = block_sparse_attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                            pr.lse.view, m, pr.options, pr.varlen);
+  Status s = block_sparse_forward(pr, m);
   ASSERT_TRUE(s.ok()) << s.to_string();
   AttentionParams fp;
   s = make_block_sparse_forward_params(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view, m,
@@ -86,9 +39,7 @@ void check_case(const ProblemSpec& spec, const HostTensor& mask, int bm, int bn)
   ASSERT_TRUE(s.ok()) << s.to_string();
   expect_forward_matches(pr, cpu::reference_forward(fp, cpu::RefPrecision::kFloat64),
                          cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision));
-  s = block_sparse_attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                      pr.lse.view, pr.dq.view, pr.dk.view, pr.dv.view, m,
-                                      pr.options, pr.varlen);
+  s = block_sparse_backward(pr, m);
   ASSERT_TRUE(s.ok()) << s.to_string();
   AttentionParams bp;
   s = make_block_sparse_backward_params(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view,
@@ -102,22 +53,8 @@ void check_case(const ProblemSpec& spec, const HostTensor& mask, int bm, int bn)
 // A per-(batch, head) random mask of the spec's shape at `density`.
 void check_random(ProblemSpec spec, int bm, int bn, double density, DType mask_dtype = DType::kUInt8) {
   spec.seed ^= test_seed();
-  const HostTensor mask = make_mask(batch_of(spec), spec.heads_q, blocks(max_len_q(spec), bm),
-                                    blocks(max_len_k(spec), bn), mask_dtype,
-                                    random_blocks(density, spec.seed * 31 + 7));
+  const HostTensor mask = random_mask(spec, bm, bn, density, spec.seed * 31 + 7, mask_dtype);
   check_case(spec, mask, bm, bn);
-}
-
-ProblemSpec fixed(int b, int sq, int sk, int hq, int hkv, int d, DType dtype = DType::kFloat32) {
-  ProblemSpec s;
-  s.batch = b;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.heads_q = hq;
-  s.heads_kv = hkv;
-  s.head_dim = d;
-  s.dtype = dtype;
-  return s;
 }
 
 // ---- against the reference ----------------------------------------------------------------------
@@ -161,16 +98,14 @@ TEST(CpuBlockSparse, BroadcastAndStridedMasks) {
   const std::vector<std::pair<int, int>> shapes = {{1, 1}, {2, 1}, {1, 4}, {2, 4}};
   for (const auto& [mb, mh] : shapes) {
     SCOPED_TRACE("mask (" + std::to_string(mb) + ", " + std::to_string(mh) + ", ...)");
-    const HostTensor mask = make_mask(mb, mh, rows, cols, DType::kUInt8, random_blocks(0.5, rng()));
+    const HostTensor mask =
+        fill_mask(mb, mh, rows, cols, DType::kUInt8, false, random_blocks(0.5, rng()));
     check_case(spec, mask, bm, bn);
   }
-  // A strided view: every other column of a wider buffer, columns of the first half on.
-  HostTensor wide = make_mask(2, 4, rows, 2 * cols, DType::kUInt8,
-                              [](int, int h, int r, int c) { return c % 2 == 0 && (c / 2 + r + h) % 3 != 0; });
-  HostTensor strided = wide;
-  strided.view.data = strided.bytes.data();
-  strided.view.shape[3] = cols;
-  strided.view.stride[3] = 2;
+  // A strided view: the even columns of a buffer twice as wide (its odd columns the opposite).
+  const HostTensor strided =
+      fill_mask(2, 4, rows, cols, DType::kUInt8, true,
+                [](int, int h, int r, int c) { return (c + r + h) % 3 != 0; });
   check_case(spec, strided, bm, bn);
 }
 
@@ -205,18 +140,13 @@ TEST(CpuBlockSparse, RowsThatSeeNoKeyGetZeroOutputAndMinusInfLse) {
   ProblemSpec spec = fixed(1, 40, 40, 2, 2, 16);
   spec.seed ^= test_seed();
   // Row block 1 (rows 10..19) of head 0 is off everywhere; head 1 sees all.
-  const HostTensor mask = make_mask(1, 2, 4, 4, DType::kUInt8,
+  const HostTensor mask = fill_mask(1, 2, 4, 4, DType::kUInt8, false,
                                     [](int, int h, int r, int) { return h == 1 || r != 1; });
   check_case(spec, mask, 10, 10);
   Problem pr = make_problem(spec);
   const BlockMask m{mask.view, 10, 10};
-  ASSERT_TRUE(block_sparse_attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                             pr.lse.view, m)
-                  .ok());
-  ASSERT_TRUE(block_sparse_attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view,
-                                              pr.o.view, pr.lse.view, pr.dq.view, pr.dk.view,
-                                              pr.dv.view, m)
-                  .ok());
+  ASSERT_TRUE(block_sparse_forward(pr, m).ok());
+  ASSERT_TRUE(block_sparse_backward(pr, m).ok());
   for (int i = 10; i < 20; ++i) {
     EXPECT_EQ(pr.lse.get({0, 0, i}), -std::numeric_limits<float>::infinity()) << "row " << i;
     EXPECT_TRUE(std::isfinite(pr.lse.get({0, 1, i}))) << "row " << i;
@@ -234,7 +164,7 @@ TEST(CpuBlockSparse, NanInAMaskedBlockNeverReachesAnOutput) {
   spec.seed ^= test_seed();
   // Key block 2 (keys 32..47) is off for every row and head.
   const HostTensor mask =
-      make_mask(1, 1, 4, 4, DType::kUInt8, [](int, int, int, int c) { return c != 2; });
+      fill_mask(1, 1, 4, 4, DType::kUInt8, false, [](int, int, int, int c) { return c != 2; });
   Problem pr = make_problem(spec);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int j = 32; j < 48; ++j)
@@ -243,13 +173,8 @@ TEST(CpuBlockSparse, NanInAMaskedBlockNeverReachesAnOutput) {
       pr.v.set({0, j, 0, c}, nan);
     }
   const BlockMask m{mask.view, 16, 16};
-  ASSERT_TRUE(block_sparse_attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                             pr.lse.view, m)
-                  .ok());
-  ASSERT_TRUE(block_sparse_attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view,
-                                              pr.o.view, pr.lse.view, pr.dq.view, pr.dk.view,
-                                              pr.dv.view, m)
-                  .ok());
+  ASSERT_TRUE(block_sparse_forward(pr, m).ok());
+  ASSERT_TRUE(block_sparse_backward(pr, m).ok());
   for (double x : pr.read_o()) ASSERT_TRUE(std::isfinite(x));
   for (double x : pr.read_lse()) ASSERT_TRUE(std::isfinite(x));
   for (double x : pr.read_dq()) ASSERT_TRUE(std::isfinite(x));
@@ -277,27 +202,22 @@ TEST(CpuBlockSparse, TilesComputedEqualBlocksOn) {
   ProblemSpec spec = fixed(2, 100, 90, 4, 2, 16);
   spec.seed ^= test_seed();
   const int bm = 16, bn = 32;
-  const int64_t rows = blocks(100, bm), cols = blocks(90, bn);
+  const int64_t rows = ceil_div(100, bm), cols = ceil_div(90, bn);
   const HostTensor mask =
-      make_mask(2, 4, rows, cols, DType::kUInt8, random_blocks(0.3, spec.seed + 1));
+      fill_mask(2, 4, rows, cols, DType::kUInt8, false, random_blocks(0.3, spec.seed + 1));
   int64_t on = 0;
   for (int64_t i = 0; i < mask.view.numel(); ++i) on += mask.bytes[static_cast<size_t>(i)] != 0;
   Problem pr = make_problem(spec);
   const BlockMask m{mask.view, bm, bn};
   const int64_t before = cpu::block_sparse_tiles_run.load();
-  ASSERT_TRUE(block_sparse_attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                             pr.lse.view, m)
-                  .ok());
+  ASSERT_TRUE(block_sparse_forward(pr, m).ok());
   const int64_t forward = cpu::block_sparse_tiles_run.load() - before;
   EXPECT_EQ(forward, on);
-  ASSERT_TRUE(block_sparse_attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view,
-                                              pr.o.view, pr.lse.view, pr.dq.view, pr.dk.view,
-                                              pr.dv.view, m)
-                  .ok());
+  ASSERT_TRUE(block_sparse_backward(pr, m).ok());
   EXPECT_EQ(cpu::block_sparse_tiles_run.load() - before - forward, 2 * on)
       << "the backward visits each block on once for dK/dV and once for dQ";
   // With a causal mask, blocks above the diagonal are skipped too, though on in the mask.
-  const HostTensor all = make_mask(1, 1, rows, cols, DType::kUInt8, [](int, int, int, int) { return true; });
+  const HostTensor all = fill_mask(1, 1, rows, cols, DType::kUInt8, false, every_block);
   AttentionOptions causal;
   causal.causal = true;
   const int64_t before_causal = cpu::block_sparse_tiles_run.load();
@@ -375,24 +295,15 @@ TEST(CpuBlockSparsePatterns, BadArgumentsAreNamedAndLeaveTheOutputAlone) {
 
 // ---- rejected calls ------------------------------------------------------------------------------
 
-bool all_nan(const HostTensor& t) {
-  const int64_t n = static_cast<int64_t>(t.bytes.size() / dtype_size(t.view.dtype));
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isnan(load_as_float(t.bytes.data(), i, t.view.dtype))) return false;
-  return true;
-}
-
 // Forward and backward both reject `m`, with a message containing `needle`, writing nothing.
 void expect_rejected(Problem& pr, const BlockMask& m, const std::string& needle,
                      StatusCode code = StatusCode::kInvalidArgument) {
   SCOPED_TRACE(needle);
-  Status s = block_sparse_attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                            pr.lse.view, m);
+  Status s = block_sparse_forward(pr, m);
   EXPECT_EQ(s.code(), code) << s.to_string();
   EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
   EXPECT_TRUE(all_nan(pr.o) && all_nan(pr.lse)) << "a rejected forward wrote an output";
-  s = block_sparse_attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                      pr.lse.view, pr.dq.view, pr.dk.view, pr.dv.view, m);
+  s = block_sparse_backward(pr, m);
   EXPECT_EQ(s.code(), code) << s.to_string();
   EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
   EXPECT_TRUE(all_nan(pr.dq) && all_nan(pr.dk) && all_nan(pr.dv))
@@ -401,20 +312,21 @@ void expect_rejected(Problem& pr, const BlockMask& m, const std::string& needle,
 
 TEST(CpuBlockSparseValidation, BadMasksAreNamedAndNothingIsWritten) {
   Problem pr = make_problem(fixed(2, 40, 50, 4, 2, 16));
-  const auto ones = [](int, int, int, int) { return true; };
-  const HostTensor good = make_mask(2, 4, 3, 4, DType::kUInt8, ones);  // blocks 16 × 16
+  const HostTensor good =
+      fill_mask(2, 4, 3, 4, DType::kUInt8, false, every_block);  // blocks 16 × 16
   expect_rejected(pr, {TensorView{}, 16, 16}, "mask: tensor is required");
   HostTensor rank3 = HostTensor::make(DType::kUInt8, {4, 3, 4});
   expect_rejected(pr, {rank3.view, 16, 16}, "mask: expected 4 dimensions");
-  const HostTensor fp = make_mask(2, 4, 3, 4, DType::kFloat32, ones);
+  const HostTensor fp = fill_mask(2, 4, 3, 4, DType::kFloat32, false, every_block);
   expect_rejected(pr, {fp.view, 16, 16}, "mask: dtype must be uint8 or int32, got float32");
   expect_rejected(pr, {good.view, 0, 16}, "block_m: must be >= 1, got 0");
   expect_rejected(pr, {good.view, 16, -3}, "block_n: must be >= 1, got -3");
   expect_rejected(pr, {good.view, 8, 16}, "ceil(seqlen_q / block_m) = ceil(40 / 8) = 5");
   expect_rejected(pr, {good.view, 16, 8}, "ceil(seqlen_k / block_n) = ceil(50 / 8) = 7");
-  const HostTensor batch3 = make_mask(3, 4, 3, 4, DType::kUInt8, ones);
+  const HostTensor batch3 = fill_mask(3, 4, 3, 4, DType::kUInt8, false, every_block);
   expect_rejected(pr, {batch3.view, 16, 16}, "batch = 2 or 1");
-  const HostTensor heads2 = make_mask(2, 2, 3, 4, DType::kUInt8, ones);  // h_kv, not h_q
+  const HostTensor heads2 =
+      fill_mask(2, 2, 3, 4, DType::kUInt8, false, every_block);  // h_kv, not h_q
   expect_rejected(pr, {heads2.view, 16, 16}, "heads_q = 4 or 1");
   HostTensor negative = good;
   negative.view.data = negative.bytes.data();
@@ -446,7 +358,7 @@ TEST(CpuBlockSparseValidation, BadMasksAreNamedAndNothingIsWritten) {
 
 TEST(CpuBlockSparseValidation, CudaTensorsNeedWholeTileBlocks) {
   Problem pr = make_problem(fixed(1, 16, 16, 1, 1, 16));
-  HostTensor mask = make_mask(1, 1, 1, 1, DType::kUInt8, [](int, int, int, int) { return true; });
+  HostTensor mask = fill_mask(1, 1, 1, 1, DType::kUInt8, false, every_block);
   // Views that claim the GPU: validation reads no CUDA memory, and 16-row blocks are refused
   // (the CUDA kernels skip whole tiles: multiples of 128) before any backend runs, so host
   // pointers are safe here.

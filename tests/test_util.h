@@ -91,6 +91,15 @@ struct HostTensor {
   }
 };
 
+// Whether every element of `t`, padding included, still holds poison()'s NaN: a call that must
+// be rejected is made on poisoned outputs, and writes none of them.
+inline bool all_nan(const HostTensor& t) {
+  const int64_t n = static_cast<int64_t>(t.bytes.size() / dtype_size(t.view.dtype));
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isnan(load_as_float(t.bytes.data(), i, t.view.dtype))) return false;
+  return true;
+}
+
 // One attention problem: sizes, options and all host tensors.
 struct ProblemSpec {
   int batch = 1;
