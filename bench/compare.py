@@ -157,6 +157,29 @@ def time_pass(torch, fn, q, k, v, dout, causal, pass_, warmup, iters):
     return statistics.median(times), peak
 
 
+def measure(torch, fn, q, k, v, dout, causal, pass_, warmup, iters):
+    """The timed fields of one row (ms, tflops, peak_mem_bytes) and the tail of its printed line;
+    where the implementation cannot run the case, those fields are null and "error" says why."""
+    b, s_q, h, d = q.shape
+    s_k = k.shape[1]
+    message = None
+    try:
+        ms, peak = time_pass(torch, fn, q, k, v, dout, causal, pass_, warmup, iters)
+    except (RuntimeError, NotImplementedError) as e:
+        # SDPA raises RuntimeError when a backend refuses a case; OOM is
+        # torch.cuda.OutOfMemoryError, also a RuntimeError.
+        message = str(e).strip().splitlines()[0][:300] if str(e) else repr(e)
+    if message is None:
+        tflops = round(flops(b, s_q, s_k, h, d, causal, pass_) / (ms * 1e-3) / 1e12, 2)
+        return (dict(ms=round(ms, 5), tflops=tflops, peak_mem_bytes=int(peak)),
+                f"{ms:9.3f} ms {tflops:7.1f} TFLOP/s peak {peak / 2**20:9.1f} MiB")
+    # Only here, outside the except block: the exception's traceback holds time_pass's frame and
+    # its tensors until the block ends, so emptying the cache inside it could not return that
+    # memory, and the next case would start with less.
+    torch.cuda.empty_cache()
+    return dict(ms=None, tflops=None, peak_mem_bytes=None, error=message), f"skipped: {message}"
+
+
 def run_benchmark(args):
     torch, flare = import_torch_and_flare("compare.py", args.device)
     device = torch.device("cuda", args.device)
@@ -201,29 +224,9 @@ def run_benchmark(args):
                     for pass_ in args.passes:
                         row = dict(impl=name, **{"pass": pass_}, dtype=args.dtype, b=b, s_q=s,
                                    s_k=s, h=h, h_kv=h_kv, d=d, causal=causal)
-                        message = None
-                        try:
-                            ms, peak = time_pass(torch, fn, q, k, v, dout, causal, pass_,
-                                                 args.warmup, args.iters)
-                        except (RuntimeError, NotImplementedError) as e:
-                            # SDPA raises RuntimeError when a backend refuses a case; OOM is
-                            # torch.cuda.OutOfMemoryError, also a RuntimeError.
-                            message = str(e).strip().splitlines()[0][:300] if str(e) else repr(e)
-                        if message is None:
-                            row.update(ms=round(ms, 5),
-                                       tflops=round(flops(b, s, s, h, d, causal, pass_)
-                                                    / (ms * 1e-3) / 1e12, 2),
-                                       peak_mem_bytes=int(peak))
-                            line = (f"{ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s "
-                                    f"peak {peak / 2**20:9.1f} MiB")
-                        else:
-                            row.update(ms=None, tflops=None, peak_mem_bytes=None, error=message)
-                            line = f"skipped: {message}"
-                            # Only here, outside the except block: the exception's traceback
-                            # holds time_pass's frame and its tensors until the block ends, so
-                            # emptying the cache inside it could not return that memory, and
-                            # the next case would start with less.
-                            torch.cuda.empty_cache()
+                        fields, line = measure(torch, fn, q, k, v, dout, causal, pass_,
+                                               args.warmup, args.iters)
+                        row.update(fields)
                         result["rows"].append(row)
                         print(f"{name:16s} {pass_:6s} b={b:<3d} s={s:<6d} h={h:<3d} "
                               f"h_kv={h_kv:<3d} d={d:<4d} causal={int(causal)}  {line}",
