@@ -1,6 +1,6 @@
 // test_c_api_util.h — what the tests of the extern "C" API share (test_cpu_c_api*.cpp): C views of
-// C++ tensors, options and varlen arguments, and the sentinel byte that shows whether a
-// rejected call wrote an output.
+// C++ tensors, options and varlen arguments, a test problem's call as C structs, and the sentinel
+// byte that shows whether a rejected call wrote an output.
 #pragma once
 
 #include <algorithm>
@@ -53,6 +53,39 @@ inline flare_varlen to_c(const VarlenArgs& v) {
   c.max_seqlen_k = v.max_seqlen_k;
   return c;
 }
+
+// Every argument of a C attention call, held as C structs so a test can break any one of them.
+struct CCall {
+  flare_tensor q, k, v, o, lse, dout, dq, dk, dv;
+  flare_attention_options options;
+  flare_varlen varlen;
+  bool is_varlen;
+
+  explicit CCall(const Problem& pr)
+      : q(to_c(pr.q.view)),
+        k(to_c(pr.k.view)),
+        v(to_c(pr.v.view)),
+        o(to_c(pr.o.view)),
+        lse(to_c(pr.lse.view)),
+        dout(to_c(pr.dout.view)),
+        dq(to_c(pr.dq.view)),
+        dk(to_c(pr.dk.view)),
+        dv(to_c(pr.dv.view)),
+        options(to_c(pr.options)),
+        varlen(to_c(pr.varlen)),
+        is_varlen(pr.is_varlen()) {}
+
+  // The varlen argument as the C API takes it: null for a fixed-length call.
+  const flare_varlen* varlen_arg() const { return is_varlen ? &varlen : nullptr; }
+
+  int forward() const {
+    return flare_attention_forward(&q, &k, &v, &o, &lse, &options, varlen_arg(), nullptr);
+  }
+  int backward() const {
+    return flare_attention_backward(&dout, &q, &k, &v, &o, &lse, &dq, &dk, &dv, &options,
+                                    varlen_arg(), nullptr);
+  }
+};
 
 // Outputs are filled with this byte before a call that must be rejected, and checked after.
 constexpr unsigned char kSentinel = 0xA5;

@@ -42,37 +42,6 @@ static_assert(FLARE_BACKEND_REFERENCE == static_cast<int>(Backend::kReference));
 static_assert(FLARE_BACKEND_FLASH == static_cast<int>(Backend::kFlash));
 static_assert(kMaxDims == 4, "flare_tensor holds 4 dimensions");
 
-// Every argument of a C call, held as C structs so a test can break any one of them.
-struct CCall {
-  flare_tensor q, k, v, o, lse, dout, dq, dk, dv;
-  flare_attention_options options;
-  flare_varlen varlen;
-  bool is_varlen;
-
-  explicit CCall(const Problem& pr)
-      : q(to_c(pr.q.view)),
-        k(to_c(pr.k.view)),
-        v(to_c(pr.v.view)),
-        o(to_c(pr.o.view)),
-        lse(to_c(pr.lse.view)),
-        dout(to_c(pr.dout.view)),
-        dq(to_c(pr.dq.view)),
-        dk(to_c(pr.dk.view)),
-        dv(to_c(pr.dv.view)),
-        options(to_c(pr.options)),
-        varlen(to_c(pr.varlen)),
-        is_varlen(pr.is_varlen()) {}
-
-  int forward() const {
-    return flare_attention_forward(&q, &k, &v, &o, &lse, &options, is_varlen ? &varlen : nullptr,
-                                   nullptr);
-  }
-  int backward() const {
-    return flare_attention_backward(&dout, &q, &k, &v, &o, &lse, &dq, &dk, &dv, &options,
-                                    is_varlen ? &varlen : nullptr, nullptr);
-  }
-};
-
 std::vector<const HostTensor*> outputs(const Problem& pr) {
   return {&pr.o, &pr.lse, &pr.dq, &pr.dk, &pr.dv};
 }

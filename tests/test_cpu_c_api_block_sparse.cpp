@@ -6,16 +6,15 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <algorithm>
 #include <functional>
 #include <limits>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "flare/block_sparse.h"
 #include "flare/c_api.h"
+#include "problem_cases.h"
 #include "test_c_api_util.h"
 #include "test_util.h"
 
@@ -28,83 +27,30 @@ extern "C" int flare_c_block_sparse(void* q, void* k, void* v, void* o, void* ls
 namespace flare::test {
 namespace {
 
+using namespace cases;  // fixed, with_seed, fill_mask, random_mask, block_sparse_forward, ...
+
 static_assert(FLARE_UINT8 == static_cast<int>(DType::kUInt8));
 
 flare_block_mask c_mask(const BlockMask& m) { return {to_c(m.mask), m.block_m, m.block_n}; }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// A (mb, mh, rows, cols) mask of `dtype` with random blocks on at `density` (int32 entries are
-// any nonzero value when on).
-HostTensor random_mask(int64_t mb, int64_t mh, int64_t rows, int64_t cols, DType dtype,
-                       double density, uint64_t seed) {
-  HostTensor t = HostTensor::make(dtype, {mb, mh, rows, cols});
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  for (int64_t i = 0; i < t.view.numel(); ++i) {
-    const bool on = u(rng) < density;
-    if (dtype == DType::kInt32) {
-      reinterpret_cast<int32_t*>(t.bytes.data())[i] = on ? -3 : 0;
-    } else {
-      t.bytes[static_cast<size_t>(i)] = on ? 1 : 0;
-    }
-  }
-  return t;
-}
-
-// The spec's full (batch, heads_q, row blocks, column blocks) mask at bm × bn.
+// The spec's full random mask, drawn from its seed.
 HostTensor mask_for(const ProblemSpec& spec, int bm, int bn, DType dtype, double density) {
-  int64_t b = spec.batch, sq = spec.seqlen_q, sk = spec.seqlen_k;
-  if (!spec.varlen_q.empty()) {
-    b = static_cast<int64_t>(spec.varlen_q.size());
-    sq = *std::max_element(spec.varlen_q.begin(), spec.varlen_q.end());
-    sk = *std::max_element(spec.varlen_k.begin(), spec.varlen_k.end());
-  }
-  return random_mask(b, spec.heads_q, ceil_div(sq, bm), ceil_div(sk, bn), dtype, density,
-                     spec.seed + 17);
+  return random_mask(spec, bm, bn, density, spec.seed + 17, dtype);
 }
 
-Status cpp_forward(Problem& pr, const BlockMask& m) {
-  return block_sparse_attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view,
-                                        m, pr.options, pr.varlen);
-}
-Status cpp_backward(Problem& pr, const BlockMask& m) {
-  return block_sparse_attention_backward(pr.dout.view, pr.q.view, pr.k.view, pr.v.view,
-                                         pr.o.view, pr.lse.view, pr.dq.view, pr.dk.view,
-                                         pr.dv.view, m, pr.options, pr.varlen);
-}
-
-// Every argument of a C call, held as C structs so a test can break any one of them.
-struct CCall {
-  flare_tensor q, k, v, o, lse, dout, dq, dk, dv;
+// A C call of block-sparse attention: the dense call's arguments (test_c_api_util.h) and a mask.
+struct CSparseCall : CCall {
   flare_block_mask mask;
-  flare_attention_options options;
-  flare_varlen varlen;
-  bool is_varlen;
 
-  CCall(const Problem& pr, const BlockMask& m)
-      : q(to_c(pr.q.view)),
-        k(to_c(pr.k.view)),
-        v(to_c(pr.v.view)),
-        o(to_c(pr.o.view)),
-        lse(to_c(pr.lse.view)),
-        dout(to_c(pr.dout.view)),
-        dq(to_c(pr.dq.view)),
-        dk(to_c(pr.dk.view)),
-        dv(to_c(pr.dv.view)),
-        mask(c_mask(m)),
-        options(to_c(pr.options)),
-        varlen(to_c(pr.varlen)),
-        is_varlen(pr.is_varlen()) {}
+  CSparseCall(const Problem& pr, const BlockMask& m) : CCall(pr), mask(c_mask(m)) {}
 
   int forward(const flare_block_mask* m) const {
-    return flare_block_sparse_attention_forward(&q, &k, &v, &o, &lse, m, &options,
-                                                is_varlen ? &varlen : nullptr, nullptr);
+    return flare_block_sparse_attention_forward(&q, &k, &v, &o, &lse, m, &options, varlen_arg(),
+                                                nullptr);
   }
   int backward(const flare_block_mask* m) const {
     return flare_block_sparse_attention_backward(&dout, &q, &k, &v, &o, &lse, &dq, &dk, &dv, m,
-                                                 &options, is_varlen ? &varlen : nullptr,
-                                                 nullptr);
+                                                 &options, varlen_arg(), nullptr);
   }
   int forward() const { return forward(&mask); }
   int backward() const { return backward(&mask); }
@@ -115,11 +61,11 @@ void expect_c_equals_cpp(const ProblemSpec& spec, const TensorView& mask, int bm
   SCOPED_TRACE(spec.describe() + " block " + std::to_string(bm) + "x" + std::to_string(bn));
   Problem via_cpp = make_problem(spec), via_c = make_problem(spec);
   const BlockMask m{mask, bm, bn};
-  Status s = cpp_forward(via_cpp, m);
+  Status s = block_sparse_forward(via_cpp, m);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  s = cpp_backward(via_cpp, m);
+  s = block_sparse_backward(via_cpp, m);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  const CCall c(via_c, m);
+  const CSparseCall c(via_c, m);
   ASSERT_EQ(c.forward(), FLARE_OK) << flare_last_error();
   ASSERT_EQ(c.backward(), FLARE_OK) << flare_last_error();
   EXPECT_EQ(via_c.o.bytes, via_cpp.o.bytes);
@@ -136,19 +82,6 @@ void expect_c_equals_cpp(const ProblemSpec& spec, int bm, int bn, DType mask_dty
   expect_c_equals_cpp(spec, mask.view, bm, bn);
 }
 
-ProblemSpec fixed(int b, int sq, int sk, int hq, int hkv, int d, DType dtype = DType::kFloat32) {
-  ProblemSpec s;
-  s.batch = b;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.heads_q = hq;
-  s.heads_kv = hkv;
-  s.head_dim = d;
-  s.dtype = dtype;
-  s.seed = test_seed();
-  return s;
-}
-
 // ---- the same bytes as the C++ API ------------------------------------------------------------
 
 TEST(CApiBlockSparse, FromCEqualsCpp) {
@@ -156,14 +89,14 @@ TEST(CApiBlockSparse, FromCEqualsCpp) {
   constexpr int64_t b = 2, sq = 37, sk = 50, hq = 4, hkv = 2, d = 16, bm = 8, bn = 16;
   const int64_t q_shape[4] = {b, sq, hq, d}, k_shape[4] = {b, sk, hkv, d};
   const int64_t mask_shape[4] = {b, hq, ceil_div(sq, bm), ceil_div(sk, bn)};
-  ProblemSpec spec = fixed(b, sq, sk, hq, hkv, d);
+  ProblemSpec spec = with_seed(fixed(b, sq, sk, hq, hkv, d), test_seed());
   spec.options.causal = true;
   Problem via_cpp = make_problem(spec), via_c = make_problem(spec);
-  HostTensor mask = random_mask(mask_shape[0], mask_shape[1], mask_shape[2], mask_shape[3],
-                                DType::kUInt8, 0.5, spec.seed + 1);
+  HostTensor mask = fill_mask(mask_shape[0], mask_shape[1], mask_shape[2], mask_shape[3],
+                              DType::kUInt8, false, random_blocks(0.5, spec.seed + 1));
   const BlockMask m{mask.view, bm, bn};
-  ASSERT_TRUE(cpp_forward(via_cpp, m).ok());
-  ASSERT_TRUE(cpp_backward(via_cpp, m).ok());
+  ASSERT_TRUE(block_sparse_forward(via_cpp, m).ok());
+  ASSERT_TRUE(block_sparse_backward(via_cpp, m).ok());
   ASSERT_EQ(flare_c_block_sparse(via_c.q.view.data, via_c.k.view.data, via_c.v.view.data,
                                  via_c.o.view.data, via_c.lse.view.data, via_c.dout.view.data,
                                  via_c.dq.view.data, via_c.dk.view.data, via_c.dv.view.data,
@@ -180,10 +113,11 @@ TEST(CApiBlockSparse, FromCEqualsCpp) {
 TEST(CApiBlockSparse, EveryOptionAndBackendGivesTheCppBytes) {
   for (Backend backend : {Backend::kAuto, Backend::kReference}) {
     SCOPED_TRACE(backend == Backend::kAuto ? "auto" : "reference");
-    ProblemSpec plain = fixed(2, 97, 130, 4, 4, 40);
+    ProblemSpec plain = with_seed(fixed(2, 97, 130, 4, 4, 40), test_seed());
     plain.options.backend = backend;
     expect_c_equals_cpp(plain, 16, 32, DType::kUInt8, 0.5);
-    ProblemSpec mods = fixed(1, 80, 64, 8, 2, 24, DType::kBFloat16);  // GQA 4:1
+    ProblemSpec mods =
+        with_seed(fixed(1, 80, 64, 8, 2, 24, DType::kBFloat16), test_seed());  // GQA 4:1
     mods.options.backend = backend;
     mods.options.causal = true;
     mods.options.softcap = 5.0f;
@@ -193,7 +127,7 @@ TEST(CApiBlockSparse, EveryOptionAndBackendGivesTheCppBytes) {
     mods.options.dropout_seed = 99;
     mods.options.dropout_offset = 5;
     expect_c_equals_cpp(mods, 16, 16, DType::kInt32, 0.6);
-    ProblemSpec window = fixed(1, 70, 70, 2, 1, 32, DType::kFloat16);
+    ProblemSpec window = with_seed(fixed(1, 70, 70, 2, 1, 32, DType::kFloat16), test_seed());
     window.options.backend = backend;
     window.options.window_left = 20;
     window.options.window_right = 3;
@@ -203,12 +137,11 @@ TEST(CApiBlockSparse, EveryOptionAndBackendGivesTheCppBytes) {
 }
 
 TEST(CApiBlockSparse, VarlenBroadcastAndStridedMasks) {
-  ProblemSpec varlen = fixed(1, 0, 0, 4, 2, 16);
-  varlen.varlen_q = {37, 0, 64, 5};
-  varlen.varlen_k = {50, 12, 33, 0};
-  expect_c_equals_cpp(varlen, 16, 8, DType::kUInt8, 0.5);
+  const ProblemSpec packed =
+      with_seed(varlen({37, 0, 64, 5}, {50, 12, 33, 0}, 4, 2, 16), test_seed());
+  expect_c_equals_cpp(packed, 16, 8, DType::kUInt8, 0.5);
   // Shared over batch and heads: the (1, 1, rows, cols) corner of a full mask.
-  const ProblemSpec spec = fixed(2, 64, 96, 4, 2, 32);
+  const ProblemSpec spec = with_seed(fixed(2, 64, 96, 4, 2, 32), test_seed());
   HostTensor full = mask_for(spec, 16, 16, DType::kUInt8, 0.5);
   TensorView shared = full.view;
   shared.shape[0] = shared.shape[1] = 1;
@@ -229,7 +162,8 @@ struct Rejection {
 };
 
 // Forward and backward both reject, naming `r.needle`, with every output left as it was.
-void expect_rejected(Problem& pr, const CCall& c, const flare_block_mask* m, const Rejection& r) {
+void expect_rejected(Problem& pr, const CSparseCall& c, const flare_block_mask* m,
+                     const Rejection& r) {
   SCOPED_TRACE(r.needle);
   for (HostTensor* out : {&pr.o, &pr.lse, &pr.dq, &pr.dk, &pr.dv}) fill_with_sentinel(out);
   EXPECT_EQ(c.forward(m), r.code) << flare_last_error();
@@ -243,10 +177,11 @@ void expect_rejected(Problem& pr, const CCall& c, const flare_block_mask* m, con
 }
 
 TEST(CApiBlockSparseValidation, EveryRejectionIsNamedAndWritesNothing) {
-  Problem pr = make_problem(fixed(2, 40, 50, 4, 2, 16));
-  HostTensor good = random_mask(2, 4, 3, 4, DType::kUInt8, 0.5, 3);  // blocks 16 × 16
+  Problem pr = make_problem(with_seed(fixed(2, 40, 50, 4, 2, 16), test_seed()));
+  // Blocks 16 × 16.
+  HostTensor good = fill_mask(2, 4, 3, 4, DType::kUInt8, false, random_blocks(0.5, 3));
   const BlockMask m{good.view, 16, 16};
-  const CCall c(pr, m);
+  const CSparseCall c(pr, m);
   const flare_block_mask base = c.mask;
   // The unbroken call runs, so each rejection below is its one change's.
   ASSERT_EQ(c.forward(), FLARE_OK) << flare_last_error();
@@ -284,7 +219,7 @@ TEST(CApiBlockSparseValidation, EveryRejectionIsNamedAndWritesNothing) {
   expect_rejected(pr, c, &bad, {"mask: must be on q's device"});
 
   // The dense arguments keep the dense checks and names, the C ABI's rank check included.
-  CCall dense = c;
+  CSparseCall dense = c;
   dense.lse.shape[2] = 41;
   expect_rejected(pr, dense, &base, {"lse: shape"});
   dense = c;
@@ -297,7 +232,7 @@ TEST(CApiBlockSparseValidation, EveryRejectionIsNamedAndWritesNothing) {
 
   // CUDA tensors with 16-row blocks: refused by name before any backend runs (no device memory
   // is read); the CUDA kernels take multiples of 128.
-  CCall cuda = c;
+  CSparseCall cuda = c;
   for (flare_tensor* t : {&cuda.q, &cuda.k, &cuda.v, &cuda.o, &cuda.lse, &cuda.dout, &cuda.dq,
                           &cuda.dk, &cuda.dv})
     t->device = FLARE_CUDA;
@@ -307,9 +242,9 @@ TEST(CApiBlockSparseValidation, EveryRejectionIsNamedAndWritesNothing) {
 }
 
 TEST(CApiBlockSparseValidation, AMaskInsideAnOutputIsRefused) {
-  Problem pr = make_problem(fixed(1, 16, 16, 1, 1, 16));
-  HostTensor mask = random_mask(1, 1, 1, 1, DType::kUInt8, 1.0, 1);
-  const CCall c(pr, {mask.view, 16, 16});
+  Problem pr = make_problem(with_seed(fixed(1, 16, 16, 1, 1, 16), test_seed()));
+  HostTensor mask = fill_mask(1, 1, 1, 1, DType::kUInt8, false, random_blocks(1.0, 1));
+  const CSparseCall c(pr, {mask.view, 16, 16});
   flare_block_mask in_o = c.mask;
   in_o.mask.data = pr.o.bytes.data();
   EXPECT_EQ(c.forward(&in_o), FLARE_INVALID_ARGUMENT);
