@@ -7,14 +7,17 @@
 // driver round trips whose answers cannot change while the process lives, so each is made once.
 // The caches are process-wide, keyed by device ordinal (and kernel), and thread-safe.
 //
-// cuda_status turns what the runtime returns into a Status, in one shape for all the CUDA
-// attention code: the operation, the call that failed, the runtime's words.
+// cuda_status turns what the runtime returns into a Status, in one shape for all of flare's CUDA
+// code (attention, context parallelism, training): the operation, the call that failed, the
+// runtime's words; launch_status does the same for the kernel launch just issued.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 
@@ -25,12 +28,28 @@ namespace flare::cuda {
 // A CUDA runtime result as a Status: ok for cudaSuccess; cudaErrorMemoryAllocation is
 // out_of_memory (the caller can free memory or make the call smaller and retry), any other error
 // device_error. The message reads "<context>: <what>: <the runtime's description>": `context`
-// names the operation ("backward"), `what` the runtime call or the launch that failed.
-inline Status cuda_status(const char* context, const std::string& what, cudaError_t err) {
+// names the operation ("backward"), `what` the runtime call or the launch that failed. A view, so
+// that a call that succeeds copies no name (the trainer checks several calls per step).
+inline Status cuda_status(const char* context, std::string_view what, cudaError_t err) {
   if (err == cudaSuccess) return {};
-  std::string message = std::string(context) + ": " + what + ": " + cudaGetErrorString(err);
+  std::string message =
+      std::string(context) + ": " + std::string(what) + ": " + cudaGetErrorString(err);
   return err == cudaErrorMemoryAllocation ? Status::out_of_memory(std::move(message))
                                           : Status::device_error(std::move(message));
+}
+
+// The Status of the kernel launch this thread issued last (cudaGetLastError), as cuda_status words
+// it: "<context>: <what> launch: <the runtime's description>". `what` names the kernel, as a
+// string or as a callable returning one; a callable is called only when the launch failed, so a
+// launcher that runs on every call builds no message while its launches succeed.
+template <typename What>
+inline Status launch_status(const char* context, const What& what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return {};
+  if constexpr (std::is_invocable_v<const What&>)
+    return cuda_status(context, std::string(what()) + " launch", err);
+  else
+    return cuda_status(context, std::string(what) + " launch", err);
 }
 
 struct DeviceFacts {

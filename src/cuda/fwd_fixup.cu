@@ -12,8 +12,7 @@
 
 #include <cuda_runtime.h>
 
-#include <string>
-
+#include "cuda/device_probe.h"
 #include "cuda/nonfinite_fixup.cuh"
 
 namespace flare::cuda {
@@ -55,10 +54,7 @@ Status launch_forward_fixup(const AttentionParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta),
                   static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
   forward_fixup_kernel<<<grid, kRowsPerCta, 0, stream>>>(p);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status::device_error(std::string("forward fixup launch: ") + cudaGetErrorString(err));
-  return {};
+  return launch_status("forward", "fixup");
 }
 
 }  // namespace flare::cuda

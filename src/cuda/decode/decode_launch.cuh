@@ -22,7 +22,7 @@ Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch * p.heads_kv), static_cast<unsigned>(p.num_splits),
                   static_cast<unsigned>(row_tiles));
   kernel<<<grid, 128, smem, stream>>>(p);
-  FLARE_RETURN_IF_ERROR(cuda_status(kErrorContext, "attention launch", cudaGetLastError()));
+  FLARE_RETURN_IF_ERROR(launch_status(kErrorContext, "attention"));
   if (p.num_splits > 1) {
     // Programmatic dependent launch: the merge is scheduled while the attention runs and waits
     // for it in the kernel (griddepcontrol.wait), so its launch latency leaves the critical path.
@@ -47,7 +47,7 @@ Status launch(const DecodeParams& p, cudaStream_t stream) {
   using T = Element<kDType>;
   if (p.seqlen_new > 0 && p.batch > 0) {
     append_kernel<T><<<p.batch, 128, 0, stream>>>(p);
-    FLARE_RETURN_IF_ERROR(cuda_status(kErrorContext, "append launch", cudaGetLastError()));
+    FLARE_RETURN_IF_ERROR(launch_status(kErrorContext, "append"));
   }
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return {};
   switch (head_dim_bucket(p.head_dim)) {

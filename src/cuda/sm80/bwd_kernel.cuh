@@ -1030,10 +1030,10 @@ Status launch_backward_stages(const AttentionParams& p, const BwdWorkspace& w, i
   const int ctas = (key_blocks + w.kv_blocks_per_cta - 1) / w.kv_blocks_per_cta;
   const dim3 grid(ctas, p.heads_kv, p.batch);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, w);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status::device_error(std::string("backward: kernel launch: ") + cudaGetErrorString(err));
-  return {};
+  return launch_status("backward", [] {
+    return "kernel (head_dim bucket " + std::to_string(kHeadDim) + ", " + std::to_string(kStages) +
+           " stages)";
+  });
 }
 
 template <DType kDType, int kHeadDim>

@@ -26,11 +26,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <string>
 #include <type_traits>
 
 #include "core/numeric.h"
 #include "core/params.h"
+#include "cuda/device_probe.h"
 #include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/mma.cuh"  // pack2
 #include "cuda/sm80/bwd_launch.h"
@@ -267,14 +267,6 @@ bool rows_vec(const AttentionParams& p, const void* a, int64_t a_strides, const 
          aligned16(a) && aligned16(b) && (a_strides | b_strides) % 8 == 0;
 }
 
-Status launch_check(const char* name) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status::device_error(std::string("backward: ") + name + " launch: " +
-                                cudaGetErrorString(err));
-  return {};
-}
-
 dim3 rows_grid(const AttentionParams& p) {
   return dim3((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, p.heads_q, p.batch);
 }
@@ -284,7 +276,7 @@ Status launch_rows(Kernel kernel, const char* name, const AttentionParams& p,
                    const BwdWorkspace& w, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0) return {};
   kernel<<<rows_grid(p), kWarpsPerCta * 32, 0, stream>>>(p, w, slice_elems(p, w));
-  return launch_check(name);
+  return launch_status("backward", name);
 }
 
 // A vector-path kernel: the fp16 or the bf16 instance, by p.dtype.
@@ -294,7 +286,7 @@ Status launch_vec(Kernel fp16_kernel, Kernel bf16_kernel, const char* name,
   const Kernel kernel = p.dtype == DType::kFloat16 ? fp16_kernel : bf16_kernel;
   kernel<<<rows_grid(p), kWarpsPerCta * 32, 0, stream>>>(p, w, slice_elems(p, w),
                                                      row_lane_bits(p.head_dim));
-  return launch_check(name);
+  return launch_status("backward", name);
 }
 
 }  // namespace
@@ -313,7 +305,7 @@ Status launch_backward_fixup(const AttentionParams& p, const BwdWorkspace& w, in
                              cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0) return {};
   backward_fixup_kernel<<<ctas, kWarpsPerCta * 32, 0, stream>>>(p, w);
-  return launch_check("fixup");
+  return launch_status("backward", "fixup");
 }
 
 Status launch_backward_convert(const AttentionParams& p, const BwdWorkspace& w,
