@@ -52,16 +52,11 @@ template <typename... Params, typename... Args>
 Status launch(void (*kernel)(Params...), const char* what, int bucket, dim3 grid, int threads,
               int smem, cudaStream_t stream, const Args&... args) {
   // The kernel's name for a message, built only on failure (this runs once per call).
-  const auto name = [&] {
-    return std::string("sm90 ") + what + " (head_dim bucket " + std::to_string(bucket) + ")";
-  };
+  const auto name = [&] { return "sm90 kernel (head_dim bucket " + std::to_string(bucket) + ")"; };
   if (const Status s = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem); !s.ok())
-    return Status::device_error(name() + ": " + s.message());
+    return Status::device_error(std::string(what) + ": " + name() + ": " + s.message());
   kernel<<<grid, threads, smem, stream>>>(args...);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status::device_error(name() + " launch: " + cudaGetErrorString(err));
-  return {};
+  return launch_status(what, name);
 }
 
 }  // namespace flare::cuda::sm90
