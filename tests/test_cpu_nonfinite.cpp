@@ -39,10 +39,13 @@
 #include <vector>
 
 #include "cpu/flash_simd.h"
+#include "problem_cases.h"
 #include "test_util.h"
 
 namespace flare::test {
 namespace {
+
+using namespace cases;  // fixed, varlen, causal, window, softcap, alibi, dropout, magnitude
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -54,78 +57,32 @@ struct Config {
   ProblemSpec spec;  // seed set per case
 };
 
-ProblemSpec shape(int batch, int s_q, int s_k, int h_q, int h_kv, int d, DType dtype = DType::kFloat32) {
-  ProblemSpec s;
-  s.batch = batch;
-  s.seqlen_q = s_q;
-  s.seqlen_k = s_k;
-  s.heads_q = h_q;
-  s.heads_kv = h_kv;
-  s.head_dim = d;
-  s.dtype = dtype;
-  return s;
-}
-
-ProblemSpec varlen(std::vector<int> len_q, std::vector<int> len_k, int h_q, int h_kv, int d) {
-  ProblemSpec s = shape(1, 0, 0, h_q, h_kv, d);
-  s.varlen_q = std::move(len_q);
-  s.varlen_k = std::move(len_k);
-  return s;
-}
-
-ProblemSpec causal(ProblemSpec s) {
-  s.options.causal = true;
-  return s;
-}
-ProblemSpec window(ProblemSpec s, int left, int right) {
-  s.options.window_left = left;
-  s.options.window_right = right;
-  return s;
-}
-ProblemSpec softcap(ProblemSpec s, float cap) {
-  s.options.softcap = cap;
-  return s;
-}
-ProblemSpec alibi(ProblemSpec s) {
-  s.alibi = true;
-  return s;
-}
-ProblemSpec dropout(ProblemSpec s, float p) {
-  s.options.dropout_p = p;
-  return s;
-}
-
-ProblemSpec magnitude(ProblemSpec s, float m) {
-  s.magnitude = m;
-  return s;
-}
-
 std::vector<Config> configs() {
   return {
       // Tiny sequences in many (batch, head) pairs: the tolerance rule compares largest errors,
       // which over a handful of rows would be one sample against another.
-      {"s1_d40", shape(4, 1, 1, 4, 2, 40)},
-      {"s2_causal_d64", causal(shape(4, 2, 2, 4, 2, 64))},
-      {"s17_gqa_d80", shape(2, 17, 17, 4, 2, 80)},
-      {"s97_causal_d64", causal(shape(1, 97, 97, 2, 2, 64))},
-      {"sq17_sk97_causal_d40", causal(shape(1, 17, 97, 2, 1, 40))},
-      {"sq97_sk17_causal_d64", causal(shape(1, 97, 17, 2, 2, 64))},  // rows that see nothing
-      {"s97_window_mqa_d80", window(shape(1, 97, 97, 2, 1, 80), 7, 3)},
-      {"s97_causal_softcap_d64", softcap(causal(shape(1, 97, 97, 2, 2, 64)), 4.0f)},
-      {"s97_alibi_d40", alibi(shape(1, 97, 97, 2, 2, 40))},
-      {"s97_dropout_d64", dropout(shape(1, 97, 97, 2, 2, 64), 0.25f)},
-      {"s97_causal_dropout_gqa_d80", dropout(causal(shape(1, 97, 97, 4, 1, 80)), 0.4f)},
+      {"s1_d40", fixed(4, 1, 1, 4, 2, 40)},
+      {"s2_causal_d64", causal(fixed(4, 2, 2, 4, 2, 64))},
+      {"s17_gqa_d80", fixed(2, 17, 17, 4, 2, 80)},
+      {"s97_causal_d64", causal(fixed(1, 97, 97, 2, 2, 64))},
+      {"sq17_sk97_causal_d40", causal(fixed(1, 17, 97, 2, 1, 40))},
+      {"sq97_sk17_causal_d64", causal(fixed(1, 97, 17, 2, 2, 64))},  // rows that see nothing
+      {"s97_window_mqa_d80", window(fixed(1, 97, 97, 2, 1, 80), 7, 3)},
+      {"s97_causal_softcap_d64", softcap(causal(fixed(1, 97, 97, 2, 2, 64)), 4.0f)},
+      {"s97_alibi_d40", alibi(fixed(1, 97, 97, 2, 2, 40))},
+      {"s97_dropout_d64", dropout(fixed(1, 97, 97, 2, 2, 64), 0.25f)},
+      {"s97_causal_dropout_gqa_d80", dropout(causal(fixed(1, 97, 97, 4, 1, 80)), 0.4f)},
       {"varlen_empty_causal_d64", causal(varlen({5, 3, 17, 0, 1}, {9, 0, 20, 4, 1}, 2, 1, 64))},
       {"varlen_window_softcap_alibi_d40",
        alibi(softcap(window(varlen({17, 0, 97}, {17, 0, 97}, 2, 2, 40), 16, 0), 8.0f))},
-      {"bf16_s97_causal_dropout_d64", dropout(causal(shape(1, 97, 97, 2, 2, 64, DType::kBFloat16)), 0.2f)},
-      {"fp16_s17_window_gqa_d80", window(shape(2, 17, 17, 4, 2, 80, DType::kFloat16), 3, 5)},
+      {"bf16_s97_causal_dropout_d64", dropout(causal(fixed(1, 97, 97, 2, 2, 64, DType::kBFloat16)), 0.2f)},
+      {"fp16_s17_window_gqa_d80", window(fixed(2, 17, 17, 4, 2, 80, DType::kFloat16), 3, 5)},
       // Decoding shapes (at most 4 query rows per sequence: the keys-in-lanes path, chunks of
       // 512+ keys merged).
-      {"decode_s1_sk600_gqa_d64", shape(2, 1, 600, 8, 2, 64)},
-      {"decode_s4_sk1100_causal_window_mqa_d80", window(causal(shape(1, 4, 1100, 4, 1, 80)), 300, 0)},
+      {"decode_s1_sk600_gqa_d64", fixed(2, 1, 600, 8, 2, 64)},
+      {"decode_s4_sk1100_causal_window_mqa_d80", window(causal(fixed(1, 4, 1100, 4, 1, 80)), 300, 0)},
       {"decode_varlen_alibi_softcap_d40", alibi(softcap(varlen({1, 0, 3}, {97, 4, 0}, 4, 2, 40), 6.0f))},
-      {"mag1e3_s97_causal_d64", magnitude(causal(shape(1, 97, 97, 2, 2, 64)), 1e3f)},
+      {"mag1e3_s97_causal_d64", magnitude(causal(fixed(1, 97, 97, 2, 2, 64)), 1e3f)},
       {"mag1e3_varlen_window_gqa_d40",
        magnitude(window(varlen({17, 0, 97}, {40, 3, 97}, 4, 2, 40), 20, 2), 1e3f)},
   };
@@ -358,7 +315,7 @@ TEST(CpuNonfiniteSimd, ExpAndTanhKeepNan) {
 struct Tiny {
   Problem pr;
   explicit Tiny(int s, bool is_causal) {
-    ProblemSpec spec = shape(1, s, s, 1, 1, 1);
+    ProblemSpec spec = fixed(1, s, s, 1, 1, 1);
     spec.options.causal = is_causal;
     spec.options.softmax_scale = 1.0f;
     pr = make_problem(spec);
