@@ -2,10 +2,13 @@
 runs that use them: bench/cpu_compare.py --tiny (flare's CPU attention against torch's, two
 cells, one iteration each) writes its JSON with every field the results schema names, and
 bench/plot_dp.py turns a training result file into its table, and bench/train_results.py reads a
-data-parallel run's layout (ZeRO stage, accumulation) from flare-train's own lines. The numbers are not checked: they
+data-parallel run's layout (ZeRO stage, accumulation) from flare-train's own lines; the GPU
+benchmark bench/model_shapes.py keeps a sane shape table, refuses unknown models and passes by
+name, and redraws its ratio table from a saved result. The numbers are not checked: they
 are measurements, not tests. cpu_compare needs torch (its peer), which CI does not install (PyPI's
 torch wheels are the CUDA builds); scripts/gpu-check.sh runs these tests with torch."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -121,3 +124,84 @@ def test_plot_scripts_draw_the_committed_results(tmp_path, script, result):
     done = run(script, "--out", str(chart), os.path.join(RESULTS, result))
     assert done.returncode == 0, done.stderr
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- bench/model_shapes.py: its shape table, its argument checks and its table, without a GPU ----
+
+@pytest.fixture
+def model_shapes():
+    sys.path.insert(0, BENCH)
+    try:
+        import model_shapes
+        yield model_shapes
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_model_shapes_table_is_sane(model_shapes):
+    names = [m.name for m in model_shapes.MODELS]
+    assert len(names) == len(set(names))
+    for m in model_shapes.MODELS:
+        assert m.h % m.h_kv == 0, m
+        assert m.d % 8 == 0 and 8 <= m.d <= 256, m
+        assert list(m.seqlens) == sorted(set(m.seqlens)) and m.seqlens[0] > 0, m
+        assert m.causals and set(m.causals) <= {True, False} and m.causals[0] is True, m
+        for s in m.seqlens:
+            b = model_shapes.batch_for(s)
+            assert b >= 1 and abs(b * s - model_shapes.TOKENS) <= s / 2, (m.name, s, b)
+    # What the grid is for: every power of two 512-8k, lengths no tile divides, GQA, head dims
+    # of real models, causal everywhere and a few non-causal.
+    seqlens = {s for m in model_shapes.MODELS for s in m.seqlens}
+    assert {512, 1024, 2048, 4096, 8192} <= seqlens and {1000, 3000} <= seqlens
+    assert {64, 80, 96, 128, 192} <= {m.d for m in model_shapes.MODELS}
+    assert any(m.h_kv < m.h for m in model_shapes.MODELS)
+    assert 0 < sum(False in m.causals for m in model_shapes.MODELS) < len(names)
+    assert model_shapes.batch_for(3000) == 5 and model_shapes.batch_for(8192) == 2
+    quick = list(model_shapes.cases(model_shapes.MODELS, quick=True))
+    assert len(quick) == len(names) < len(list(model_shapes.cases(model_shapes.MODELS)))
+
+
+@pytest.mark.parametrize("flag,value", [("--models", "gpt2,gpt5"), ("--passes", "fwd,fwdbwd")])
+def test_model_shapes_rejects_unknown_names(flag, value):
+    # --table-only: were the name let through, this would fail reading the file, not start a run.
+    done = run("model_shapes.py", flag, value, "--table-only", "unused.json")
+    assert done.returncode == 2
+    bad = value.split(",")[1]
+    assert f"{flag}: unknown" in done.stderr and repr(bad) in done.stderr, done.stderr
+
+
+def test_model_shapes_table_only_ratios_and_cells_below_the_bar(tmp_path):
+    def row(impl, s, causal, pass_, tflops, error=None):
+        r = {"impl": impl, "model": "llama3-8b", "pass": pass_, "dtype": "bf16", "b": 16384 // s,
+             "s_q": s, "s_k": s, "h": 32, "h_kv": 8, "d": 128, "causal": causal,
+             "ms": None if tflops is None else 1.0, "tflops": tflops}
+        return dict(r, error=error) if error else r
+    rows = [row("flare", 1000, True, "fwd", 120.0), row("torch-cudnn", 1000, True, "fwd", 100.0),
+            row("torch-flash", 1000, True, "fwd", 60.0),
+            # exactly at the bar: not below it
+            row("flare", 2048, True, "fwd", 110.0), row("torch-cudnn", 2048, True, "fwd", 100.0),
+            row("torch-flash", 2048, True, "fwd", 100.0),
+            row("flare", 3000, False, "fwd", 105.0), row("torch-cudnn", 3000, False, "fwd", 150.0),
+            row("torch-flash", 3000, False, "fwd", None, "No available kernel"),
+            row("flare", 3000, True, "bwd", 90.0), row("torch-cudnn", 3000, True, "bwd", 100.0),
+            row("torch-flash", 3000, True, "bwd", 45.0)]
+    src = tmp_path / "shapes.json"
+    src.write_text(json.dumps({"card": "test card", "rows": rows}))
+    done = run("model_shapes.py", "--table-only", str(src))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    cells = [line.split() for line in lines if line.startswith("llama3-8b")]
+    assert [(c[4], c[5], c[6], c[-2], c[-1]) for c in cells] == [
+        ("1000", "1", "fwd", "1.20", "2.00"), ("2048", "1", "fwd", "1.10", "1.10"),
+        ("3000", "0", "fwd", "0.70", "-"), ("3000", "1", "bwd", "0.90", "2.00")]
+    assert "fwd: flare / cuDNN: median 1.10, min 0.70 over 3 cells" in lines
+    assert "fwd: flare / flash: median 1.55, min 1.10 over 2 cells" in lines
+    assert "bwd: flare / cuDNN: median 0.90, min 0.90 over 1 cells" in lines
+
+    def below(pass_):  # ("<pass>: N of M", [the indented cells listed under that line])
+        i = next(i for i, line in enumerate(lines)
+                 if line.startswith(f"{pass_}: ") and "below 1.10x cuDNN" in line)
+        listed = itertools.takewhile(lambda x: x.startswith("  "), lines[i + 1:])
+        return lines[i].split(" cells")[0], [x.strip() for x in listed]
+    assert below("fwd") == ("fwd: 1 of 3", ["llama3-8b s=3000 non-causal 0.70x"])
+    assert below("bwd") == ("bwd: 1 of 1", ["llama3-8b s=3000 causal 0.90x"])
