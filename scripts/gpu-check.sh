@@ -15,6 +15,8 @@
 #    package's tests with torch on the GPU; then, unless --no-bench, through the Python package:
 #    bench/compare.py (flare against SDPA's flash, cuDNN, efficient and math backends on the
 #    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png),
+#    bench/model_shapes.py (flare vs SDPA cuDNN and flash on GPT-2/3, LLaMA-2/3, Phi-3 attention
+#    shapes, fwd and bwd: DIR/model-shapes-<card>-<date>.json and .txt, the cells below 1.10x cuDNN),
 #    bench/host_overhead.py (host and GPU time per call, eager and compiled: DIR/host_overhead.json),
 #    bench/decode_bench.py (KV-cache decoding against SDPA over the same cache: DIR/decode.json),
 #    bench/block_sparse_bench.py (block-sparse time against density: DIR/block_sparse.json, .png)
@@ -176,6 +178,17 @@ if [[ $python -eq 1 ]]; then
     else
       status=1; log "compare.py FAILED (bench_compare.log)"
       tail -20 "$out/bench_compare.log" | tee -a "$out/summary.log"
+    fi
+    log "bench/model_shapes.py: flare vs SDPA cuDNN, flash on model attention shapes (fwd, bwd)"
+    if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/model_shapes.py \
+         --out "$out" --warmup 3 --iters 10 > "$out/model_shapes.log" 2>&1; then
+      # The summary from the table file: in the log, SDPA's warnings also have indented lines.
+      table="$(sed -n 's/^wrote \(.*\.txt\)$/\1/p' "$out/model_shapes.log")"
+      { grep -E '^(fwd|bwd): |^  ' "$table"; grep -E '^wrote ' "$out/model_shapes.log"; } |
+        tee -a "$out/summary.log"
+    else
+      status=1; log "model_shapes.py FAILED (model_shapes.log)"
+      tail -20 "$out/model_shapes.log" | tee -a "$out/summary.log"
     fi
     log "bench/host_overhead.py: host vs GPU time per call, flare vs SDPA cuDNN/flash, eager and compiled"
     if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/host_overhead.py \
