@@ -22,7 +22,7 @@
 #include "flare/block_sparse.h"
 #include "test_util.h"
 
-namespace flare::test::cases {
+namespace flare::test::problem_cases {
 
 // ---- problems ------------------------------------------------------------------------------------
 
@@ -173,4 +173,4 @@ inline Status block_sparse_backward(Problem& pr, const BlockMask& m) {
                                          pr.dv.view, m, pr.options, pr.varlen);
 }
 
-}  // namespace flare::test::cases
+}  // namespace flare::test::problem_cases

@@ -23,7 +23,7 @@
 namespace flare::test {
 namespace {
 
-using namespace cases;  // fixed, fill_mask, random_mask, block_sparse_forward, ...
+using namespace problem_cases;  // fixed, fill_mask, random_mask, block_sparse_forward, ...
 
 // Runs forward and backward through the public API and checks all outputs against the
 // references of the same (masked) problem.

@@ -27,7 +27,7 @@ extern "C" int flare_c_block_sparse(void* q, void* k, void* v, void* o, void* ls
 namespace flare::test {
 namespace {
 
-using namespace cases;  // fixed, with_seed, fill_mask, random_mask, block_sparse_forward, ...
+using namespace problem_cases;  // fixed, with_seed, fill_mask, random_mask, block_sparse_forward
 
 static_assert(FLARE_UINT8 == static_cast<int>(DType::kUInt8));
 

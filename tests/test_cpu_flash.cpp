@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu/flash_simd.h"
+#include "problem_cases.h"
 #include "test_util.h"
 
 namespace flare::test {
@@ -103,47 +104,30 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name << ": " << c.spec.describe(); }
 
-ProblemSpec fixed(int sq, int sk, int hq, int hkv, int d) {
-  ProblemSpec s;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.heads_q = hq;
-  s.heads_kv = hkv;
-  s.head_dim = d;
-  return s;
-}
-
-ProblemSpec varlen(std::vector<int> q, std::vector<int> k, int hq, int hkv, int d) {
-  ProblemSpec s = fixed(0, 0, hq, hkv, d);
-  s.varlen_q = std::move(q);
-  s.varlen_k = std::move(k);
-  return s;
-}
+using namespace problem_cases;  // fixed, varlen
 
 std::vector<Case> cases() {
   std::vector<Case> c;
   auto add = [&](std::string name, ProblemSpec s) { c.push_back({std::move(name), std::move(s)}); };
 
   // Shapes.
-  add("seqlen1", fixed(1, 1, 2, 2, 32));
-  add("seqlen97_d40", fixed(97, 97, 2, 2, 40));
-  add("seqlen1025_d64", fixed(1025, 1025, 1, 1, 64));
-  add("d1", fixed(70, 97, 2, 2, 1));
-  add("d59", fixed(97, 65, 2, 1, 59));
-  add("d80", fixed(65, 97, 2, 2, 80));
-  add("d111", fixed(97, 97, 1, 1, 111));
-  add("d256", fixed(97, 130, 1, 1, 256));
-  add("q_longer_than_k", fixed(130, 40, 2, 2, 64));
-  add("k_longer_than_q", fixed(40, 200, 2, 2, 64));
+  add("seqlen1", fixed(1, 1, 1, 2, 2, 32));
+  add("seqlen97_d40", fixed(1, 97, 97, 2, 2, 40));
+  add("seqlen1025_d64", fixed(1, 1025, 1025, 1, 1, 64));
+  add("d1", fixed(1, 70, 97, 2, 2, 1));
+  add("d59", fixed(1, 97, 65, 2, 1, 59));
+  add("d80", fixed(1, 65, 97, 2, 2, 80));
+  add("d111", fixed(1, 97, 97, 1, 1, 111));
+  add("d256", fixed(1, 97, 130, 1, 1, 256));
+  add("q_longer_than_k", fixed(1, 130, 40, 2, 2, 64));
+  add("k_longer_than_q", fixed(1, 40, 200, 2, 2, 64));
   {
-    ProblemSpec s = fixed(65, 97, 16, 2, 32);  // GQA 8:1
-    s.batch = 2;
+    ProblemSpec s = fixed(2, 65, 97, 16, 2, 32);  // GQA 8:1
     add("gqa_8to1", s);
   }
-  add("mqa", fixed(97, 80, 4, 1, 48));
+  add("mqa", fixed(1, 97, 80, 4, 1, 48));
   {
-    ProblemSpec s = fixed(97, 97, 2, 2, 64);
-    s.batch = 3;
+    ProblemSpec s = fixed(3, 97, 97, 2, 2, 64);
     s.pad = 5;
     add("padded_strides", s);
   }
@@ -158,38 +142,38 @@ std::vector<Case> cases() {
 
   // Masks.
   {
-    ProblemSpec s = fixed(1025, 1025, 1, 1, 64);
+    ProblemSpec s = fixed(1, 1025, 1025, 1, 1, 64);
     s.options.causal = true;
     add("causal_1025", s);
   }
   {
-    ProblemSpec s = fixed(150, 70, 2, 2, 32);  // the first 80 rows see no key
+    ProblemSpec s = fixed(1, 150, 70, 2, 2, 32);  // the first 80 rows see no key
     s.options.causal = true;
     add("causal_q_longer", s);
   }
   {
-    ProblemSpec s = fixed(70, 150, 2, 2, 32);
+    ProblemSpec s = fixed(1, 70, 150, 2, 2, 32);
     s.options.causal = true;
     add("causal_k_longer", s);
   }
   {
-    ProblemSpec s = fixed(130, 200, 2, 2, 32);
+    ProblemSpec s = fixed(1, 130, 200, 2, 2, 32);
     s.options.window_left = 16;
     add("window_left_only", s);
   }
   {
-    ProblemSpec s = fixed(200, 130, 2, 2, 32);
+    ProblemSpec s = fixed(1, 200, 130, 2, 2, 32);
     s.options.window_right = 8;
     add("window_right_only", s);
   }
   {
-    ProblemSpec s = fixed(150, 150, 2, 2, 32);
+    ProblemSpec s = fixed(1, 150, 150, 2, 2, 32);
     s.options.window_left = 10;
     s.options.window_right = 5;
     add("window_both", s);
   }
   {
-    ProblemSpec s = fixed(100, 60, 2, 2, 32);  // each row sees at most its own position
+    ProblemSpec s = fixed(1, 100, 60, 2, 2, 32);  // each row sees at most its own position
     s.options.window_left = 0;
     s.options.window_right = 0;
     add("window_zero", s);
@@ -197,31 +181,30 @@ std::vector<Case> cases() {
 
   // Score modifiers and dropout.
   {
-    ProblemSpec s = fixed(97, 130, 2, 2, 64);
+    ProblemSpec s = fixed(1, 97, 130, 2, 2, 64);
     s.options.softcap = 3.0f;
     s.magnitude = 2.0f;
     add("softcap", s);
   }
   {
-    ProblemSpec s = fixed(97, 130, 4, 2, 32);
+    ProblemSpec s = fixed(1, 97, 130, 4, 2, 32);
     s.alibi = true;
     add("alibi_per_head", s);
   }
   {
-    ProblemSpec s = fixed(97, 80, 2, 2, 32);
-    s.batch = 2;
+    ProblemSpec s = fixed(2, 97, 80, 2, 2, 32);
     s.alibi = true;
     s.alibi_per_batch = true;
     s.options.causal = true;
     add("alibi_per_batch_causal", s);
   }
   {
-    ProblemSpec s = fixed(97, 130, 2, 2, 40);
+    ProblemSpec s = fixed(1, 97, 130, 2, 2, 40);
     s.options.dropout_p = 0.17f;
     add("dropout_017", s);
   }
   {
-    ProblemSpec s = fixed(130, 97, 2, 1, 32);
+    ProblemSpec s = fixed(1, 130, 97, 2, 1, 32);
     s.options.dropout_p = 0.6f;
     s.options.causal = true;
     add("dropout_06_causal", s);
@@ -229,22 +212,22 @@ std::vector<Case> cases() {
 
   // Dtypes and magnitudes.
   {
-    ProblemSpec s = fixed(97, 130, 2, 2, 64);
+    ProblemSpec s = fixed(1, 97, 130, 2, 2, 64);
     s.dtype = DType::kFloat16;
     add("fp16", s);
   }
   {
-    ProblemSpec s = fixed(130, 97, 2, 2, 80);
+    ProblemSpec s = fixed(1, 130, 97, 2, 2, 80);
     s.dtype = DType::kBFloat16;
     add("bf16", s);
   }
   {
-    ProblemSpec s = fixed(97, 130, 2, 2, 64);
+    ProblemSpec s = fixed(1, 97, 130, 2, 2, 64);
     s.magnitude = 1e3f;
     add("magnitude_1e3", s);
   }
   {
-    ProblemSpec s = fixed(97, 97, 2, 2, 64);
+    ProblemSpec s = fixed(1, 97, 97, 2, 2, 64);
     s.magnitude = 1e3f;
     s.dtype = DType::kBFloat16;
     s.options.causal = true;
@@ -257,26 +240,25 @@ std::vector<Case> cases() {
   // rows), causal and window ranges ending mid-tile, rows that see nothing, varlen with empty
   // sequences, one-hot rows (magnitude 1e3) for the backward's exact recompute.
   {
-    ProblemSpec s = fixed(1, 1500, 4, 4, 64);
+    ProblemSpec s = fixed(1, 1, 1500, 4, 4, 64);
     add("decode_s1_three_chunks", s);
   }
   {
-    ProblemSpec s = fixed(1, 700, 8, 2, 128);
-    s.batch = 2;
+    ProblemSpec s = fixed(2, 1, 700, 8, 2, 128);
     add("decode_gqa_d128", s);
   }
   {
-    ProblemSpec s = fixed(1, 300, 32, 1, 64);
+    ProblemSpec s = fixed(1, 1, 300, 32, 1, 64);
     add("decode_mqa_32_heads", s);
   }
   {
-    ProblemSpec s = fixed(4, 1100, 8, 2, 80);
+    ProblemSpec s = fixed(1, 4, 1100, 8, 2, 80);
     s.options.causal = true;
     s.dtype = DType::kBFloat16;
     add("decode_s4_causal_bf16", s);
   }
   {
-    ProblemSpec s = fixed(3, 900, 4, 2, 59);
+    ProblemSpec s = fixed(1, 3, 900, 4, 2, 59);
     s.alibi = true;
     s.options.window_left = 200;
     s.options.window_right = 0;
@@ -291,16 +273,16 @@ std::vector<Case> cases() {
     add("decode_varlen_empty", s);
   }
   {
-    ProblemSpec s = fixed(4, 2, 2, 2, 32);
+    ProblemSpec s = fixed(1, 4, 2, 2, 2, 32);
     s.options.causal = true;
     add("decode_rows_before_diagonal", s);
   }
   {
-    ProblemSpec s = fixed(2, 40000, 2, 1, 32);
+    ProblemSpec s = fixed(1, 2, 40000, 2, 1, 32);
     add("decode_63_chunks", s);
   }
   {
-    ProblemSpec s = fixed(1, 600, 2, 2, 64);
+    ProblemSpec s = fixed(1, 1, 600, 2, 2, 64);
     s.magnitude = 1e3f;
     add("decode_magnitude_1e3", s);
   }
@@ -318,8 +300,7 @@ std::vector<Case> cases() {
     add("all_features_bf16", s);
   }
   {
-    ProblemSpec s = fixed(97, 97, 4, 2, 111);
-    s.batch = 2;
+    ProblemSpec s = fixed(2, 97, 97, 4, 2, 111);
     s.dtype = DType::kFloat16;
     s.pad = 2;
     s.alibi = true;
@@ -404,8 +385,7 @@ Problem run_with_threads(const ProblemSpec& spec, int threads) {
 
 // The backward is a pure function of its inputs: same bits with 1 thread or many, run after run.
 TEST(CpuFlashExact, BackwardIsDeterministicAcrossThreadCounts) {
-  ProblemSpec spec = fixed(300, 260, 4, 2, 48);
-  spec.batch = 2;
+  ProblemSpec spec = fixed(2, 300, 260, 4, 2, 48);
   spec.options.causal = true;
   spec.options.dropout_p = 0.1f;
   spec.seed = test_seed();
@@ -426,7 +406,7 @@ TEST(CpuFlashExact, BackwardIsDeterministicAcrossThreadCounts) {
 // element in one order: one sequence of one kv head takes one pass on 1 thread and two on 4, and
 // the bits must agree.
 TEST(CpuFlashExact, BackwardModesGiveTheSameBits) {
-  ProblemSpec spec = fixed(300, 333, 3, 1, 40);
+  ProblemSpec spec = fixed(1, 300, 333, 3, 1, 40);
   spec.options.causal = true;
   spec.options.dropout_p = 0.1f;
   spec.seed = test_seed();

@@ -45,7 +45,7 @@
 namespace flare::test {
 namespace {
 
-using namespace cases;  // fixed, varlen, causal, window, softcap, alibi, dropout, magnitude
+using namespace problem_cases;  // fixed, varlen, causal, window, softcap, alibi, dropout, ...
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
