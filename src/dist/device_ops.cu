@@ -25,12 +25,19 @@
 
 #include "core/message.h"
 #include "core/numeric.h"
+#include "cuda/device_probe.h"
 #include "dist/cp_ops.h"
 #include "dist/layout.h"
 #include "dist/merge.h"
 
 namespace flare::dist {
 namespace {
+
+using cuda::cuda_status;
+using cuda::launch_status;
+
+// What the CUDA errors here name as their operation (cuda_status, cuda/device_probe.h).
+constexpr char kContext[] = "context parallel";
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
@@ -135,30 +142,25 @@ unsigned blocks_for(int64_t items) {
   return static_cast<unsigned>(std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1, 8192));
 }
 
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return {};
-  const std::string msg = cat("context parallel: ", what, ": ", cudaGetErrorString(e));
-  return e == cudaErrorMemoryAllocation ? Status::out_of_memory(msg) : Status::device_error(msg);
-}
-
 class DeviceOps final : public CpOps {
  public:
   explicit DeviceOps(int device) : device_(device) {}
 
   Status init(int64_t workspace_bytes) {
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&previous_), "cudaGetDevice"));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
-    Status s = cuda_status(cudaMalloc(&workspace_, static_cast<size_t>(std::max<int64_t>(workspace_bytes, 1))),
-                           "cudaMalloc of the workspace");
+    FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaGetDevice", cudaGetDevice(&previous_)));
+    FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaSetDevice", cudaSetDevice(device_)));
+    Status s = cuda_status(
+        kContext, "cudaMalloc of the workspace",
+        cudaMalloc(&workspace_, static_cast<size_t>(std::max<int64_t>(workspace_bytes, 1))));
     if (s.ok())
-      s = cuda_status(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking),
-                      "cudaStreamCreate (communication stream)");
+      s = cuda_status(kContext, "cudaStreamCreate (communication stream)",
+                      cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
     if (s.ok())
-      s = cuda_status(cudaEventCreateWithFlags(&compute_mark_, cudaEventDisableTiming),
-                      "cudaEventCreate");
+      s = cuda_status(kContext, "cudaEventCreate",
+                      cudaEventCreateWithFlags(&compute_mark_, cudaEventDisableTiming));
     if (s.ok())
-      s = cuda_status(cudaEventCreateWithFlags(&comm_mark_, cudaEventDisableTiming),
-                      "cudaEventCreate");
+      s = cuda_status(kContext, "cudaEventCreate",
+                      cudaEventCreateWithFlags(&comm_mark_, cudaEventDisableTiming));
     cudaSetDevice(previous_);
     return s;
   }
@@ -175,9 +177,9 @@ class DeviceOps final : public CpOps {
   }
 
   Status begin(Stream compute) override {
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&previous_), "cudaGetDevice"));
+    FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaGetDevice", cudaGetDevice(&previous_)));
     if (previous_ != device_)
-      FLARE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
+      FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaSetDevice", cudaSetDevice(device_)));
     compute_ = static_cast<cudaStream_t>(compute);
     active_ = true;
     ++timing_.calls;
@@ -198,11 +200,13 @@ class DeviceOps final : public CpOps {
     if (bytes <= 0) return {};
     const int previous = current_device();
     cudaSetDevice(device_);
-    Status s = cuda_status(cudaMemcpyAsync(static_cast<unsigned char*>(workspace_) + offset, host,
-                                           static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
-                                           comm_),
-                           "cudaMemcpyAsync (plan tables)");
-    if (s.ok()) s = cuda_status(cudaStreamSynchronize(comm_), "cudaStreamSynchronize (plan tables)");
+    Status s =
+        cuda_status(kContext, "cudaMemcpyAsync (plan tables)",
+                    cudaMemcpyAsync(static_cast<unsigned char*>(workspace_) + offset, host,
+                                    static_cast<size_t>(bytes), cudaMemcpyHostToDevice, comm_));
+    if (s.ok())
+      s = cuda_status(kContext, "cudaStreamSynchronize (plan tables)",
+                      cudaStreamSynchronize(comm_));
     cudaSetDevice(previous);
     return s;
   }
@@ -210,7 +214,7 @@ class DeviceOps final : public CpOps {
   Status fill(float* data, int64_t count, float value) override {
     if (count <= 0) return {};
     fill_kernel<<<blocks_for(count), kThreads, 0, compute_>>>(data, count, value);
-    return launched("fill");
+    return launch_status(kContext, "fill kernel");
   }
 
   Status merge_block(const MergeArgs& a) override {
@@ -218,7 +222,7 @@ class DeviceOps final : public CpOps {
     if (rows <= 0) return {};
     const auto blocks = static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
     merge_kernel<<<blocks, kThreads, 0, compute_>>>(a);
-    return launched("merge");
+    return launch_status(kContext, "merge kernel");
   }
 
   Status accumulate_rows(float* acc, int64_t len, int64_t row0, const void* blk, int64_t rows,
@@ -227,14 +231,14 @@ class DeviceOps final : public CpOps {
     if (items <= 0) return {};
     accumulate_kernel<<<blocks_for(items), kThreads, 0, compute_>>>(acc, len, row0, blk, rows,
                                                                     batch, hd, dtype);
-    return launched("accumulate");
+    return launch_status(kContext, "accumulate kernel");
   }
 
   Status store_rows(const float* acc, const TensorView& out) override {
     const int64_t items = out.numel();
     if (items <= 0) return {};
     store_kernel<<<blocks_for(items), kThreads, 0, compute_>>>(acc, out);
-    return launched("store");
+    return launch_status(kContext, "store kernel");
   }
 
   Status copy_rows(const TensorView& src, int64_t src_row, const TensorView& dst, int64_t dst_row,
@@ -251,22 +255,25 @@ class DeviceOps final : public CpOps {
       copy_kernel<uint16_t><<<blocks_for(items), kThreads, 0, compute_>>>(from, to);
     else
       copy_kernel<uint32_t><<<blocks_for(items), kThreads, 0, compute_>>>(from, to);
-    return launched("copy");
+    return launch_status(kContext, "copy kernel");
   }
 
   Stream compute_stream() override { return compute_; }
   Stream comm_stream() override { return comm_; }
 
   Status comm_waits_compute() override {
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(compute_mark_, compute_), "cudaEventRecord"));
-    return cuda_status(cudaStreamWaitEvent(comm_, compute_mark_, 0), "cudaStreamWaitEvent");
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kContext, "cudaEventRecord", cudaEventRecord(compute_mark_, compute_)));
+    return cuda_status(kContext, "cudaStreamWaitEvent",
+                       cudaStreamWaitEvent(comm_, compute_mark_, 0));
   }
 
   Status compute_waits_comm() override {
     FLARE_RETURN_IF_ERROR(close_span());
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(comm_mark_, comm_), "cudaEventRecord"));
     FLARE_RETURN_IF_ERROR(
-        cuda_status(cudaStreamWaitEvent(compute_, comm_mark_, 0), "cudaStreamWaitEvent"));
+        cuda_status(kContext, "cudaEventRecord", cudaEventRecord(comm_mark_, comm_)));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kContext, "cudaStreamWaitEvent", cudaStreamWaitEvent(compute_, comm_mark_, 0)));
     return open_span();
   }
 
@@ -299,10 +306,12 @@ class DeviceOps final : public CpOps {
     auto sum = [&](const std::vector<std::pair<int, int>>& spans, double* ms) {
       for (const auto& [from, to] : spans) {
         if (!s.ok()) return;
-        s = cuda_status(cudaEventSynchronize(timed_[to]), "cudaEventSynchronize (timing)");
+        s = cuda_status(kContext, "cudaEventSynchronize (timing)",
+                        cudaEventSynchronize(timed_[to]));
         float span = 0.0f;
-        if (s.ok()) s = cuda_status(cudaEventElapsedTime(&span, timed_[from], timed_[to]),
-                                    "cudaEventElapsedTime");
+        if (s.ok())
+          s = cuda_status(kContext, "cudaEventElapsedTime",
+                          cudaEventElapsedTime(&span, timed_[from], timed_[to]));
         *ms += span;
       }
     };
@@ -320,10 +329,6 @@ class DeviceOps final : public CpOps {
   }
 
  private:
-  Status launched(const char* what) {
-    return cuda_status(cudaGetLastError(), cat(what, " kernel launch").c_str());
-  }
-
   static int current_device() {
     int d = 0;
     cudaGetDevice(&d);
@@ -334,11 +339,12 @@ class DeviceOps final : public CpOps {
   Status record(cudaStream_t stream, int* index) {
     if (used_ == timed_.size()) {
       cudaEvent_t e = nullptr;
-      FLARE_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&e), "cudaEventCreate (timing)"));
+      FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaEventCreate (timing)", cudaEventCreate(&e)));
       timed_.push_back(e);
     }
     *index = static_cast<int>(used_++);
-    return cuda_status(cudaEventRecord(timed_[*index], stream), "cudaEventRecord (timing)");
+    return cuda_status(kContext, "cudaEventRecord (timing)",
+                       cudaEventRecord(timed_[*index], stream));
   }
 
   Status open_span() {
@@ -380,9 +386,9 @@ Status device_copy_runs(const TensorView& src, const TensorView& dst, int seq_di
   if (el != 2 && el != 4)
     return Status::unsupported(cat("device_copy_runs: elements of ", el, " bytes"));
   int previous = 0;
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&previous), "cudaGetDevice"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaGetDevice", cudaGetDevice(&previous)));
   if (previous != src.device_index)
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(src.device_index), "cudaSetDevice"));
+    FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaSetDevice", cudaSetDevice(src.device_index)));
   int64_t per_row = 1;
   for (int i = 0; i < src.ndim; ++i)
     if (i != seq_dim) per_row *= src.shape[i];
@@ -404,7 +410,7 @@ Status device_copy_runs(const TensorView& src, const TensorView& dst, int seq_di
       copy_runs_kernel<uint16_t><<<grid, kThreads, 0, st>>>(src, dst, seq_dim, batch);
     else
       copy_runs_kernel<uint32_t><<<grid, kThreads, 0, st>>>(src, dst, seq_dim, batch);
-    s = cuda_status(cudaGetLastError(), "copy_runs kernel launch");
+    s = launch_status(kContext, "copy_runs kernel");
   }
   if (previous != src.device_index) cudaSetDevice(previous);
   return s;
