@@ -167,9 +167,10 @@ Status DeviceChunkTable::init(const ParameterLayout& layout) {
   chunks_ = nullptr;
   count_ = 0;
   const size_t bytes = host.size() * sizeof(TensorChunk);
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&chunks_, bytes), "DeviceChunkTable"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "DeviceChunkTable", cudaMalloc(&chunks_, bytes)));
   FLARE_RETURN_IF_ERROR(
-      cuda_status(cudaMemcpy(chunks_, host.data(), bytes, cudaMemcpyHostToDevice), "DeviceChunkTable"));
+      cuda_status(kCudaContext, "DeviceChunkTable",
+                  cudaMemcpy(chunks_, host.data(), bytes, cudaMemcpyHostToDevice)));
   count_ = static_cast<int64_t>(host.size());
   return Status::ok_status();
 }
@@ -191,7 +192,7 @@ Status gradient_norm(const DeviceChunkTable& table, const float* grads, double m
       table.chunks(), grads, partials);
   norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, table.count(), max_norm,
                                                        norm_and_scale, nullptr);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 Status gradient_sum_of_squares(const DeviceChunkTable& table, const float* grads,
@@ -205,7 +206,7 @@ Status gradient_sum_of_squares(const DeviceChunkTable& table, const float* grads
       table.chunks(), grads, partials);
   norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, table.count(), 0.0, nullptr,
                                                        sum_of_squares);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double max_norm,
@@ -218,7 +219,7 @@ Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double 
   if (sums == nullptr || norm_and_scale == nullptr)
     return invalid(op, ": sums and norm_and_scale must not be null");
   norm_from_sums_kernel<<<1, 1, 0, stream>>>(sums, count, stride, max_norm, norm_and_scale);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 Status adamw_update(const DeviceChunkTable& table, const AdamWStep& s,
@@ -255,7 +256,7 @@ Status adamw_update(const DeviceChunkTable& table, const AdamWStep& s,
   p.eps = static_cast<float>(s.eps);
   p.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
   adamw_kernel<<<static_cast<unsigned>(table.count()), kThreads, 0, stream>>>(p);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 }  // namespace flare::train::cuda

@@ -24,7 +24,7 @@ Status bias_gradient(const bf16* dy, float* dbias, int64_t rows, int64_t cols, b
   p.cols = cols;
   p.accumulate = accumulate;
   launch_column_sum<ColumnSum::kBias>(p, static_cast<float*>(scratch), stream);
-  return launch_status("bias_gradient");
+  return launch_status(kCudaContext, "bias_gradient");
 }
 
 }  // namespace flare::train::cuda

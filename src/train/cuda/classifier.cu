@@ -124,7 +124,7 @@ Status classifier_forward_backward(bf16* logits, const int32_t* targets, float* 
     classifier_kernel<8><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p);
   else
     classifier_kernel<1><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 }  // namespace flare::train::cuda

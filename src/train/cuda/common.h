@@ -1,5 +1,6 @@
 // common.h — what every CUDA operator of the trainer shares on the host side: the bf16 element
-// type of weights and activations, and the conversion of a CUDA error into a Status.
+// type of weights and activations, and how a CUDA error becomes a Status: flare's one conversion
+// (cuda/device_probe.h), under the trainer's context.
 //
 // The operators follow one contract (DESIGN.md "API conventions"): raw device pointers with their
 // dimensions in, a cudaStream_t to run on, a Status out. Launchers validate every size first and
@@ -12,15 +13,18 @@
 
 #include <cstdint>
 
+#include "cuda/device_probe.h"
 #include "flare/status.h"
 
 namespace flare::train::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// The Status of the last launch on this thread: ok, or device_error naming `what` and CUDA's text.
-Status launch_status(const char* what);
-// A CUDA runtime result as a Status (ok, out_of_memory for allocation failures, else device_error).
-Status cuda_status(cudaError_t err, const char* what);
+// cuda_status(kCudaContext, what, err) for a runtime call, launch_status(kCudaContext, kernel)
+// after a launch: ok, out_of_memory for an allocation that failed, else device_error, each message
+// "training: <what>: <CUDA's description>".
+using flare::cuda::cuda_status;
+using flare::cuda::launch_status;
+inline constexpr char kCudaContext[] = "training";
 
 }  // namespace flare::train::cuda

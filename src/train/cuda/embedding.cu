@@ -141,7 +141,7 @@ Status embedding_forward(const int32_t* tokens, const bf16* token_table,
     embedding_forward_kernel<8><<<ceil_div(rows * channels / 8, 256), 256, 0, stream>>>(p);
   else
     embedding_forward_kernel<1><<<ceil_div(rows * channels, 256), 256, 0, stream>>>(p);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 int64_t embedding_backward_scratch_bytes(int64_t vocab_size) {
@@ -170,16 +170,16 @@ Status embedding_backward(const bf16* dout, const int32_t* tokens, float* dtoken
   p.channels = channels;
   // first = 0x7f7f7f7f (past any position), count = 0.
   FLARE_RETURN_IF_ERROR(cuda_status(
-      cudaMemsetAsync(p.first, 0x7f, vocab_size * sizeof(int32_t), stream), op));
+      kCudaContext, op, cudaMemsetAsync(p.first, 0x7f, vocab_size * sizeof(int32_t), stream)));
   FLARE_RETURN_IF_ERROR(cuda_status(
-      cudaMemsetAsync(p.count, 0, vocab_size * sizeof(int32_t), stream), op));
+      kCudaContext, op, cudaMemsetAsync(p.count, 0, vocab_size * sizeof(int32_t), stream)));
   embedding_first_kernel<<<ceil_div(rows, 256), 256, 0, stream>>>(p);
   embedding_owner_kernel<<<static_cast<unsigned>(rows), kOwnerThreads, 0, stream>>>(p);
   if (dposition_table) {
     const int64_t positions = rows < seq_len ? rows : seq_len;
     embedding_position_backward_kernel<<<ceil_div(positions * channels, 256), 256, 0, stream>>>(p);
   }
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 }  // namespace flare::train::cuda

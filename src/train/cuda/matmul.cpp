@@ -81,7 +81,8 @@ Status MatmulContext::init() {
   auto s = std::make_unique<State>();
   const cublasStatus_t st = cublasLtCreate(&s->handle);
   if (st != CUBLAS_STATUS_SUCCESS) return Status::device_error(cat("cublasLtCreate: ", cublas_name(st)));
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&s->workspace, kWorkspaceBytes), "matmul workspace"));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(kCudaContext, "matmul workspace", cudaMalloc(&s->workspace, kWorkspaceBytes)));
   state_ = std::move(s);
   return Status::ok_status();
 }

@@ -180,7 +180,7 @@ Status launch_forward(const NormParams& p, cudaStream_t stream, const char* op) 
     norm_forward_kernel<kRms, kResidual, 8><<<grid, kRowThreads, 0, stream>>>(p);
   else
     norm_forward_kernel<kRms, kResidual, 1><<<grid, kRowThreads, 0, stream>>>(p);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 // The four forwards in one: kRms has no mean and no bias; kResidual adds `branch` to x (then
@@ -278,7 +278,7 @@ Status norm_backward(const char* op, bf16* dx, float* dweight, float* dbias, con
   c.accumulate = accumulate;
   launch_column_sum<kRms ? ColumnSum::kRmsNorm : ColumnSum::kLayerNorm>(
       c, static_cast<float*>(scratch), stream);
-  FLARE_RETURN_IF_ERROR(launch_status(op));
+  FLARE_RETURN_IF_ERROR(launch_status(kCudaContext, op));
 
   NormParams p{};
   p.x = x;
@@ -296,7 +296,7 @@ Status norm_backward(const char* op, bf16* dx, float* dweight, float* dbias, con
     norm_backward_dx_kernel<kRms, 8><<<grid, kRowThreads, 0, stream>>>(p);
   else
     norm_backward_dx_kernel<kRms, 1><<<grid, kRowThreads, 0, stream>>>(p);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 if(FLARE_WITH_CUDA)
   set(flare_train_cuda_dir ${CMAKE_CURRENT_LIST_DIR})
   target_sources(flare_train PRIVATE
-    ${flare_train_cuda_dir}/common.cpp
     ${flare_train_cuda_dir}/matmul.cpp
     ${flare_train_cuda_dir}/norm.cu
     ${flare_train_cuda_dir}/bias_gradient.cu

@@ -63,7 +63,7 @@ Status rope(const char* op, const float* cos_table, const float* sin_table, bf16
   p.sin_sign = sin_sign;
   const int64_t threads = rows * p.rotated_heads * p.half;
   rope_kernel<<<ceil_div(threads, 256), 256, 0, stream>>>(p);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 }  // namespace

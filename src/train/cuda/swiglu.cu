@@ -71,7 +71,7 @@ Status swiglu_forward(const bf16* gate_up, bf16* out, int64_t rows, int64_t ffn,
     swiglu_forward_kernel<8><<<ceil_div(rows * ffn / 8, 256), 256, 0, stream>>>(p);
   else
     swiglu_forward_kernel<1><<<ceil_div(rows * ffn, 256), 256, 0, stream>>>(p);
-  return launch_status("swiglu_forward");
+  return launch_status(kCudaContext, "swiglu_forward");
 }
 
 Status swiglu_backward(const bf16* dout, const bf16* gate_up, bf16* dgate_up, int64_t rows,
@@ -82,7 +82,7 @@ Status swiglu_backward(const bf16* dout, const bf16* gate_up, bf16* dgate_up, in
     swiglu_backward_kernel<8><<<ceil_div(rows * ffn / 8, 256), 256, 0, stream>>>(p);
   else
     swiglu_backward_kernel<1><<<ceil_div(rows * ffn, 256), 256, 0, stream>>>(p);
-  return launch_status("swiglu_backward");
+  return launch_status(kCudaContext, "swiglu_backward");
 }
 
 }  // namespace flare::train::cuda

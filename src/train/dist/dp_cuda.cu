@@ -15,6 +15,7 @@ namespace flare::train::dp {
 namespace {
 
 using cuda::cuda_status;
+using cuda::kCudaContext;
 using cuda::launch_status;
 
 constexpr int kThreads = 256;
@@ -101,7 +102,7 @@ Status sum_slices_in_rank_order(const float* own, const float* staging, int64_t 
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 4096);
   sum_slices_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(own, staging, stride, world,
                                                                               rank, n, accumulate, out);
-  return launch_status(op);
+  return launch_status(kCudaContext, op);
 }
 
 // ---- Setup --------------------------------------------------------------------------------------
@@ -131,10 +132,11 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
   d->rank_ = comm->rank();
   d->compute_ = compute;
   d->timer_ = timer;
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&d->stream_, cudaStreamNonBlocking),
-                                    "data-parallel stream"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "data-parallel stream",
+                                    cudaStreamCreateWithFlags(&d->stream_, cudaStreamNonBlocking)));
   const Layout l = buffer_layout(plan, d->rank_, shard_gradients);
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&d->buffers_, sz(l.total)), "data-parallel buffers"));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(kCudaContext, "data-parallel buffers", cudaMalloc(&d->buffers_, sz(l.total))));
   char* base = static_cast<char*>(d->buffers_);
   d->shard_grads_ = reinterpret_cast<float*>(base + l.shard_grads);
   d->shard_weights_ = reinterpret_cast<__nv_bfloat16*>(base + l.shard_weights);
@@ -151,9 +153,11 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
     d->stages_.init(plan, ring, reinterpret_cast<float*>(base + l.last_stage));
   }
   // Zero everything once: the shard buffers' alignment gaps are never written by a kernel.
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(d->buffers_, 0, sz(l.total), d->stream_), "data-parallel buffers"));
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMallocHost(reinterpret_cast<void**>(&d->host_count_), sizeof(int64_t)),
-                                    "data-parallel pinned count"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "data-parallel buffers",
+                                    cudaMemsetAsync(d->buffers_, 0, sz(l.total), d->stream_)));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(kCudaContext, "data-parallel pinned count",
+                  cudaMallocHost(reinterpret_cast<void**>(&d->host_count_), sizeof(int64_t))));
   FLARE_RETURN_IF_ERROR(d->create_events());
 
   // What this rank sends per step: its share of the agreement all-gathers, every other rank's
@@ -171,7 +175,7 @@ Status CudaDataParallel::create(dist::Communicator* comm, const DpPlan& plan, cu
 
 Status CudaDataParallel::create_events() {
   auto make = [](cudaEvent_t* e, unsigned flags) {
-    return cuda_status(cudaEventCreateWithFlags(e, flags), "data-parallel event");
+    return cuda_status(kCudaContext, "data-parallel event", cudaEventCreateWithFlags(e, flags));
   };
   gathered_.assign(plan_->buckets.size(), nullptr);
   for (cudaEvent_t& e : gathered_) FLARE_RETURN_IF_ERROR(make(&e, cudaEventDisableTiming));
@@ -199,7 +203,7 @@ CudaDataParallel::~CudaDataParallel() {
 }
 
 Status CudaDataParallel::synchronize() {
-  return cuda_status(cudaStreamSynchronize(stream_), "data-parallel stream");
+  return cuda_status(kCudaContext, "data-parallel stream", cudaStreamSynchronize(stream_));
 }
 
 // ---- Stream hand-offs ---------------------------------------------------------------------------
@@ -207,7 +211,8 @@ Status CudaDataParallel::synchronize() {
 Status CudaDataParallel::comm_after_compute() {
   cudaEvent_t ready = nullptr;
   FLARE_RETURN_IF_ERROR(timer_->record(compute_, &ready));
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(stream_, ready, 0), "data-parallel wait"));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(kCudaContext, "data-parallel wait", cudaStreamWaitEvent(stream_, ready, 0)));
   return timer_->record(stream_, &run_begin_);
 }
 
@@ -225,7 +230,8 @@ Status CudaDataParallel::compute_after_comm() {
 Status CudaDataParallel::compute_waits(cudaEvent_t event) {
   cudaEvent_t before = nullptr, after = nullptr;
   FLARE_RETURN_IF_ERROR(timer_->record(compute_, &before));
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(compute_, event, 0), "data-parallel wait"));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(kCudaContext, "data-parallel wait", cudaStreamWaitEvent(compute_, event, 0)));
   FLARE_RETURN_IF_ERROR(timer_->record(compute_, &after));
   timer_->span(cuda::EventTimer::kCommExposed, before, after);
   return Status::ok_status();
@@ -260,14 +266,16 @@ Status CudaDataParallel::agree_valid_count(int64_t local_valid) {
     gather_unreported_ = false;
   }
   FLARE_RETURN_IF_ERROR(comm_after_compute());
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(counts_send_, host_count_, sizeof(int64_t),
-                                                    cudaMemcpyHostToDevice, stream_), "valid count"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "valid count",
+                                    cudaMemcpyAsync(counts_send_, host_count_, sizeof(int64_t),
+                                                    cudaMemcpyHostToDevice, stream_)));
   // valid-target count: one int64 per rank
   FLARE_RETURN_IF_ERROR(comm_->all_gather(counts_send_, counts_recv_, sizeof(int64_t), stream_));
   agree_count_kernel<<<1, 1, 0, stream_>>>(counts_recv_, plan_->world, dloss_scale_, totals_);
-  FLARE_RETURN_IF_ERROR(launch_status("agree_count_kernel"));
+  FLARE_RETURN_IF_ERROR(launch_status(kCudaContext, "agree_count_kernel"));
   FLARE_RETURN_IF_ERROR(end_comm_run());
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(count_ready_, stream_), "data-parallel event"));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(kCudaContext, "data-parallel event", cudaEventRecord(count_ready_, stream_)));
   count_waited_ = false;
   return Status::ok_status();
 }
@@ -281,16 +289,19 @@ Status CudaDataParallel::begin_backward(bool accumulate) {
   // The last micro-batch's reduce-scatter of the last stage may still be reading its buffer.
   FLARE_RETURN_IF_ERROR(wait_until_read(kLastStageBuffer));
   float* last = stages_.begin();
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(last, 0, sz(plan_->stage_size(stages_.last_stage())) * sizeof(float),
-                                                    compute_), "gradient stage buffer"));
+  FLARE_RETURN_IF_ERROR(cuda_status(
+      kCudaContext, "gradient stage buffer",
+      cudaMemsetAsync(last, 0, sz(plan_->stage_size(stages_.last_stage())) * sizeof(float),
+                      compute_)));
   return acquire_stage(0);
 }
 
 Status CudaDataParallel::acquire_stage(int64_t stage) {
   FLARE_RETURN_IF_ERROR(wait_until_read(StageBuffers::slot_of(stage)));
   float* buffer = stages_.activate(stage);
-  return cuda_status(cudaMemsetAsync(buffer, 0, sz(plan_->stage_size(stage)) * sizeof(float), compute_),
-                     "gradient stage buffer");
+  return cuda_status(
+      kCudaContext, "gradient stage buffer",
+      cudaMemsetAsync(buffer, 0, sz(plan_->stage_size(stage)) * sizeof(float), compute_));
 }
 
 float* CudaDataParallel::gradient_at(int64_t offset) const {
@@ -336,7 +347,8 @@ Status CudaDataParallel::reduce_ready_buckets(int64_t stage, const float* grads)
 
 Status CudaDataParallel::mark_read(int buffer, cudaStream_t stream) {
   read_[buffer].pending = true;
-  return cuda_status(cudaEventRecord(read_[buffer].event, stream), "data-parallel event");
+  return cuda_status(kCudaContext, "data-parallel event",
+                     cudaEventRecord(read_[buffer].event, stream));
 }
 
 Status CudaDataParallel::wait_until_read(int buffer) {
@@ -362,7 +374,7 @@ Status CudaDataParallel::agree_norm_and_loss(double max_norm, float* norm_and_sc
   FLARE_RETURN_IF_ERROR(comm_->all_gather(sums_send_, sums_recv_, 2 * sizeof(double), stream_));
   FLARE_RETURN_IF_ERROR(cuda::norm_from_sums(sums_recv_, plan_->world, 2, max_norm, norm_and_scale, stream_));
   agree_loss_kernel<<<1, 1, 0, stream_>>>(sums_recv_, plan_->world, totals_);
-  FLARE_RETURN_IF_ERROR(launch_status("agree_loss_kernel"));
+  FLARE_RETURN_IF_ERROR(launch_status(kCudaContext, "agree_loss_kernel"));
   return compute_after_comm();
 }
 
@@ -371,36 +383,42 @@ Status CudaDataParallel::all_gather_weights(__nv_bfloat16* weights) {
   // free; this one's begins once AdamW has written the shard.
   cudaEvent_t updated = nullptr;
   FLARE_RETURN_IF_ERROR(timer_->record(compute_, &updated));
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(stream_, updated, 0), "data-parallel wait"));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(kCudaContext, "data-parallel wait", cudaStreamWaitEvent(stream_, updated, 0)));
   gather_parity_ ^= 1;
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(gather_begin_[gather_parity_], stream_), "data-parallel event"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "data-parallel event",
+                                    cudaEventRecord(gather_begin_[gather_parity_], stream_)));
   // Last bucket first: the lowest range of the flat buffer, the weights the forward reads first.
   for (size_t k = plan_->buckets.size(); k-- > 0;) {
     const Bucket& b = plan_->buckets[k];
     const int64_t mine = b.slice_size(rank_);
     if (mine > 0) {
       FLARE_RETURN_IF_ERROR(cuda_status(
-          cudaMemcpyAsync(weights + b.slice_begin[sz(rank_)], shard_weights_ + b.shard_offset[sz(rank_)],
-                          sz(mine) * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream_),
-          "own weights"));
+          kCudaContext, "own weights",
+          cudaMemcpyAsync(weights + b.slice_begin[sz(rank_)],
+                          shard_weights_ + b.shard_offset[sz(rank_)],
+                          sz(mine) * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream_)));
     }
     // bucket all-gather: this rank's updated slice to every other rank, theirs into place
     const std::vector<dist::Transfer> t = all_gather_transfers(*plan_, b, rank_, shard_weights_, weights, 2);
     if (!t.empty()) FLARE_RETURN_IF_ERROR(comm_->exchange(t.data(), static_cast<int>(t.size()), stream_));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(gathered_[k], stream_), "data-parallel event"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "data-parallel event", cudaEventRecord(gathered_[k], stream_)));
   }
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(gather_end_[gather_parity_], stream_), "data-parallel event"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "data-parallel event",
+                                    cudaEventRecord(gather_end_[gather_parity_], stream_)));
   gather_unreported_ = true;
   gathered_waited_ = plan_->buckets.size();
   return Status::ok_status();
 }
 
 Status CudaDataParallel::gather_to_rank0(const float* shard, float* full) {
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(compute_), "device"));
+  FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "device", cudaStreamSynchronize(compute_)));
   const CopyToHost copy = [this](void* dst, const void* src, int64_t bytes) {
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(dst, src, sz(bytes), cudaMemcpyDeviceToHost, stream_),
-                                      "state to host"));
-    return cuda_status(cudaStreamSynchronize(stream_), "state to host");
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "state to host",
+                    cudaMemcpyAsync(dst, src, sz(bytes), cudaMemcpyDeviceToHost, stream_)));
+    return cuda_status(kCudaContext, "state to host", cudaStreamSynchronize(stream_));
   };
   return gather_shards_to_rank0(*comm_, *plan_, shard, staging_, sizeof(float), full, copy, stream_);
 }

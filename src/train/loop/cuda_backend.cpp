@@ -48,6 +48,7 @@ namespace {
 using cuda::bf16;
 using cuda::cuda_status;
 using cuda::EventTimer;
+using cuda::kCudaContext;
 
 size_t sz(int64_t n) { return static_cast<size_t>(n); }
 
@@ -113,16 +114,19 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(dp::make_dp_plan(layout_, config.n_layer, world, options.bucket_bytes, &plan_,
                                            shard_gradients_));
     shard_layout_ = dp::shard_layout(layout_, plan_, rank_);
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(options.device_index), "cudaSetDevice"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "cudaSetDevice", cudaSetDevice(options.device_index)));
     cudaDeviceProp prop{};
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaGetDeviceProperties(&prop, options.device_index), "device properties"));
+    FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "device properties",
+                                      cudaGetDeviceProperties(&prop, options.device_index)));
     name_ = prop.name;
     device_index_ = options.device_index;
 
     // Will it fit? The configuration's estimate (the floor any implementation needs) and this
     // implementation's own buffers, against the free memory, before allocating anything.
     size_t free_bytes = 0, total_bytes = 0;
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "cudaMemGetInfo", cudaMemGetInfo(&free_bytes, &total_bytes)));
     const int64_t free_now = static_cast<int64_t>(free_bytes);
     // A context-parallel rank holds seq / cp rows of each sequence: memory as for that length
     // (attention's plan adds a few blocks of K/V in flight).
@@ -144,8 +148,10 @@ class CudaBackend final : public Backend {
                                        "--batch with --grad-accum, or a shorter --seq"));
     }
 
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "event"));
+    FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "stream",
+                                      cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)));
+    FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "event",
+                                      cudaEventCreateWithFlags(&done_, cudaEventDisableTiming)));
     cuda::GpuModelOptions mo;
     mo.recompute = train.recompute;
     mo.deterministic_attention = options.deterministic_attention;
@@ -166,7 +172,9 @@ class CudaBackend final : public Backend {
     auto piece = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
     const int64_t bytes = 3 * piece(shard * 4) + 2 * piece(tokens * 4) + piece(8) + piece(8) + piece(norm_scratch);
     char* p = nullptr;
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&p), static_cast<size_t>(bytes)), "optimizer state"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "optimizer state",
+                    cudaMalloc(reinterpret_cast<void**>(&p), static_cast<size_t>(bytes))));
     state_ = p;
     master_ = reinterpret_cast<float*>(p);          p += piece(shard * 4);
     m_ = reinterpret_cast<float*>(p);               p += piece(shard * 4);
@@ -179,11 +187,12 @@ class CudaBackend final : public Backend {
 
     // Pinned staging: the step's tokens and targets, and the readback.
     const size_t host_bytes = sizeof(StepReadback) + static_cast<size_t>(2 * tokens) * sizeof(int32_t);
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMallocHost(&host_, host_bytes), "pinned staging"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "pinned staging", cudaMallocHost(&host_, host_bytes)));
     readback_ = static_cast<StepReadback*>(host_);
     host_tokens_ = reinterpret_cast<int32_t*>(readback_ + 1);
     host_targets_ = host_tokens_ + tokens;
-    return cuda_status(cudaStreamSynchronize(stream_), "setup");
+    return cuda_status(kCudaContext, "setup", cudaStreamSynchronize(stream_));
   }
 
   DeviceKind kind() const override { return DeviceKind::kCuda; }
@@ -202,8 +211,9 @@ class CudaBackend final : public Backend {
     HostArray<uint16_t> weights(n);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) weights.data()[i] = float_to_bf16(master[i]);
-    return cuda_status(cudaMemcpy(model_->weights(), weights.data(), static_cast<size_t>(n) * sizeof(bf16),
-                                  cudaMemcpyHostToDevice), "set_state weights");
+    return cuda_status(kCudaContext, "set_state weights",
+                       cudaMemcpy(model_->weights(), weights.data(),
+                                  static_cast<size_t>(n) * sizeof(bf16), cudaMemcpyHostToDevice));
   }
 
   Status get_state(float* master, float* m, float* v) override {
@@ -222,9 +232,15 @@ class CudaBackend final : public Backend {
       return Status::ok_status();
     }
     const size_t bytes = static_cast<size_t>(layout_.total) * sizeof(float);
-    if (master) FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(master, master_, bytes, cudaMemcpyDeviceToHost), "get_state"));
-    if (m) FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(m, m_, bytes, cudaMemcpyDeviceToHost), "get_state"));
-    if (v) FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(v, v_, bytes, cudaMemcpyDeviceToHost), "get_state"));
+    if (master)
+      FLARE_RETURN_IF_ERROR(cuda_status(
+          kCudaContext, "get_state", cudaMemcpy(master, master_, bytes, cudaMemcpyDeviceToHost)));
+    if (m)
+      FLARE_RETURN_IF_ERROR(
+          cuda_status(kCudaContext, "get_state", cudaMemcpy(m, m_, bytes, cudaMemcpyDeviceToHost)));
+    if (v)
+      FLARE_RETURN_IF_ERROR(
+          cuda_status(kCudaContext, "get_state", cudaMemcpy(v, v_, bytes, cudaMemcpyDeviceToHost)));
     return Status::ok_status();
   }
 
@@ -248,7 +264,8 @@ class CudaBackend final : public Backend {
       loss_sum = dp_->rank_sums() + 1;
     }
 
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum, 0, sizeof(double), stream_), "loss"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "loss", cudaMemsetAsync(loss_sum, 0, sizeof(double), stream_)));
     if (!shard_gradients_) FLARE_RETURN_IF_ERROR(model_->zero_grads());
     // The first forward waits for the weights the last step's all-gather brings, stage by stage.
     cuda::GpuModel::StageHook gathered;
@@ -272,9 +289,11 @@ class CudaBackend final : public Backend {
       timer_.span(EventTimer::kBackward, bwd_begin, bwd_end);
     }
     FLARE_RETURN_IF_ERROR(dp_ ? sharded_update(step, grad_clip) : update(step, grad_clip));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(readback_->norm_and_scale, norm_and_scale_, 2 * sizeof(float),
-                                                      cudaMemcpyDeviceToHost, stream_), "norm readback"));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(done_, stream_), "step event"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "norm readback",
+                    cudaMemcpyAsync(readback_->norm_and_scale, norm_and_scale_, 2 * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream_)));
+    FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "step event", cudaEventRecord(done_, stream_)));
     pending_ = true;
     return Status::ok_status();
   }
@@ -282,7 +301,7 @@ class CudaBackend final : public Backend {
   Status step_end(StepResult* result) override {
     if (!pending_) return invalid("step_end: no step was begun");
     pending_ = false;
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(done_), "training step"));
+    FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "training step", cudaEventSynchronize(done_)));
     if (dp_) FLARE_RETURN_IF_ERROR(dp_->health());
     const dp::DeviceTotals& totals = readback_->totals;
     result->loss = totals.valid > 0 ? totals.loss_sum / static_cast<double>(totals.valid) : 0.0;
@@ -312,11 +331,14 @@ class CudaBackend final : public Backend {
     int64_t staged_valid = 0;
     FLARE_RETURN_IF_ERROR(stage(inputs, targets, 1, &staged_valid));
     if (dp_) FLARE_RETURN_IF_ERROR(dp_->wait_for_weights());
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_), "loss"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "loss", cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_)));
     FLARE_RETURN_IF_ERROR(model_->forward(tokens_, targets_, 0.0f, false, loss_sum_));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
-                                                      cudaMemcpyDeviceToHost, stream_), "loss readback"));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "evaluation"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "loss readback",
+                    cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
+                                    cudaMemcpyDeviceToHost, stream_)));
+    FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "evaluation", cudaStreamSynchronize(stream_)));
     dist::CpTiming not_a_step;  // evaluation's exchanges are not the next step's
     FLARE_RETURN_IF_ERROR(model_->take_cp_timing(&not_a_step));
     *loss_sum = readback_->totals.loss_sum;
@@ -337,21 +359,29 @@ class CudaBackend final : public Backend {
     if (logits) {
       FLARE_RETURN_IF_ERROR(model_->forward(tokens_, nullptr, 0.0f, false, nullptr));
       std::vector<uint16_t> bits(static_cast<size_t>(batch_ * seq_ * c.padded_vocab));
-      FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(bits.data(), model_->logits(), bits.size() * sizeof(bf16),
-                                                        cudaMemcpyDeviceToHost, stream_), "logits"));
-      FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "logits"));
+      FLARE_RETURN_IF_ERROR(
+          cuda_status(kCudaContext, "logits",
+                      cudaMemcpyAsync(bits.data(), model_->logits(), bits.size() * sizeof(bf16),
+                                      cudaMemcpyDeviceToHost, stream_)));
+      FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "logits", cudaStreamSynchronize(stream_)));
       for (size_t i = 0; i < bits.size(); ++i) logits[i] = bf16_to_float(bits[i]);
     }
     const float dloss_scale = valid > 0 ? static_cast<float>(1.0 / static_cast<double>(valid)) : 0.0f;
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_), "loss"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "loss", cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_)));
     FLARE_RETURN_IF_ERROR(model_->zero_grads());
     FLARE_RETURN_IF_ERROR(model_->forward(tokens_, targets_, dloss_scale, true, loss_sum_));
     FLARE_RETURN_IF_ERROR(model_->backward(tokens_));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
-                                                      cudaMemcpyDeviceToHost, stream_), "loss readback"));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(grads, model_->grads(), static_cast<size_t>(layout_.total) * sizeof(float),
-                                                      cudaMemcpyDeviceToHost, stream_), "gradients"));
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "step_gradients"));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "loss readback",
+                    cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
+                                    cudaMemcpyDeviceToHost, stream_)));
+    FLARE_RETURN_IF_ERROR(cuda_status(
+        kCudaContext, "gradients",
+        cudaMemcpyAsync(grads, model_->grads(), static_cast<size_t>(layout_.total) * sizeof(float),
+                        cudaMemcpyDeviceToHost, stream_)));
+    FLARE_RETURN_IF_ERROR(
+        cuda_status(kCudaContext, "step_gradients", cudaStreamSynchronize(stream_)));
     *loss = valid > 0 ? readback_->totals.loss_sum / static_cast<double>(valid) : 0.0;
     return Status::ok_status();
   }
@@ -380,8 +410,9 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(timer_.record(stream_, &end));
     timer_.span(EventTimer::kOptimizer, begin, end);
     readback_->totals.valid = valid_;
-    return cuda_status(cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
-                                       cudaMemcpyDeviceToHost, stream_), "loss readback");
+    return cuda_status(kCudaContext, "loss readback",
+                       cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
+                                       cudaMemcpyDeviceToHost, stream_));
   }
 
   // Data parallel (ZeRO-1 or 2): wait for the buckets' reduction, agree on the norm and the loss, AdamW
@@ -401,8 +432,9 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(timer_.record(stream_, &adam_end));
     timer_.span(EventTimer::kOptimizer, adam_begin, adam_end);
     FLARE_RETURN_IF_ERROR(dp_->all_gather_weights(model_->weights()));
-    return cuda_status(cudaMemcpyAsync(&readback_->totals, dp_->totals(), sizeof(dp::DeviceTotals),
-                                       cudaMemcpyDeviceToHost, stream_), "totals readback");
+    return cuda_status(kCudaContext, "totals readback",
+                       cudaMemcpyAsync(&readback_->totals, dp_->totals(), sizeof(dp::DeviceTotals),
+                                       cudaMemcpyDeviceToHost, stream_));
   }
 
   // The batch into pinned memory and up to the device (enqueued): this rank's rows of it under
@@ -423,25 +455,32 @@ class CudaBackend final : public Backend {
     const std::span<const int32_t> row_targets = dp::gather_rows(targets, seq_, model_->positions(), &local_rows_);
     std::copy(row_targets.begin(), row_targets.end(), host_targets_);
     *valid = std::count_if(row_targets.begin(), row_targets.end(), [](int32_t t) { return t != -1; });
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(tokens_, host_tokens_, bytes, cudaMemcpyHostToDevice, stream_), "tokens"));
-    return cuda_status(cudaMemcpyAsync(targets_, host_targets_, bytes, cudaMemcpyHostToDevice, stream_), "targets");
+    FLARE_RETURN_IF_ERROR(cuda_status(
+        kCudaContext, "tokens",
+        cudaMemcpyAsync(tokens_, host_tokens_, bytes, cudaMemcpyHostToDevice, stream_)));
+    return cuda_status(
+        kCudaContext, "targets",
+        cudaMemcpyAsync(targets_, host_targets_, bytes, cudaMemcpyHostToDevice, stream_));
   }
 
   // A full host tensor's shard (or zeros for null) into device memory.
   Status upload_shard(const float* full, float* shard) {
     const int64_t n = plan_.shard_size(rank_);
     const size_t bytes = sz(n) * sizeof(float);
-    if (!full) return cuda_status(cudaMemset(shard, 0, bytes), "set_state");
-    if (plan_.world == 1) return cuda_status(cudaMemcpy(shard, full, bytes, cudaMemcpyHostToDevice), "set_state");
+    if (!full) return cuda_status(kCudaContext, "set_state", cudaMemset(shard, 0, bytes));
+    if (plan_.world == 1)
+      return cuda_status(kCudaContext, "set_state",
+                         cudaMemcpy(shard, full, bytes, cudaMemcpyHostToDevice));
     HostArray<float> host(n);  // full_to_shard writes every element
     dp::full_to_shard(plan_, rank_, full, host.data(), sizeof(float));
-    return cuda_status(cudaMemcpy(shard, host.data(), bytes, cudaMemcpyHostToDevice), "set_state");
+    return cuda_status(kCudaContext, "set_state",
+                       cudaMemcpy(shard, host.data(), bytes, cudaMemcpyHostToDevice));
   }
 
   Status wait_idle() {
     if (pending_) return invalid("a step is in flight (step_end first)");
     if (dp_) FLARE_RETURN_IF_ERROR(dp_->synchronize());
-    return cuda_status(cudaStreamSynchronize(stream_), "device");
+    return cuda_status(kCudaContext, "device", cudaStreamSynchronize(stream_));
   }
 
   // memory_bytes() now plus the stream-ordered allocations' high-water mark (freed memory of the

@@ -43,7 +43,8 @@ class Arena {
   }
   int64_t total() const { return total_; }
   Status allocate(void** base) {
-    FLARE_RETURN_IF_ERROR(cuda_status(cudaMalloc(base, static_cast<size_t>(total_)), "GpuModel buffers"));
+    FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "GpuModel buffers",
+                                      cudaMalloc(base, static_cast<size_t>(total_))));
     char* p = static_cast<char*>(*base);
     for (const auto& [bytes, assign] : requests_) {
       assign(p);
@@ -292,11 +293,13 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
   }
   // Weights and gradients start at zero so the alignment gaps, which no kernel writes, are zero.
   FLARE_RETURN_IF_ERROR(cuda_status(
-      cudaMemsetAsync(g->weights_, 0, static_cast<size_t>(L.total) * sizeof(bf16), stream), "GpuModel weights"));
+      kCudaContext, "GpuModel weights",
+      cudaMemsetAsync(g->weights_, 0, static_cast<size_t>(L.total) * sizeof(bf16), stream)));
   if (g->grads_) FLARE_RETURN_IF_ERROR(g->zero_grads());
-  FLARE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(m.positions_device, m.positions.data(),
-                                                static_cast<size_t>(seq) * sizeof(int64_t),
-                                                cudaMemcpyHostToDevice), "GpuModel positions"));
+  FLARE_RETURN_IF_ERROR(
+      cuda_status(kCudaContext, "GpuModel positions",
+                  cudaMemcpy(m.positions_device, m.positions.data(),
+                             static_cast<size_t>(seq) * sizeof(int64_t), cudaMemcpyHostToDevice)));
   if (!gpt) {
     // The RoPE tables at the rows' positions, in double rounded once to fp32, by the CPU
     // reference's function.
@@ -305,9 +308,11 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
     cpu::rope_table(cos_table.data(), sin_table.data(), seq, config.head_dim, config.rope_theta,
                     config.rope_scaling, m.positions.data());
     FLARE_RETURN_IF_ERROR(cuda_status(
-        cudaMemcpy(m.rope_cos, cos_table.data(), n * sizeof(float), cudaMemcpyHostToDevice), "rope table"));
+        kCudaContext, "rope table",
+        cudaMemcpy(m.rope_cos, cos_table.data(), n * sizeof(float), cudaMemcpyHostToDevice)));
     FLARE_RETURN_IF_ERROR(cuda_status(
-        cudaMemcpy(m.rope_sin, sin_table.data(), n * sizeof(float), cudaMemcpyHostToDevice), "rope table"));
+        kCudaContext, "rope table",
+        cudaMemcpy(m.rope_sin, sin_table.data(), n * sizeof(float), cudaMemcpyHostToDevice)));
   }
   if (options.cp && options.cp->size() > 1) {
     AttentionOptions attention;
@@ -330,8 +335,10 @@ Status GpuModel::take_cp_timing(dist::CpTiming* out) {
 
 Status GpuModel::zero_grads() {
   if (grads_ == nullptr) return invalid("zero_grads: the model holds no whole gradient (GpuModelOptions::whole_gradient)");
-  return cuda_status(cudaMemsetAsync(grads_, 0, static_cast<size_t>(impl_->layout.total) * sizeof(float), stream_),
-                     "zero_grads");
+  return cuda_status(
+      kCudaContext, "zero_grads",
+      cudaMemsetAsync(grads_, 0, static_cast<size_t>(impl_->layout.total) * sizeof(float),
+                      stream_));
 }
 
 // ---- Blocks ---------------------------------------------------------------------------------------

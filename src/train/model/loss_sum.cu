@@ -33,7 +33,7 @@ Status loss_sum(const float* losses, int64_t n, double* sum, cudaStream_t stream
   if (n < 1) return invalid("loss_sum: n = ", n, " must be >= 1");
   if (losses == nullptr || sum == nullptr) return invalid("loss_sum: losses and sum must not be null");
   loss_sum_kernel<<<1, kThreads, 0, stream>>>(losses, n, sum);
-  return launch_status("loss_sum");
+  return launch_status(kCudaContext, "loss_sum");
 }
 
 }  // namespace flare::train::cuda
