@@ -52,6 +52,8 @@ inline ProblemSpec with_seed(ProblemSpec s, uint64_t seed) {
   s.seed = seed;
   return s;
 }
+// This run's seed (test_seed(): FLARE_TEST_SEED replays it).
+inline ProblemSpec with_run_seed(ProblemSpec s) { return with_seed(std::move(s), test_seed()); }
 inline ProblemSpec causal(ProblemSpec s) {
   s.options.causal = true;
   return s;

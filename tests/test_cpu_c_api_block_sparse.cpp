@@ -27,7 +27,7 @@ extern "C" int flare_c_block_sparse(void* q, void* k, void* v, void* o, void* ls
 namespace flare::test {
 namespace {
 
-using namespace problem_cases;  // fixed, with_seed, fill_mask, random_mask, block_sparse_forward
+using namespace problem_cases;  // fixed, with_run_seed, fill_mask, random_mask, ...
 
 static_assert(FLARE_UINT8 == static_cast<int>(DType::kUInt8));
 
@@ -89,7 +89,7 @@ TEST(CApiBlockSparse, FromCEqualsCpp) {
   constexpr int64_t b = 2, sq = 37, sk = 50, hq = 4, hkv = 2, d = 16, bm = 8, bn = 16;
   const int64_t q_shape[4] = {b, sq, hq, d}, k_shape[4] = {b, sk, hkv, d};
   const int64_t mask_shape[4] = {b, hq, ceil_div(sq, bm), ceil_div(sk, bn)};
-  ProblemSpec spec = with_seed(fixed(b, sq, sk, hq, hkv, d), test_seed());
+  ProblemSpec spec = with_run_seed(fixed(b, sq, sk, hq, hkv, d));
   spec.options.causal = true;
   Problem via_cpp = make_problem(spec), via_c = make_problem(spec);
   HostTensor mask = fill_mask(mask_shape[0], mask_shape[1], mask_shape[2], mask_shape[3],
@@ -113,11 +113,10 @@ TEST(CApiBlockSparse, FromCEqualsCpp) {
 TEST(CApiBlockSparse, EveryOptionAndBackendGivesTheCppBytes) {
   for (Backend backend : {Backend::kAuto, Backend::kReference}) {
     SCOPED_TRACE(backend == Backend::kAuto ? "auto" : "reference");
-    ProblemSpec plain = with_seed(fixed(2, 97, 130, 4, 4, 40), test_seed());
+    ProblemSpec plain = with_run_seed(fixed(2, 97, 130, 4, 4, 40));
     plain.options.backend = backend;
     expect_c_equals_cpp(plain, 16, 32, DType::kUInt8, 0.5);
-    ProblemSpec mods =
-        with_seed(fixed(1, 80, 64, 8, 2, 24, DType::kBFloat16), test_seed());  // GQA 4:1
+    ProblemSpec mods = with_run_seed(fixed(1, 80, 64, 8, 2, 24, DType::kBFloat16));  // GQA 4:1
     mods.options.backend = backend;
     mods.options.causal = true;
     mods.options.softcap = 5.0f;
@@ -127,7 +126,7 @@ TEST(CApiBlockSparse, EveryOptionAndBackendGivesTheCppBytes) {
     mods.options.dropout_seed = 99;
     mods.options.dropout_offset = 5;
     expect_c_equals_cpp(mods, 16, 16, DType::kInt32, 0.6);
-    ProblemSpec window = with_seed(fixed(1, 70, 70, 2, 1, 32, DType::kFloat16), test_seed());
+    ProblemSpec window = with_run_seed(fixed(1, 70, 70, 2, 1, 32, DType::kFloat16));
     window.options.backend = backend;
     window.options.window_left = 20;
     window.options.window_right = 3;
@@ -137,11 +136,10 @@ TEST(CApiBlockSparse, EveryOptionAndBackendGivesTheCppBytes) {
 }
 
 TEST(CApiBlockSparse, VarlenBroadcastAndStridedMasks) {
-  const ProblemSpec packed =
-      with_seed(varlen({37, 0, 64, 5}, {50, 12, 33, 0}, 4, 2, 16), test_seed());
+  const ProblemSpec packed = with_run_seed(varlen({37, 0, 64, 5}, {50, 12, 33, 0}, 4, 2, 16));
   expect_c_equals_cpp(packed, 16, 8, DType::kUInt8, 0.5);
   // Shared over batch and heads: the (1, 1, rows, cols) corner of a full mask.
-  const ProblemSpec spec = with_seed(fixed(2, 64, 96, 4, 2, 32), test_seed());
+  const ProblemSpec spec = with_run_seed(fixed(2, 64, 96, 4, 2, 32));
   HostTensor full = mask_for(spec, 16, 16, DType::kUInt8, 0.5);
   TensorView shared = full.view;
   shared.shape[0] = shared.shape[1] = 1;
@@ -177,7 +175,7 @@ void expect_rejected(Problem& pr, const CSparseCall& c, const flare_block_mask* 
 }
 
 TEST(CApiBlockSparseValidation, EveryRejectionIsNamedAndWritesNothing) {
-  Problem pr = make_problem(with_seed(fixed(2, 40, 50, 4, 2, 16), test_seed()));
+  Problem pr = make_problem(with_run_seed(fixed(2, 40, 50, 4, 2, 16)));
   // Blocks 16 × 16.
   HostTensor good = fill_mask(2, 4, 3, 4, DType::kUInt8, false, random_blocks(0.5, 3));
   const BlockMask m{good.view, 16, 16};
@@ -242,7 +240,7 @@ TEST(CApiBlockSparseValidation, EveryRejectionIsNamedAndWritesNothing) {
 }
 
 TEST(CApiBlockSparseValidation, AMaskInsideAnOutputIsRefused) {
-  Problem pr = make_problem(with_seed(fixed(1, 16, 16, 1, 1, 16), test_seed()));
+  Problem pr = make_problem(with_run_seed(fixed(1, 16, 16, 1, 1, 16)));
   HostTensor mask = fill_mask(1, 1, 1, 1, DType::kUInt8, false, random_blocks(1.0, 1));
   const CSparseCall c(pr, {mask.view, 16, 16});
   flare_block_mask in_o = c.mask;

@@ -31,13 +31,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <future>
 #include <limits>
 #include <ostream>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -47,61 +45,15 @@
 #include "cuda/testing.h"
 #include "flare/block_sparse.h"
 #include "gpu_util.h"
+#include "problem_cases.h"
 #include "test_util.h"
 
 namespace flare::test {
 namespace {
 
+using namespace problem_cases;  // fixed, varlen, causal, window, fill_mask, random_blocks, ...
+
 // ---- masks ---------------------------------------------------------------------------------------
-
-using OnFn = std::function<bool(int b, int h, int r, int c)>;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-bool is_varlen(const ProblemSpec& s) { return !s.varlen_q.empty(); }
-int batch_of(const ProblemSpec& s) {
-  return is_varlen(s) ? static_cast<int>(s.varlen_q.size()) : s.batch;
-}
-// The mask's extent in rows and keys: the longest sequences (varlen) or the fixed lengths.
-int max_len_q(const ProblemSpec& s) {
-  return is_varlen(s) ? *std::max_element(s.varlen_q.begin(), s.varlen_q.end()) : s.seqlen_q;
-}
-int max_len_k(const ProblemSpec& s) {
-  return is_varlen(s) ? *std::max_element(s.varlen_k.begin(), s.varlen_k.end()) : s.seqlen_k;
-}
-
-// A (mb, mh, rows, cols) mask of `dtype` whose entry (b, h, r, c) is on(b, h, r, c), calling `on`
-// once per entry in row-major order. int32 entries that are on take several nonzero values, 256
-// and 65536 among them (zero low byte: a kernel reading the mask as bytes would see them off).
-// `strided`: a view of the even columns of a buffer twice as wide whose odd columns hold the
-// opposite, so a kernel that ignores the column stride reads wrong blocks.
-HostTensor fill_mask(int64_t mb, int64_t mh, int64_t rows, int64_t cols, DType dtype, bool strided,
-                     const OnFn& on) {
-  const int64_t width = strided ? 2 * cols : cols;
-  HostTensor t = HostTensor::make(dtype, {mb, mh, rows, width});
-  auto put = [&](int64_t at, bool value, int64_t salt) {
-    static constexpr int32_t kOnValues[] = {1, 7, -1, 256, 65536};
-    if (dtype == DType::kInt32)
-      reinterpret_cast<int32_t*>(t.bytes.data())[at] = value ? kOnValues[salt % 5] : 0;
-    else
-      t.bytes[static_cast<size_t>(at)] = value ? 1 : 0;
-  };
-  for (int64_t b = 0; b < mb; ++b)
-    for (int64_t h = 0; h < mh; ++h)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-          const bool value = on(static_cast<int>(b), static_cast<int>(h), static_cast<int>(r),
-                                static_cast<int>(c));
-          const int64_t at = ((b * mh + h) * rows + r) * width + (strided ? 2 * c : c);
-          put(at, value, b + h + r + c);
-          if (strided) put(at + 1, !value, b + h + r + c);
-        }
-  if (strided) {
-    t.view.shape[3] = cols;
-    t.view.stride[3] = 2;
-  }
-  return t;
-}
 
 enum class Pattern { kRandom, kLocalGlobal, kButterfly };
 
@@ -118,7 +70,7 @@ struct MaskSpec {
 };
 
 // The entries of a fixed pattern (the same for every sequence and head).
-OnFn pattern_blocks(Pattern pattern, int64_t rows, int64_t cols) {
+BlockOn pattern_blocks(Pattern pattern, int64_t rows, int64_t cols) {
   std::vector<uint8_t> m;
   const Status s = pattern == Pattern::kLocalGlobal ? local_global_block_mask(rows, cols, 3, 1, &m)
                                                     : butterfly_block_mask(rows, cols, &m);
@@ -128,18 +80,11 @@ OnFn pattern_blocks(Pattern pattern, int64_t rows, int64_t cols) {
   };
 }
 
-OnFn random_blocks(double density, uint64_t seed) {
-  auto rng = std::make_shared<std::mt19937_64>(seed);
-  return [rng, density](int, int, int, int) {
-    return std::uniform_real_distribution<double>(0.0, 1.0)(*rng) < density;
-  };
-}
-
 HostTensor make_mask(const ProblemSpec& spec, const MaskSpec& m, uint64_t seed) {
   const int64_t rows = ceil_div(max_len_q(spec), m.block_m);
   const int64_t cols = ceil_div(max_len_k(spec), m.block_n);
-  const OnFn on = m.pattern == Pattern::kRandom ? random_blocks(m.density, seed)
-                                                : pattern_blocks(m.pattern, rows, cols);
+  const BlockOn on = m.pattern == Pattern::kRandom ? random_blocks(m.density, seed)
+                                                   : pattern_blocks(m.pattern, rows, cols);
   return fill_mask(m.per_batch ? batch_of(spec) : 1, m.per_head ? spec.heads_q : 1, rows, cols,
                    m.dtype, m.strided, on);
 }
@@ -350,26 +295,6 @@ ProblemSpec seeded(const Case& c) {
   return s;
 }
 
-ProblemSpec fixed(DType dtype, int b, int sq, int sk, int hq, int hkv, int d) {
-  ProblemSpec s;
-  s.dtype = dtype;
-  s.batch = b;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.heads_q = hq;
-  s.heads_kv = hkv;
-  s.head_dim = d;
-  return s;
-}
-
-ProblemSpec varlen(DType dtype, std::vector<int> lens_q, std::vector<int> lens_k, int hq, int hkv,
-                   int d) {
-  ProblemSpec s = fixed(dtype, 0, 0, 0, hq, hkv, d);
-  s.varlen_q = std::move(lens_q);
-  s.varlen_k = std::move(lens_k);
-  return s;
-}
-
 MaskSpec blocks(int block_m, int block_n, double density) {
   MaskSpec m;
   m.block_m = block_m;
@@ -378,38 +303,13 @@ MaskSpec blocks(int block_m, int block_n, double density) {
   return m;
 }
 
-// Spec modifiers, so a case list reads as one line per case.
-ProblemSpec causal(ProblemSpec s) {
-  s.options.causal = true;
-  return s;
-}
-ProblemSpec window(ProblemSpec s, int left, int right) {
-  s.options.window_left = left;
-  s.options.window_right = right;
-  return s;
-}
-ProblemSpec softcap(ProblemSpec s, float cap) {
-  s.options.softcap = cap;
-  s.magnitude = 4.0f;  // scores large enough for the cap to bend them
-  return s;
-}
-ProblemSpec alibi(ProblemSpec s, bool per_batch) {
-  s.alibi = true;
-  s.alibi_per_batch = per_batch;
-  return s;
-}
-ProblemSpec dropout(ProblemSpec s, float p) {
-  s.options.dropout_p = p;
+// A softcap over scores large enough for the cap to bend them.
+ProblemSpec capped(ProblemSpec s, float cap) { return magnitude(softcap(s, cap), 4.0f); }
+// Dropout keyed by this run's seed, at an offset past 2^32 (the high word of the counter in use).
+ProblemSpec keyed_dropout(ProblemSpec s, float p) {
+  s = dropout(s, p);
   s.options.dropout_seed = 0x1234567890abcdefull ^ test_seed();
   s.options.dropout_offset = 0x100000003ull;
-  return s;
-}
-ProblemSpec deterministic(ProblemSpec s) {
-  s.options.deterministic = true;
-  return s;
-}
-ProblemSpec padded(ProblemSpec s, int64_t pad) {
-  s.pad = pad;
   return s;
 }
 MaskSpec broadcast(MaskSpec m, bool per_batch, bool per_head) {
@@ -438,23 +338,23 @@ TEST_P(GpuBlockSparseRandomMasks, AgainstTheReference) {
 // query walk each pass several off blocks in a row; s 4096: 32. Lengths 1000, 300, 129 leave a
 // ragged last block (of 104, 44 and 1 rows or keys).
 const Case kRandomCases[] = {
-    {"d128_s1024_128x128_all", fixed(kBF16, 1, 1024, 1024, 1, 1, 128), blocks(128, 128, 1.0)},
-    {"d128_s1024_128x128_50", fixed(kBF16, 1, 1024, 1024, 2, 2, 128), blocks(128, 128, 0.5)},
-    {"d128_s1024_128x128_25", fixed(kF16, 1, 1024, 1024, 2, 2, 128), blocks(128, 128, 0.25)},
-    {"d128_s1024_128x128_10", fixed(kBF16, 1, 1024, 1024, 4, 4, 128), blocks(128, 128, 0.1)},
-    {"d128_s1024_256x128_50", fixed(kBF16, 1, 1024, 1024, 2, 2, 128), blocks(256, 128, 0.5)},
-    {"d128_s1024_128x256_50", fixed(kF16, 1, 1024, 1024, 2, 2, 128), blocks(128, 256, 0.5)},
-    {"d128_s1024_256x256_40", fixed(kF16, 1, 1024, 1024, 2, 2, 128), blocks(256, 256, 0.4)},
-    {"d64_s1024_128x128_40", fixed(kBF16, 1, 1024, 1024, 4, 2, 64), blocks(128, 128, 0.4)},
-    {"d256_s1024_128x256_40", fixed(kF16, 1, 1024, 1024, 2, 2, 256), blocks(128, 256, 0.4)},
-    {"d128_s1000_128x128_50", fixed(kBF16, 2, 1000, 1000, 1, 1, 128), blocks(128, 128, 0.5)},
-    {"d128_sq300_sk129_128x128_60", fixed(kF16, 2, 300, 129, 2, 2, 128), blocks(128, 128, 0.6)},
-    {"d128_sq129_sk1000_128x256_50", fixed(kBF16, 1, 129, 1000, 2, 2, 128), blocks(128, 256, 0.5)},
-    {"d64_sq1000_sk300_256x128_50", fixed(kF16, 2, 1000, 300, 2, 1, 64), blocks(256, 128, 0.5)},
-    {"d128_s4096_128x128_5", fixed(kBF16, 1, 4096, 4096, 1, 1, 128), blocks(128, 128, 0.05)},
-    {"d128_s4096_256x128_causal_15", causal(fixed(kF16, 1, 4096, 4096, 1, 1, 128)),
+    {"d128_s1024_128x128_all", fixed(1, 1024, 1024, 1, 1, 128, kBF16), blocks(128, 128, 1.0)},
+    {"d128_s1024_128x128_50", fixed(1, 1024, 1024, 2, 2, 128, kBF16), blocks(128, 128, 0.5)},
+    {"d128_s1024_128x128_25", fixed(1, 1024, 1024, 2, 2, 128, kF16), blocks(128, 128, 0.25)},
+    {"d128_s1024_128x128_10", fixed(1, 1024, 1024, 4, 4, 128, kBF16), blocks(128, 128, 0.1)},
+    {"d128_s1024_256x128_50", fixed(1, 1024, 1024, 2, 2, 128, kBF16), blocks(256, 128, 0.5)},
+    {"d128_s1024_128x256_50", fixed(1, 1024, 1024, 2, 2, 128, kF16), blocks(128, 256, 0.5)},
+    {"d128_s1024_256x256_40", fixed(1, 1024, 1024, 2, 2, 128, kF16), blocks(256, 256, 0.4)},
+    {"d64_s1024_128x128_40", fixed(1, 1024, 1024, 4, 2, 64, kBF16), blocks(128, 128, 0.4)},
+    {"d256_s1024_128x256_40", fixed(1, 1024, 1024, 2, 2, 256, kF16), blocks(128, 256, 0.4)},
+    {"d128_s1000_128x128_50", fixed(2, 1000, 1000, 1, 1, 128, kBF16), blocks(128, 128, 0.5)},
+    {"d128_sq300_sk129_128x128_60", fixed(2, 300, 129, 2, 2, 128, kF16), blocks(128, 128, 0.6)},
+    {"d128_sq129_sk1000_128x256_50", fixed(1, 129, 1000, 2, 2, 128, kBF16), blocks(128, 256, 0.5)},
+    {"d64_sq1000_sk300_256x128_50", fixed(2, 1000, 300, 2, 1, 64, kF16), blocks(256, 128, 0.5)},
+    {"d128_s4096_128x128_5", fixed(1, 4096, 4096, 1, 1, 128, kBF16), blocks(128, 128, 0.05)},
+    {"d128_s4096_256x128_causal_15", causal(fixed(1, 4096, 4096, 1, 1, 128, kF16)),
      blocks(256, 128, 0.15)},
-    {"d64_s4096_128x256_10", fixed(kBF16, 1, 4096, 4096, 1, 1, 64), blocks(128, 256, 0.1)},
+    {"d64_s4096_128x256_10", fixed(1, 4096, 4096, 1, 1, 64, kBF16), blocks(128, 256, 0.1)},
 };
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuBlockSparseRandomMasks, ::testing::ValuesIn(kRandomCases),
@@ -488,84 +388,84 @@ const std::vector<int> kLensK = {7, 600, 0, 300, 260, 384};
 
 const Case kFeatureCases[] = {
     // Causal, bottom-right aligned: s_q < s_k, and s_q > s_k (the first 700 rows see no key).
-    {"causal_sq300_sk1000_gqa4to2_d128", causal(fixed(kBF16, 1, 300, 1000, 4, 2, 128)),
+    {"causal_sq300_sk1000_gqa4to2_d128", causal(fixed(1, 300, 1000, 4, 2, 128, kBF16)),
      blocks(128, 128, 0.5)},
-    {"causal_sq1000_sk300_d128", causal(fixed(kF16, 1, 1000, 300, 2, 2, 128)),
+    {"causal_sq1000_sk300_d128", causal(fixed(1, 1000, 300, 2, 2, 128, kF16)),
      blocks(128, 128, 0.6)},
-    {"causal_s1024_d64", causal(fixed(kF16, 1, 1024, 1024, 2, 2, 64)), blocks(128, 128, 0.5)},
-    {"causal_s1024_d256_128x256", causal(fixed(kBF16, 1, 1024, 1024, 1, 1, 256)),
+    {"causal_s1024_d64", causal(fixed(1, 1024, 1024, 2, 2, 64, kF16)), blocks(128, 128, 0.5)},
+    {"causal_s1024_d256_128x256", causal(fixed(1, 1024, 1024, 1, 1, 256, kBF16)),
      blocks(128, 256, 0.5)},
     // Sliding windows.
-    {"window_200_50_s1024_d128", window(fixed(kBF16, 1, 1024, 1024, 2, 2, 128), 200, 50),
+    {"window_200_50_s1024_d128", window(fixed(1, 1024, 1024, 2, 2, 128, kBF16), 200, 50),
      blocks(128, 128, 0.6)},
     {"window_left_unbounded_right_100_sq700_sk900_d128",
-     window(fixed(kF16, 1, 700, 900, 2, 2, 128), -1, 100), blocks(256, 128, 0.5)},
-    {"window_0_0_s513_d128", window(fixed(kBF16, 1, 513, 513, 2, 2, 128), 0, 0),
+     window(fixed(1, 700, 900, 2, 2, 128, kF16), -1, 100), blocks(256, 128, 0.5)},
+    {"window_0_0_s513_d128", window(fixed(1, 513, 513, 2, 2, 128, kBF16), 0, 0),
      blocks(128, 128, 0.7)},
-    {"window_causal_300_s1024_d64", window(causal(fixed(kBF16, 1, 1024, 1024, 2, 2, 64)), 300, 0),
+    {"window_causal_300_s1024_d64", window(causal(fixed(1, 1024, 1024, 2, 2, 64, kBF16)), 300, 0),
      blocks(128, 128, 0.6)},
     // Score modifiers and dropout: the sm80 kernels.
-    {"softcap_s512_d128", softcap(fixed(kBF16, 1, 512, 512, 2, 2, 128), 5.0f),
+    {"softcap_s512_d128", capped(fixed(1, 512, 512, 2, 2, 128, kBF16), 5.0f),
      blocks(128, 128, 0.5)},
-    {"alibi_per_batch_sq400_sk600_d96", alibi(fixed(kF16, 2, 400, 600, 2, 2, 96), true),
+    {"alibi_per_batch_sq400_sk600_d96", alibi(fixed(2, 400, 600, 2, 2, 96, kF16), true),
      blocks(128, 128, 0.5)},
-    {"alibi_causal_gqa_s700_d128", alibi(causal(fixed(kBF16, 1, 700, 700, 4, 2, 128)), false),
+    {"alibi_causal_gqa_s700_d128", alibi(causal(fixed(1, 700, 700, 4, 2, 128, kBF16))),
      blocks(128, 128, 0.5)},
-    {"dropout_causal_s640_d128", dropout(causal(fixed(kBF16, 1, 640, 640, 2, 2, 128)), 0.17f),
+    {"dropout_causal_s640_d128", keyed_dropout(causal(fixed(1, 640, 640, 2, 2, 128, kBF16)), 0.17f),
      blocks(128, 128, 0.5)},
-    {"dropout_gqa_sq600_sk900_d64", dropout(fixed(kF16, 1, 600, 900, 4, 2, 64), 0.2f),
+    {"dropout_gqa_sq600_sk900_d64", keyed_dropout(fixed(1, 600, 900, 4, 2, 64, kF16), 0.2f),
      blocks(128, 256, 0.5)},
     {"every_modifier_gqa_sq700_sk800_d80",
-     dropout(alibi(softcap(window(fixed(kBF16, 1, 700, 800, 4, 2, 80), 300, 50), 8.0f), false),
-             0.1f),
+     keyed_dropout(alibi(capped(window(fixed(1, 700, 800, 4, 2, 80, kBF16), 300, 50), 8.0f)),
+                   0.1f),
      blocks(128, 128, 0.6)},
     // GQA / MQA: the mask is per query head, so heads sharing K/V see different blocks.
-    {"mqa_8to1_causal_s512_d128", causal(fixed(kF16, 1, 512, 512, 8, 1, 128)),
+    {"mqa_8to1_causal_s512_d128", causal(fixed(1, 512, 512, 8, 1, 128, kF16)),
      blocks(128, 128, 0.5)},
-    {"gqa_4to1_sq384_sk512_d256", fixed(kBF16, 1, 384, 512, 4, 1, 256), blocks(128, 128, 0.5)},
+    {"gqa_4to1_sq384_sk512_d256", fixed(1, 384, 512, 4, 1, 256, kBF16), blocks(128, 128, 0.5)},
     // Varlen: blocks count from each sequence's start.
-    {"varlen_gqa_d128", varlen(kBF16, kLensQ, kLensK, 2, 1, 128), blocks(128, 128, 0.5)},
-    {"varlen_causal_d128_256x128", causal(varlen(kF16, kLensQ, kLensK, 2, 2, 128)),
+    {"varlen_gqa_d128", varlen(kLensQ, kLensK, 2, 1, 128, kBF16), blocks(128, 128, 0.5)},
+    {"varlen_causal_d128_256x128", causal(varlen(kLensQ, kLensK, 2, 2, 128, kF16)),
      blocks(256, 128, 0.6)},
     {"varlen_causal_dropout_alibi_d64",
-     dropout(alibi(causal(varlen(kBF16, kLensQ, kLensK, 4, 2, 64)), true), 0.15f),
+     keyed_dropout(alibi(causal(varlen(kLensQ, kLensK, 4, 2, 64, kBF16)), true), 0.15f),
      blocks(128, 128, 0.5)},
     // Head dims: every bucket of both kernel families, widths inside them, odd ones.
-    {"head_dim_32", fixed(kBF16, 1, 384, 520, 2, 2, 32), blocks(128, 128, 0.6)},
-    {"head_dim_40", fixed(kF16, 1, 384, 520, 2, 2, 40), blocks(128, 128, 0.6)},
-    {"head_dim_59", fixed(kBF16, 1, 384, 520, 2, 2, 59), blocks(128, 128, 0.6)},
-    {"head_dim_64", fixed(kF16, 1, 384, 520, 2, 2, 64), blocks(128, 128, 0.6)},
-    {"head_dim_80", fixed(kBF16, 1, 384, 520, 2, 2, 80), blocks(128, 128, 0.6)},
-    {"head_dim_96", fixed(kF16, 1, 384, 520, 2, 2, 96), blocks(128, 128, 0.6)},
-    {"head_dim_111", fixed(kBF16, 1, 384, 520, 2, 2, 111), blocks(128, 128, 0.6)},
-    {"head_dim_128", fixed(kF16, 1, 384, 520, 2, 2, 128), blocks(128, 128, 0.6)},
-    {"head_dim_160", fixed(kBF16, 1, 384, 520, 2, 2, 160), blocks(128, 128, 0.6)},
-    {"head_dim_192", fixed(kF16, 1, 384, 520, 2, 2, 192), blocks(128, 128, 0.6)},
-    {"head_dim_256", fixed(kBF16, 1, 384, 520, 2, 2, 256), blocks(128, 128, 0.6)},
+    {"head_dim_32", fixed(1, 384, 520, 2, 2, 32, kBF16), blocks(128, 128, 0.6)},
+    {"head_dim_40", fixed(1, 384, 520, 2, 2, 40, kF16), blocks(128, 128, 0.6)},
+    {"head_dim_59", fixed(1, 384, 520, 2, 2, 59, kBF16), blocks(128, 128, 0.6)},
+    {"head_dim_64", fixed(1, 384, 520, 2, 2, 64, kF16), blocks(128, 128, 0.6)},
+    {"head_dim_80", fixed(1, 384, 520, 2, 2, 80, kBF16), blocks(128, 128, 0.6)},
+    {"head_dim_96", fixed(1, 384, 520, 2, 2, 96, kF16), blocks(128, 128, 0.6)},
+    {"head_dim_111", fixed(1, 384, 520, 2, 2, 111, kBF16), blocks(128, 128, 0.6)},
+    {"head_dim_128", fixed(1, 384, 520, 2, 2, 128, kF16), blocks(128, 128, 0.6)},
+    {"head_dim_160", fixed(1, 384, 520, 2, 2, 160, kBF16), blocks(128, 128, 0.6)},
+    {"head_dim_192", fixed(1, 384, 520, 2, 2, 192, kF16), blocks(128, 128, 0.6)},
+    {"head_dim_256", fixed(1, 384, 520, 2, 2, 256, kBF16), blocks(128, 128, 0.6)},
     // Strided inputs: rows 16-byte aligned (pad 8: the sm90 and vector paths), and not (pad 3).
-    {"padded_aligned_d128", padded(causal(fixed(kBF16, 2, 520, 520, 2, 2, 128)), 8),
+    {"padded_aligned_d128", padded(causal(fixed(2, 520, 520, 2, 2, 128, kBF16)), 8),
      blocks(128, 128, 0.5)},
-    {"padded_unaligned_d64", padded(fixed(kF16, 2, 520, 520, 2, 1, 64), 3), blocks(128, 128, 0.5)},
+    {"padded_unaligned_d64", padded(fixed(2, 520, 520, 2, 1, 64, kF16), 3), blocks(128, 128, 0.5)},
     // Mask layouts.
-    {"int32_mask_s1024_d128", fixed(kBF16, 1, 1024, 1024, 2, 2, 128),
+    {"int32_mask_s1024_d128", fixed(1, 1024, 1024, 2, 2, 128, kBF16),
      int32_mask(blocks(128, 128, 0.3))},
-    {"int32_mask_varlen_d64", varlen(kF16, kLensQ, kLensK, 2, 2, 64),
+    {"int32_mask_varlen_d64", varlen(kLensQ, kLensK, 2, 2, 64, kF16),
      int32_mask(blocks(128, 128, 0.5))},
-    {"mask_shared_by_all", fixed(kBF16, 2, 512, 640, 2, 1, 128),
+    {"mask_shared_by_all", fixed(2, 512, 640, 2, 1, 128, kBF16),
      broadcast(blocks(128, 128, 0.5), false, false)},
-    {"mask_per_batch_shared_by_heads", fixed(kF16, 2, 512, 640, 2, 1, 128),
+    {"mask_per_batch_shared_by_heads", fixed(2, 512, 640, 2, 1, 128, kF16),
      broadcast(blocks(128, 128, 0.5), true, false)},
-    {"mask_per_head_shared_by_batch", fixed(kBF16, 2, 512, 640, 2, 1, 64),
+    {"mask_per_head_shared_by_batch", fixed(2, 512, 640, 2, 1, 64, kBF16),
      broadcast(blocks(128, 128, 0.5), false, true)},
-    {"mask_strided_columns", fixed(kF16, 2, 512, 640, 2, 1, 128),
+    {"mask_strided_columns", fixed(2, 512, 640, 2, 1, 128, kF16),
      strided_mask(blocks(128, 128, 0.5))},
-    {"mask_strided_varlen", causal(varlen(kBF16, kLensQ, kLensK, 2, 1, 128)),
+    {"mask_strided_varlen", causal(varlen(kLensQ, kLensK, 2, 1, 128, kBF16)),
      strided_mask(blocks(128, 128, 0.6))},
     // Deterministic backward: bit for bit the same twice (and against the reference).
     {"deterministic_gqa_dropout_causal_d128",
-     deterministic(dropout(causal(fixed(kBF16, 1, 640, 640, 4, 2, 128)), 0.1f)),
+     deterministic(keyed_dropout(causal(fixed(1, 640, 640, 4, 2, 128, kBF16)), 0.1f)),
      blocks(128, 128, 0.5)},
-    {"deterministic_d64_256x128", deterministic(fixed(kF16, 2, 300, 1000, 2, 2, 64)),
+    {"deterministic_d64_256x128", deterministic(fixed(2, 300, 1000, 2, 2, 64, kF16)),
      blocks(256, 128, 0.5)},
 };
 
@@ -593,12 +493,12 @@ MaskSpec pattern(Pattern p) {
 }
 
 const Case kPatternCases[] = {
-    {"local_global_s1024_d128", fixed(kBF16, 1, 1024, 1024, 2, 2, 128),
+    {"local_global_s1024_d128", fixed(1, 1024, 1024, 2, 2, 128, kBF16),
      pattern(Pattern::kLocalGlobal)},
-    {"local_global_causal_s2048_d64", causal(fixed(kF16, 1, 2048, 2048, 2, 1, 64)),
+    {"local_global_causal_s2048_d64", causal(fixed(1, 2048, 2048, 2, 1, 64, kF16)),
      pattern(Pattern::kLocalGlobal)},
-    {"butterfly_s1024_d128", fixed(kF16, 1, 1024, 1024, 2, 2, 128), pattern(Pattern::kButterfly)},
-    {"butterfly_s2048_d128", fixed(kBF16, 1, 2048, 2048, 1, 1, 128), pattern(Pattern::kButterfly)},
+    {"butterfly_s1024_d128", fixed(1, 1024, 1024, 2, 2, 128, kF16), pattern(Pattern::kButterfly)},
+    {"butterfly_s2048_d128", fixed(1, 2048, 2048, 1, 1, 128, kBF16), pattern(Pattern::kButterfly)},
 };
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuBlockSparsePatterns, ::testing::ValuesIn(kPatternCases),
@@ -621,7 +521,7 @@ Unseen unseen_of(const ProblemSpec& spec, const MaskSpec& m) {
 }
 
 HostTensor unseen_mask(const ProblemSpec& spec, const MaskSpec& m, const Unseen& u, uint64_t seed) {
-  const OnFn random = random_blocks(m.density, seed);
+  const BlockOn random = random_blocks(m.density, seed);
   return fill_mask(batch_of(spec), spec.heads_q, u.rows, u.cols, m.dtype, m.strided,
                    [&](int b, int h, int r, int c) {
                      const bool on = random(b, h, r, c);
@@ -770,19 +670,20 @@ TEST_P(GpuBlockSparseUnseen, NanAndInfInOffBlocksNeverArrive) {
 }
 
 const Case kUnseenCases[] = {
-    {"d128_s640", fixed(kBF16, 1, 640, 640, 2, 2, 128), blocks(128, 128, 0.7)},
-    {"d128_gqa4to2_causal_sq512_sk768", causal(fixed(kF16, 1, 512, 768, 4, 2, 128)),
+    {"d128_s640", fixed(1, 640, 640, 2, 2, 128, kBF16), blocks(128, 128, 0.7)},
+    {"d128_gqa4to2_causal_sq512_sk768", causal(fixed(1, 512, 768, 4, 2, 128, kF16)),
      blocks(128, 128, 0.7)},
-    {"d256_window_s520_128x256", window(fixed(kBF16, 1, 520, 520, 2, 1, 256), 200, 100),
+    {"d256_window_s520_128x256", window(fixed(1, 520, 520, 2, 1, 256, kBF16), 200, 100),
      blocks(128, 256, 0.8)},
-    {"d64_s640_256x128", fixed(kF16, 2, 640, 640, 2, 2, 64), blocks(256, 128, 0.7)},
-    {"d96_dropout_softcap_s512", dropout(softcap(fixed(kBF16, 1, 512, 512, 2, 2, 96), 6.0f), 0.1f),
+    {"d64_s640_256x128", fixed(2, 640, 640, 2, 2, 64, kF16), blocks(256, 128, 0.7)},
+    {"d96_dropout_softcap_s512",
+     keyed_dropout(capped(fixed(1, 512, 512, 2, 2, 96, kBF16), 6.0f), 0.1f),
      blocks(128, 128, 0.7)},
-    {"varlen_d128", varlen(kF16, {300, 0, 520, 140}, {400, 50, 520, 0}, 2, 1, 128),
+    {"varlen_d128", varlen({300, 0, 520, 140}, {400, 50, 520, 0}, 2, 1, 128, kF16),
      blocks(128, 128, 0.7)},
-    {"deterministic_d128_s512", deterministic(fixed(kBF16, 1, 512, 512, 2, 2, 128)),
+    {"deterministic_d128_s512", deterministic(fixed(1, 512, 512, 2, 2, 128, kBF16)),
      blocks(128, 128, 0.7)},
-    {"every_block_off_d128", fixed(kBF16, 1, 300, 300, 2, 2, 128), blocks(128, 128, 0.0)},
+    {"every_block_off_d128", fixed(1, 300, 300, 2, 2, 128, kBF16), blocks(128, 128, 0.0)},
 };
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuBlockSparseUnseen, ::testing::ValuesIn(kUnseenCases),
@@ -874,22 +775,24 @@ TEST_P(GpuBlockSparseAllOn, EqualsDenseBitForBit) {
 }
 
 const Case kAllOnCases[] = {
-    {"d128_s2048", fixed(kBF16, 1, 2048, 2048, 4, 4, 128), blocks(128, 128, 1.0)},
-    {"d128_causal_sq1000_sk1500_gqa", causal(fixed(kF16, 2, 1000, 1500, 4, 2, 128)),
+    {"d128_s2048", fixed(1, 2048, 2048, 4, 4, 128, kBF16), blocks(128, 128, 1.0)},
+    {"d128_causal_sq1000_sk1500_gqa", causal(fixed(2, 1000, 1500, 4, 2, 128, kF16)),
      blocks(256, 128, 1.0)},
-    {"d256_window_s1030_128x256", window(fixed(kBF16, 1, 1030, 1030, 2, 1, 256), 300, 40),
+    {"d256_window_s1030_128x256", window(fixed(1, 1030, 1030, 2, 1, 256, kBF16), 300, 40),
      blocks(128, 256, 1.0)},
-    {"d64_causal_s2048", causal(fixed(kF16, 1, 2048, 2048, 4, 4, 64)), blocks(128, 128, 1.0)},
-    {"d96_softcap_dropout_s1000", dropout(softcap(fixed(kBF16, 1, 1000, 1000, 2, 2, 96), 5.0f), 0.1f),
+    {"d64_causal_s2048", causal(fixed(1, 2048, 2048, 4, 4, 64, kF16)), blocks(128, 128, 1.0)},
+    {"d96_softcap_dropout_s1000",
+     keyed_dropout(capped(fixed(1, 1000, 1000, 2, 2, 96, kBF16), 5.0f), 0.1f),
      blocks(128, 128, 1.0)},
-    {"d40_varlen", varlen(kF16, kLensQ, kLensK, 4, 2, 40), blocks(128, 128, 1.0)},
-    {"deterministic_d128_causal_gqa", deterministic(causal(fixed(kBF16, 1, 1024, 1024, 4, 2, 128))),
+    {"d40_varlen", varlen(kLensQ, kLensK, 4, 2, 40, kF16), blocks(128, 128, 1.0)},
+    {"deterministic_d128_causal_gqa", deterministic(causal(fixed(1, 1024, 1024, 4, 2, 128, kBF16))),
      blocks(128, 128, 1.0)},
     {"deterministic_d64_dropout_varlen",
-     deterministic(dropout(varlen(kF16, kLensQ, kLensK, 2, 2, 64), 0.2f)), blocks(128, 256, 1.0)},
-    {"deterministic_d256_s700", deterministic(fixed(kBF16, 1, 700, 700, 2, 2, 256)),
+     deterministic(keyed_dropout(varlen(kLensQ, kLensK, 2, 2, 64, kF16), 0.2f)),
+     blocks(128, 256, 1.0)},
+    {"deterministic_d256_s700", deterministic(fixed(1, 700, 700, 2, 2, 256, kBF16)),
      blocks(128, 128, 1.0)},
-    {"deterministic_d192_alibi_s600", deterministic(alibi(fixed(kF16, 1, 600, 600, 2, 1, 192), false)),
+    {"deterministic_d192_alibi_s600", deterministic(alibi(fixed(1, 600, 600, 2, 1, 192, kF16))),
      blocks(128, 128, 1.0)},
 };
 
@@ -902,10 +805,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuBlockSparseAllOn, ::testing::ValuesIn(kAllOnC
 TEST(GpuBlockSparse, SmallRaggedShapes) {
   FLARE_SKIP_WITHOUT_CUDA();
   const Case cases[] = {
-      {"sm90_d128", causal(fixed(kBF16, 1, 200, 300, 4, 2, 128)), blocks(128, 128, 0.6)},
-      {"sm90_d256", window(fixed(kF16, 1, 260, 300, 2, 2, 256), 90, 20), blocks(128, 256, 0.7)},
-      {"sm80_d64", fixed(kBF16, 2, 300, 200, 2, 1, 64), blocks(256, 128, 0.6)},
-      {"sm80_varlen", causal(varlen(kF16, {130, 0, 200}, {150, 30, 260}, 2, 1, 128)),
+      {"sm90_d128", causal(fixed(1, 200, 300, 4, 2, 128, kBF16)), blocks(128, 128, 0.6)},
+      {"sm90_d256", window(fixed(1, 260, 300, 2, 2, 256, kF16), 90, 20), blocks(128, 256, 0.7)},
+      {"sm80_d64", fixed(2, 300, 200, 2, 1, 64, kBF16), blocks(256, 128, 0.6)},
+      {"sm80_varlen", causal(varlen({130, 0, 200}, {150, 30, 260}, 2, 1, 128, kF16)),
        blocks(128, 128, 0.7)},
   };
   for (const Case& c : cases) {
@@ -916,13 +819,6 @@ TEST(GpuBlockSparse, SmallRaggedShapes) {
 }
 
 // ---- what CUDA refuses ---------------------------------------------------------------------------
-
-bool all_nan(const HostTensor& t) {
-  const int64_t n = static_cast<int64_t>(t.bytes.size() / dtype_size(t.view.dtype));
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isnan(load_as_float(t.bytes.data(), i, t.view.dtype))) return false;
-  return true;
-}
 
 // Both passes of `dev` answer `code` with a message that starts with `prefix` (the argument it
 // names) and contains `rule`, and leave every output as poisoned.
@@ -958,11 +854,11 @@ class GpuBlockSparseBlockSizes : public ::testing::TestWithParam<BlockSizes> {
 // A mask of the right shape for the block sizes, so the only rule broken is the CUDA kernels'.
 TEST_P(GpuBlockSparseBlockSizes, NotMultiplesOf128AreUnsupportedAndWriteNothing) {
   const BlockSizes bs = GetParam();
-  ProblemSpec spec = fixed(kBF16, 1, 300, 260, 2, 2, 64);
+  ProblemSpec spec = fixed(1, 300, 260, 2, 2, 64, kBF16);
   spec.seed = test_seed();
   Problem pr = make_problem(spec);
   const HostTensor mask = fill_mask(1, 2, ceil_div(300, bs.block_m), ceil_div(260, bs.block_n),
-                                    DType::kUInt8, false, [](int, int, int, int) { return true; });
+                                    DType::kUInt8, false, every_block);
   GpuSparseProblem dev(pr, mask, bs.block_m, bs.block_n);
   ASSERT_FALSE(HasFatalFailure());
   expect_refused(dev, pr, StatusCode::kUnsupported, std::string(bs.named) + ":", "multiple of 128");
@@ -982,11 +878,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuBlockSparseBlockSizes, ::testing::ValuesIn(kB
 
 TEST(GpuBlockSparse, Float32IsUnsupportedAndWritesNothing) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ProblemSpec spec = fixed(DType::kFloat32, 1, 256, 256, 2, 2, 64);
+  ProblemSpec spec = fixed(1, 256, 256, 2, 2, 64, DType::kFloat32);
   spec.seed = test_seed();
   Problem pr = make_problem(spec);
   const HostTensor mask =
-      fill_mask(1, 1, 2, 2, DType::kUInt8, false, [](int, int, int, int) { return true; });
+      fill_mask(1, 1, 2, 2, DType::kUInt8, false, every_block);
   GpuSparseProblem dev(pr, mask, 128, 128);
   ASSERT_FALSE(HasFatalFailure());
   expect_refused(dev, pr, StatusCode::kUnsupported, "q:", "float16 or bfloat16");
@@ -994,11 +890,11 @@ TEST(GpuBlockSparse, Float32IsUnsupportedAndWritesNothing) {
 
 TEST(GpuBlockSparse, AMaskOnTheHostIsRefusedByName) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ProblemSpec spec = fixed(kBF16, 1, 256, 256, 2, 2, 64);
+  ProblemSpec spec = fixed(1, 256, 256, 2, 2, 64, kBF16);
   spec.seed = test_seed();
   Problem pr = make_problem(spec);
   const HostTensor mask =
-      fill_mask(1, 1, 2, 2, DType::kUInt8, false, [](int, int, int, int) { return true; });
+      fill_mask(1, 1, 2, 2, DType::kUInt8, false, every_block);
   GpuSparseProblem dev(pr, mask, 128, 128);
   ASSERT_FALSE(HasFatalFailure());
   dev.mask.mask = mask.view;  // the host copy
