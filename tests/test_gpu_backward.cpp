@@ -24,29 +24,19 @@
 #include "cuda/sm80/bwd_tiles.h"
 #include "cuda/testing.h"
 #include "gpu_bwd_util.h"
+#include "problem_cases.h"
 #include "test_util.h"
 
 namespace flare::test {
 namespace {
 
+using problem_cases::fixed;
+using problem_cases::with_run_seed;
+
 class GpuBackward : public ::testing::Test {
  protected:
   void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
 };
-
-ProblemSpec make_spec(DType dtype, int batch, int seqlen_q, int seqlen_k, int heads_q, int heads_kv,
-                      int head_dim) {
-  ProblemSpec s;
-  s.dtype = dtype;
-  s.batch = batch;
-  s.seqlen_q = seqlen_q;
-  s.seqlen_k = seqlen_k;
-  s.heads_q = heads_q;
-  s.heads_kv = heads_kv;
-  s.head_dim = head_dim;
-  s.seed = test_seed();
-  return s;
-}
 
 // Runs the CUDA backward on `spec` and checks the three gradients; returns the gradients' bytes
 // (dq, dk, dv, padding included) for the determinism check.
@@ -114,23 +104,23 @@ TEST_F(GpuBackward, Sm90EveryBucketAndMask) {
     for (int bucket : {64, 128, 256})
       for (int d : {bucket, bucket - 24}) {
         std::vector<ProblemSpec> specs;
-        specs.push_back(make_spec(dt, 2, 197, 197, 2, 2, d));  // ragged last blocks
-        ProblemSpec causal = make_spec(dt, 1, 97, 300, 2, 2, d);
+        specs.push_back(with_run_seed(fixed(2, 197, 197, 2, 2, d, dt)));  // ragged last blocks
+        ProblemSpec causal = with_run_seed(fixed(1, 97, 300, 2, 2, d, dt));
         causal.options.causal = true;
         specs.push_back(causal);
-        ProblemSpec no_keys = make_spec(dt, 1, 300, 97, 2, 2, d);  // 203 rows see no key
+        ProblemSpec no_keys = with_run_seed(fixed(1, 300, 97, 2, 2, d, dt));  // 203 rows see no key
         no_keys.options.causal = true;
         specs.push_back(no_keys);
-        ProblemSpec window = make_spec(dt, 1, 290, 310, 4, 2, d);
+        ProblemSpec window = with_run_seed(fixed(1, 290, 310, 4, 2, d, dt));
         window.options.window_left = 70;
         window.options.window_right = 5;
         specs.push_back(window);
-        ProblemSpec mqa = make_spec(dt, 2, 150, 260, 3, 1, d);  // padded rows (aligned)
+        ProblemSpec mqa = with_run_seed(fixed(2, 150, 260, 3, 1, d, dt));  // padded rows (aligned)
         mqa.pad = 16;
         mqa.options.causal = true;
         specs.push_back(mqa);
-        specs.push_back(make_spec(dt, 2, 1, 1, 2, 2, d));
-        ProblemSpec longer = make_spec(dt, 1, 700, 700, 2, 2, d);
+        specs.push_back(with_run_seed(fixed(2, 1, 1, 2, 2, d, dt)));
+        ProblemSpec longer = with_run_seed(fixed(1, 700, 700, 2, 2, d, dt));
         longer.options.causal = d == bucket;
         specs.push_back(longer);
         for (const ProblemSpec& s : specs) {
@@ -152,10 +142,10 @@ TEST_F(GpuBackward, Sm90EveryBucketAndMask) {
 // of scripts/gpu-check.sh.
 TEST_F(GpuBackward, Sm90RaggedShapesSmall) {
   for (int d : {64, 128, 256}) {
-    ProblemSpec causal = make_spec(DType::kBFloat16, 1, 150, 200, 4, 2, d);
+    ProblemSpec causal = with_run_seed(fixed(1, 150, 200, 4, 2, d, DType::kBFloat16));
     causal.options.causal = true;
     check_backward(causal);
-    ProblemSpec window = make_spec(DType::kFloat16, 1, 130, 140, 2, 2, d);
+    ProblemSpec window = with_run_seed(fixed(1, 130, 140, 2, 2, d, DType::kFloat16));
     window.options.window_left = 40;
     window.options.window_right = 3;
     check_backward(window);
@@ -165,15 +155,15 @@ TEST_F(GpuBackward, Sm90RaggedShapesSmall) {
 // Problems outside sm90's set run the sm80 backward on every device.
 TEST_F(GpuBackward, Sm90LeavesTheRestToSm80) {
   const long before = cuda::testing::sm90_backward_launches();
-  ProblemSpec drop = make_spec(DType::kBFloat16, 1, 130, 140, 2, 2, 128);
+  ProblemSpec drop = with_run_seed(fixed(1, 130, 140, 2, 2, 128, DType::kBFloat16));
   drop.options.dropout_p = 0.1f;
   drop.options.dropout_seed = 7;
   check_backward(drop);
-  ProblemSpec det = make_spec(DType::kBFloat16, 1, 130, 140, 2, 2, 64);
+  ProblemSpec det = with_run_seed(fixed(1, 130, 140, 2, 2, 64, DType::kBFloat16));
   det.options.deterministic = true;
   check_backward(det);
-  check_backward(make_spec(DType::kBFloat16, 1, 130, 140, 2, 2, 192));  // no sm90 bucket
-  ProblemSpec odd = make_spec(DType::kFloat16, 1, 130, 140, 2, 2, 59);  // unaligned rows
+  check_backward(with_run_seed(fixed(1, 130, 140, 2, 2, 192, DType::kBFloat16)));  // no sm90 bucket
+  ProblemSpec odd = with_run_seed(fixed(1, 130, 140, 2, 2, 59, DType::kFloat16));  // unaligned rows
   check_backward(odd);
   EXPECT_EQ(cuda::testing::sm90_backward_launches(), before);
 }
@@ -182,7 +172,7 @@ TEST_F(GpuBackward, EveryVariantAndHeadDim) {
   for (const Variant& v : kVariants)
     for (int d : head_dims_of(v.bucket))
       for (bool causal : {false, true}) {
-        ProblemSpec s = make_spec(v.dtype, 2, 97, 130, 2, 2, d);
+        ProblemSpec s = with_run_seed(fixed(2, 97, 130, 2, 2, d, v.dtype));
         s.options.causal = causal;
         check_backward(s);
       }
@@ -201,10 +191,10 @@ TEST_F(GpuBackward, FewerBufferFallback) {
     if (tile.min_stages == tile.stages) continue;
     cuda::testing::force_backward_stages(tile.min_stages);
     for (int d : head_dims_of(v.bucket)) {
-      ProblemSpec s = make_spec(v.dtype, 2, 97, 130, 4, 2, d);
+      ProblemSpec s = with_run_seed(fixed(2, 97, 130, 4, 2, d, v.dtype));
       s.options.causal = true;
       check_backward(s);
-      ProblemSpec w = make_spec(v.dtype, 1, 200, 150, 2, 2, d);
+      ProblemSpec w = with_run_seed(fixed(1, 200, 150, 2, 2, d, v.dtype));
       w.options.window_left = 40;
       w.options.window_right = 7;
       check_backward(w);
@@ -216,8 +206,8 @@ TEST_F(GpuBackward, FewerBufferFallback) {
 
 TEST_F(GpuBackward, SeqlenOne) {
   for (DType dt : kDtypes) {
-    check_backward(make_spec(dt, 2, 1, 1, 2, 2, 64));
-    ProblemSpec s = make_spec(dt, 1, 1, 97, 2, 1, 128);
+    check_backward(with_run_seed(fixed(2, 1, 1, 2, 2, 64, dt)));
+    ProblemSpec s = with_run_seed(fixed(1, 1, 97, 2, 1, 128, dt));
     s.options.causal = true;
     check_backward(s);
   }
@@ -227,44 +217,44 @@ TEST_F(GpuBackward, SeqlenOne) {
 // (LSE = −inf): their gradients must be exactly 0, never NaN.
 TEST_F(GpuBackward, SeqlenMismatchAndFullyMaskedRows) {
   for (DType dt : kDtypes) {
-    ProblemSpec s = make_spec(dt, 2, 130, 37, 2, 2, 64);
+    ProblemSpec s = with_run_seed(fixed(2, 130, 37, 2, 2, 64, dt));
     s.options.causal = true;
     check_backward(s);
-    s = make_spec(dt, 1, 37, 300, 2, 2, 128);
+    s = with_run_seed(fixed(1, 37, 300, 2, 2, 128, dt));
     s.options.causal = true;
     check_backward(s);
-    s = make_spec(dt, 1, 300, 37, 2, 2, 128);
+    s = with_run_seed(fixed(1, 300, 37, 2, 2, 128, dt));
     check_backward(s);
   }
 }
 
 TEST_F(GpuBackward, LongSequences) {
-  ProblemSpec s = make_spec(DType::kBFloat16, 1, 1025, 1025, 2, 2, 64);
+  ProblemSpec s = with_run_seed(fixed(1, 1025, 1025, 2, 2, 64, DType::kBFloat16));
   s.options.causal = true;
   check_backward(s);
-  s = make_spec(DType::kFloat16, 1, 1025, 1025, 1, 1, 128);
+  s = with_run_seed(fixed(1, 1025, 1025, 1, 1, 128, DType::kFloat16));
   check_backward(s);
-  s = make_spec(DType::kBFloat16, 1, 513, 1025, 1, 1, 256);
+  s = with_run_seed(fixed(1, 513, 1025, 1, 1, 256, DType::kBFloat16));
   s.options.causal = true;
   check_backward(s);
   // d=192: copies by 192 of the 256 threads (24 chunks per row), GQA 2:1, a ragged last block.
-  s = make_spec(DType::kBFloat16, 1, 700, 700, 2, 1, 192);
+  s = with_run_seed(fixed(1, 700, 700, 2, 1, 192, DType::kBFloat16));
   check_backward(s);
   // d=96: 4-chunk swizzle groups, dQ tiles of 16 queries, causal GQA 2:1 over several key blocks.
-  s = make_spec(DType::kFloat16, 1, 600, 650, 4, 2, 96);
+  s = with_run_seed(fixed(1, 600, 650, 4, 2, 96, DType::kFloat16));
   s.options.causal = true;
   check_backward(s);
-  s = make_spec(DType::kBFloat16, 1, 1025, 1025, 2, 2, 32);
+  s = with_run_seed(fixed(1, 1025, 1025, 2, 2, 32, DType::kBFloat16));
   s.options.causal = true;
   check_backward(s);
 }
 
 TEST_F(GpuBackward, GroupedQueryHeads) {
   for (DType dt : kDtypes) {
-    ProblemSpec s = make_spec(dt, 2, 97, 97, 8, 1, 128);
+    ProblemSpec s = with_run_seed(fixed(2, 97, 97, 8, 1, 128, dt));
     s.options.causal = true;
     check_backward(s);
-    s = make_spec(dt, 1, 150, 200, 4, 2, 64);
+    s = with_run_seed(fixed(1, 150, 200, 4, 2, 64, dt));
     check_backward(s);
   }
 }
@@ -273,7 +263,7 @@ TEST_F(GpuBackward, SlidingWindow) {
   const int windows[][2] = {{20, 5}, {-1, 3}, {0, 0}, {40, -1}};
   for (DType dt : kDtypes)
     for (const auto& w : windows) {
-      ProblemSpec s = make_spec(dt, 2, 97, 150, 2, 2, 64);
+      ProblemSpec s = with_run_seed(fixed(2, 97, 150, 2, 2, 64, dt));
       s.options.window_left = w[0];
       s.options.window_right = w[1];
       check_backward(s);
@@ -282,7 +272,7 @@ TEST_F(GpuBackward, SlidingWindow) {
 
 TEST_F(GpuBackward, Softcap) {
   for (DType dt : kDtypes) {
-    ProblemSpec s = make_spec(dt, 2, 97, 130, 2, 2, 128);
+    ProblemSpec s = with_run_seed(fixed(2, 97, 130, 2, 2, 128, dt));
     s.options.softcap = 2.0f;
     s.magnitude = 2.0f;
     check_backward(s);
@@ -291,7 +281,7 @@ TEST_F(GpuBackward, Softcap) {
 
 TEST_F(GpuBackward, Alibi) {
   for (DType dt : kDtypes) {
-    ProblemSpec s = make_spec(dt, 2, 97, 130, 4, 2, 64);
+    ProblemSpec s = with_run_seed(fixed(2, 97, 130, 4, 2, 64, dt));
     s.alibi = true;
     s.options.causal = true;
     check_backward(s);
@@ -303,7 +293,7 @@ TEST_F(GpuBackward, Alibi) {
 
 TEST_F(GpuBackward, Dropout) {
   for (DType dt : kDtypes) {
-    ProblemSpec s = make_spec(dt, 2, 97, 130, 2, 2, 128);
+    ProblemSpec s = with_run_seed(fixed(2, 97, 130, 2, 2, 128, dt));
     s.options.dropout_p = 0.17f;
     s.options.dropout_seed = 0x1234567890abcdefULL;
     s.options.dropout_offset = 7;
@@ -314,7 +304,7 @@ TEST_F(GpuBackward, Dropout) {
 
 TEST_F(GpuBackward, AllModifiersTogether) {
   for (DType dt : kDtypes) {
-    ProblemSpec s = make_spec(dt, 2, 150, 97, 4, 2, 80);
+    ProblemSpec s = with_run_seed(fixed(2, 150, 97, 4, 2, 80, dt));
     s.options.softcap = 3.0f;
     s.alibi = true;
     s.options.dropout_p = 0.1f;
@@ -328,13 +318,13 @@ TEST_F(GpuBackward, AllModifiersTogether) {
 TEST_F(GpuBackward, VarlenWithEmptySequences) {
   for (DType dt : kDtypes)
     for (bool causal : {false, true}) {
-      ProblemSpec s = make_spec(dt, 0, 0, 0, 4, 2, 64);
+      ProblemSpec s = with_run_seed(fixed(0, 0, 0, 4, 2, 64, dt));
       s.varlen_q = {37, 0, 130, 5, 64};
       s.varlen_k = {50, 20, 0, 130, 64};
       s.options.causal = causal;
       check_backward(s);
     }
-  ProblemSpec s = make_spec(DType::kBFloat16, 0, 0, 0, 2, 2, 128);
+  ProblemSpec s = with_run_seed(fixed(0, 0, 0, 2, 2, 128, DType::kBFloat16));
   s.varlen_q = {200, 1, 77};
   s.varlen_k = {130, 1, 300};
   s.options.dropout_p = 0.2f;
@@ -346,11 +336,11 @@ TEST_F(GpuBackward, VarlenWithEmptySequences) {
 // copies and element-wise gradient stores).
 TEST_F(GpuBackward, StridedLayouts) {
   for (int64_t pad : {8, 3}) {
-    ProblemSpec s = make_spec(DType::kBFloat16, 2, 97, 130, 2, 2, 64);
+    ProblemSpec s = with_run_seed(fixed(2, 97, 130, 2, 2, 64, DType::kBFloat16));
     s.pad = pad;
     s.options.causal = true;
     check_backward(s);
-    s = make_spec(DType::kFloat16, 1, 97, 97, 4, 1, 128);
+    s = with_run_seed(fixed(1, 97, 97, 4, 1, 128, DType::kFloat16));
     s.pad = pad;
     check_backward(s);
   }
@@ -359,7 +349,7 @@ TEST_F(GpuBackward, StridedLayouts) {
 // Scores of several hundred: P is one-hot, dQ and dK vanish (the zero-gradient bound applies) and
 // dV must still be exact.
 TEST_F(GpuBackward, LargeScores) {
-  ProblemSpec s = make_spec(DType::kBFloat16, 1, 97, 130, 2, 2, 64);
+  ProblemSpec s = with_run_seed(fixed(1, 97, 130, 2, 2, 64, DType::kBFloat16));
   s.magnitude = 30.0f;
   check_backward(s);
 }
@@ -367,14 +357,14 @@ TEST_F(GpuBackward, LargeScores) {
 // Inputs of magnitude 1e3 put scores near 1e6, where one fp32 ulp of the stored LSE is 0.06: P
 // recomputed from it is off by percents in any backward, the naive one included.
 TEST_F(GpuBackward, LargeMagnitudeInputs) {
-  ProblemSpec s = make_spec(DType::kBFloat16, 1, 97, 130, 2, 2, 64);
+  ProblemSpec s = with_run_seed(fixed(1, 97, 130, 2, 2, 64, DType::kBFloat16));
   s.magnitude = 1e3f;
   check_backward(s);
 }
 
 TEST_F(GpuBackward, DeterministicIsBitwiseReproducible) {
   for (DType dt : kDtypes) {
-    ProblemSpec s = make_spec(dt, 2, 300, 1025, 4, 2, 128);
+    ProblemSpec s = with_run_seed(fixed(2, 300, 1025, 4, 2, 128, dt));
     s.options.deterministic = true;
     s.options.dropout_p = 0.1f;
     s.options.causal = true;
@@ -388,7 +378,7 @@ TEST_F(GpuBackward, DeterministicIsBitwiseReproducible) {
 // other test reaches that loop's second iteration on such a device).
 TEST_F(GpuBackward, DeterministicMultiKeyBlockCtas) {
   for (int d : {64, 128}) {
-    ProblemSpec s = make_spec(DType::kBFloat16, 2, 37, 300, 132, 132, d);
+    ProblemSpec s = with_run_seed(fixed(2, 37, 300, 132, 132, d, DType::kBFloat16));
     s.options.deterministic = true;
     s.options.causal = d == 128;
     expect_reproducible(s);
@@ -396,7 +386,7 @@ TEST_F(GpuBackward, DeterministicMultiKeyBlockCtas) {
 }
 
 TEST_F(GpuBackward, Float32IsUnsupported) {
-  Problem pr = make_problem(make_spec(DType::kFloat32, 1, 16, 16, 1, 1, 64));
+  Problem pr = make_problem(with_run_seed(fixed(1, 16, 16, 1, 1, 64, DType::kFloat32)));
   GpuBackwardProblem dev(&pr);
   ASSERT_FALSE(HasFatalFailure());
   const Status s = dev.backward();

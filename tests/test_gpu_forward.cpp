@@ -20,6 +20,7 @@
 #include "cuda/sm80/fwd_tiles.h"
 #include "cuda/testing.h"
 #include "gpu_util.h"
+#include "problem_cases.h"
 #include "test_util.h"
 
 namespace flare::test {
@@ -58,17 +59,10 @@ void check_forward(const ProblemSpec& spec) {
   expect_forward_matches(pr);
 }
 
+// Two sequences of 197 tokens and two heads, seeded from this run's seed and `salt`.
 ProblemSpec base_spec(DType dtype, int head_dim, uint64_t salt) {
-  ProblemSpec s;
-  s.batch = 2;
-  s.seqlen_q = 197;
-  s.seqlen_k = 197;
-  s.heads_q = 2;
-  s.heads_kv = 2;
-  s.head_dim = head_dim;
-  s.dtype = dtype;
-  s.seed = test_seed() + salt;
-  return s;
+  return problem_cases::with_seed(problem_cases::fixed(2, 197, 197, 2, 2, head_dim, dtype),
+                                  test_seed() + salt);
 }
 
 // `s` as a 150×210 problem with every score modifier and dropout on, under a causal window.

@@ -39,6 +39,7 @@
 #include "cuda/testing.h"
 #include "gpu_bwd_util.h"
 #include "gpu_util.h"
+#include "problem_cases.h"
 #include "test_util.h"
 
 namespace flare::test {
@@ -190,17 +191,10 @@ void check_all_injections(const ProblemSpec& spec) {
 
 // ---- problems ----------------------------------------------------------------------------------
 
+// Two sequences of 75 tokens and two heads, seeded from this run's seed and `salt`.
 ProblemSpec base_spec(DType dtype, int head_dim, uint64_t salt) {
-  ProblemSpec s;
-  s.batch = 2;
-  s.seqlen_q = 75;
-  s.seqlen_k = 75;
-  s.heads_q = 2;
-  s.heads_kv = 2;
-  s.head_dim = head_dim;
-  s.dtype = dtype;
-  s.seed = test_seed() + salt;
-  return s;
+  return problem_cases::with_seed(problem_cases::fixed(2, 75, 75, 2, 2, head_dim, dtype),
+                                  test_seed() + salt);
 }
 
 struct Feature {
