@@ -26,6 +26,13 @@ bool cuda_device_available();
       GTEST_SKIP() << "no CUDA device";                         \
   } while (0)
 
+// A parameterised test whose every case skips, saying so, without a CUDA device.
+template <typename Param>
+class GpuTestWithParam : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
+};
+
 // One device allocation holding a copy of a HostTensor; view() points into it.
 class GpuTensor {
  public:

@@ -295,6 +295,12 @@ ProblemSpec seeded(const Case& c) {
   return s;
 }
 
+// The case under its mask (a random one drawn from the seed after the spec's).
+void check_case(const Case& c) {
+  const ProblemSpec spec = seeded(c);
+  check_case(spec, make_mask(spec, c.mask, spec.seed + 1), c.mask.block_m, c.mask.block_n);
+}
+
 MaskSpec blocks(int block_m, int block_n, double density) {
   MaskSpec m;
   m.block_m = block_m;
@@ -323,16 +329,9 @@ constexpr DType kBF16 = DType::kBFloat16;
 
 // ---- random masks --------------------------------------------------------------------------------
 
-class GpuBlockSparseRandomMasks : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
-};
+class GpuBlockSparseRandomMasks : public GpuTestWithParam<Case> {};
 
-TEST_P(GpuBlockSparseRandomMasks, AgainstTheReference) {
-  const Case& c = GetParam();
-  const ProblemSpec spec = seeded(c);
-  check_case(spec, make_mask(spec, c.mask, spec.seed + 1), c.mask.block_m, c.mask.block_n);
-}
+TEST_P(GpuBlockSparseRandomMasks, AgainstTheReference) { check_case(GetParam()); }
 
 // s 1024: 8 blocks of 128 per row and per column, so the forward's key walk and the backward's
 // query walk each pass several off blocks in a row; s 4096: 32. Lengths 1000, 300, 129 leave a
@@ -362,16 +361,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuBlockSparseRandomMasks, ::testing::ValuesIn(k
 
 // ---- every feature of dense attention under a block mask -----------------------------------------
 
-class GpuBlockSparseFeatures : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
-};
+class GpuBlockSparseFeatures : public GpuTestWithParam<Case> {};
 
-TEST_P(GpuBlockSparseFeatures, AgainstTheReference) {
-  const Case& c = GetParam();
-  const ProblemSpec spec = seeded(c);
-  check_case(spec, make_mask(spec, c.mask, spec.seed + 1), c.mask.block_m, c.mask.block_n);
-}
+TEST_P(GpuBlockSparseFeatures, AgainstTheReference) { check_case(GetParam()); }
 
 MaskSpec int32_mask(MaskSpec m) {
   m.dtype = DType::kInt32;
@@ -474,16 +466,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuBlockSparseFeatures, ::testing::ValuesIn(kFea
 
 // ---- the fixed patterns ---------------------------------------------------------------------------
 
-class GpuBlockSparsePatterns : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
-};
+class GpuBlockSparsePatterns : public GpuTestWithParam<Case> {};
 
-TEST_P(GpuBlockSparsePatterns, AgainstTheReference) {
-  const Case& c = GetParam();
-  const ProblemSpec spec = seeded(c);
-  check_case(spec, make_mask(spec, c.mask, 0), c.mask.block_m, c.mask.block_n);
-}
+TEST_P(GpuBlockSparsePatterns, AgainstTheReference) { check_case(GetParam()); }
 
 // The FlashAttention paper's patterns, written once and shared by every sequence and head.
 MaskSpec pattern(Pattern p) {
@@ -634,10 +619,8 @@ void expect_exact_zeros(const Problem& pr, const References& r, const MaskSpec& 
   for (const ZeroTally* t : {&o, &dq, &dk, &dv}) EXPECT_TRUE(t->all_zero());
 }
 
-class GpuBlockSparseUnseen : public ::testing::TestWithParam<Case> {
+class GpuBlockSparseUnseen : public GpuTestWithParam<Case> {
  protected:
-  void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
-
   // The case with its off rows and columns; `values` (K, V, Q/dO) planted there when given.
   void run(const float* values) {
     const Case& c = GetParam();
@@ -691,10 +674,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuBlockSparseUnseen, ::testing::ValuesIn(kUnsee
 
 // ---- every block on: the dense call, bit for bit -------------------------------------------------
 
-class GpuBlockSparseAllOn : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
-};
+class GpuBlockSparseAllOn : public GpuTestWithParam<Case> {};
 
 // Both calls' outputs, and whether each took an sm90 kernel.
 struct SameKernelRun {
@@ -813,8 +793,7 @@ TEST(GpuBlockSparse, SmallRaggedShapes) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    const ProblemSpec spec = seeded(c);
-    check_case(spec, make_mask(spec, c.mask, spec.seed + 1), c.mask.block_m, c.mask.block_n);
+    check_case(c);
   }
 }
 
@@ -846,10 +825,7 @@ struct BlockSizes {
 
 void PrintTo(const BlockSizes& b, std::ostream* os) { *os << b.block_m << "x" << b.block_n; }
 
-class GpuBlockSparseBlockSizes : public ::testing::TestWithParam<BlockSizes> {
- protected:
-  void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
-};
+class GpuBlockSparseBlockSizes : public GpuTestWithParam<BlockSizes> {};
 
 // A mask of the right shape for the block sizes, so the only rule broken is the CUDA kernels'.
 TEST_P(GpuBlockSparseBlockSizes, NotMultiplesOf128AreUnsupportedAndWriteNothing) {
