@@ -472,34 +472,9 @@ TEST(CApiDist, NcclEntryPointsWithoutNccl) {
   EXPECT_EQ(comm, nullptr);
 }
 
-// Sets environment variables for one test, restoring them afterwards.
-class Env {
- public:
-  void set(const char* name, const char* value) {
-    const char* old = std::getenv(name);
-    saved_.push_back({name, old ? old : "", old != nullptr});
-    if (value) ::setenv(name, value, 1);
-    else ::unsetenv(name);
-  }
-  ~Env() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
-      if (it->had) ::setenv(it->name.c_str(), it->value.c_str(), 1);
-      else ::unsetenv(it->name.c_str());
-    }
-  }
-
- private:
-  struct Saved {
-    std::string name, value;
-    bool had;
-  };
-  std::vector<Saved> saved_;
-};
-
 TEST(CApiDist, LaunchInfoFromEnv) {
-  Env env;
-  for (const char* v : {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"})
-    env.set(v, nullptr);
+  ScopedEnv env;
+  clear_launch(env);
   env.set("RANK", "3");
   env.set("WORLD_SIZE", "4");
   env.set("LOCAL_RANK", "1");

@@ -188,39 +188,8 @@ TEST(InProcess, RanksThatDisagreeAreReported) {
 
 // ---- launch environment ----------------------------------------------------------------------
 
-// Sets or clears environment variables for one test, restoring them afterwards.
-class Env {
- public:
-  void set(const char* name, const char* value) {
-    if (const char* old = std::getenv(name)) saved_.push_back({name, old, true});
-    else saved_.push_back({name, "", false});
-    if (value) ::setenv(name, value, 1);
-    else ::unsetenv(name);
-  }
-  ~Env() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
-      if (it->had) ::setenv(it->name.c_str(), it->value.c_str(), 1);
-      else ::unsetenv(it->name.c_str());
-    }
-  }
-
- private:
-  struct Saved {
-    std::string name, value;
-    bool had;
-  };
-  std::vector<Saved> saved_;
-};
-
-void clear_launch(Env& env) {
-  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                        "OMPI_COMM_WORLD_LOCAL_RANK"})
-    env.set(v, nullptr);
-}
-
 TEST(LaunchInfo, TorchrunMpirunAndErrors) {
-  Env env;
+  ScopedEnv env;
   clear_launch(env);
   dist::LaunchInfo info;
   Status s = dist::launch_info_from_env(&info);

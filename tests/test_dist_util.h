@@ -1,6 +1,7 @@
 // test_dist_util.h — what the context-parallel tests share: running one function per rank (an
-// in-process group or NCCL communicators, each rank on its own thread), and one case's setup (the
-// config, the global problem, and each rank's shard of it).
+// in-process group or NCCL communicators, each rank on its own thread), one case's setup (the
+// config, the global problem, and each rank's shard of it), and a launcher's environment
+// variables set for one test.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <initializer_list>
 #include <memory>
@@ -21,6 +23,38 @@
 #include "test_util.h"
 
 namespace flare::test {
+
+// Sets or clears environment variables for one test, restoring them when it goes.
+class ScopedEnv {
+ public:
+  void set(const char* name, const char* value) {
+    if (const char* old = std::getenv(name)) saved_.push_back({name, old, true});
+    else saved_.push_back({name, "", false});
+    if (value) ::setenv(name, value, 1);
+    else ::unsetenv(name);
+  }
+  ~ScopedEnv() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->had) ::setenv(it->name.c_str(), it->value.c_str(), 1);
+      else ::unsetenv(it->name.c_str());
+    }
+  }
+
+ private:
+  struct Saved {
+    std::string name, value;
+    bool had;
+  };
+  std::vector<Saved> saved_;
+};
+
+// Clears every variable a launcher (torchrun, mpirun) sets, so a test starts from none of them.
+inline void clear_launch(ScopedEnv& env) {
+  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_RANK"})
+    env.set(v, nullptr);
+}
 
 inline std::vector<std::unique_ptr<dist::Communicator>> in_process_group(int size, int timeout_ms) {
   std::vector<std::unique_ptr<dist::Communicator>> comms;
