@@ -84,7 +84,13 @@ struct Bwd90Config {
   static constexpr uint32_t kOffDo = kOffQ + kStages * kQBytes;
   static constexpr uint32_t kOffDs = kOffDo + kStages * kQBytes;
   static constexpr uint32_t kOffP = kOffDs + 2 * kDsBytes;  // d 256 only
-  static constexpr int kSmemBytes = static_cast<int>(kOffP + (kSplitD ? 2 * kDsBytes : 0)) + 1024;
+  // d <= 128: each warpgroup's 64 × 64 fp32 dQ tile is staged for the TMA reductions in a buffer
+  // of its own, so a step need not wait for the copy engine to read it (d 256: no room; it stages
+  // in the step's Q and dO panels).
+  static constexpr uint32_t kDqStageBytes = 64 * 64 * 4;
+  static constexpr uint32_t kOffDqStage = kOffP;  // d <= 128 only
+  static constexpr int kSmemBytes =
+      static_cast<int>(kOffP + (kSplitD ? 2 * kDsBytes : kConsumers * kDqStageBytes)) + 1024;
   static_assert(kSplitD ? kBlockM == 64 && kBlockN == 64
                         : kBlockN == 128 && (kBlockM / 64) * (kHeadDim / 64) == kConsumers,
                 "d 256: 64 × 64 tiles; else one 64 × 64 dQ tile per warpgroup");
@@ -403,19 +409,24 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     // dQ (64 rows × kDqCols columns per warpgroup) goes out through the copy engine: staged as
     // fp32 in 32 × 32 boxes in the 128-byte swizzle, then added into the accumulator by TMA
     // reductions, which keeps the step out of the global-memory queue that one red.global per
-    // pair filled (d 256: +4.5% on every cell). The staging is this step's Q and dO buffer: at
-    // d 256 the four 64-column panels of Q and dO only this warpgroup read (2c, 2c + 1; the Sᵀ
-    // and dPᵀ products that read every panel are done on both warpgroups); at d <= 128, once
-    // both warpgroups are done with the step, warpgroup 0 takes Q's buffer and warpgroup 1 dO's.
-    // Rows of a box past the sequence end hold exact zeros (their P is 0), so adding them into
-    // the next rows of the accumulator changes nothing.
-    if constexpr (!Cfg::kSplitD) ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
+    // pair filled (d 256: +4.5% on every cell). Rows of a box past the sequence end hold exact
+    // zeros (their P is 0), so adding them into the next rows of the accumulator changes nothing.
+    // d <= 128: the warpgroup's own staging buffer. Q_i and dO_i are released at once; the
+    // copy engine reads the staging while the next step runs, and only the next staging waits
+    // for that read. d 256: the four 64-column panels of this step's Q and dO that only this
+    // warpgroup read (2c, 2c + 1; the Sᵀ and dPᵀ products that read every panel are done on both
+    // warpgroups), so the read is waited for before the buffer is released.
     auto box = [&](int cb, int rb) -> uint32_t {
       if constexpr (Cfg::kSplitD)
         return (cb < 2 ? q_tile : do_tile) + (2 * c + cb % 2) * Cfg::kQPanelBytes + rb * 4096u;
       else
-        return (c == 0 ? q_tile : do_tile) + (cb * 2 + rb) * 4096u;
+        return base + Cfg::kOffDqStage + c * Cfg::kDqStageBytes + (cb * 2 + rb) * 4096u;
     };
+    if constexpr (!Cfg::kSplitD) {
+      ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
+      if (tid % 128 == 0) ptx::bulk_wait_group_read0();  // the previous step's dQ has left
+      ptx::named_barrier_sync(3 + c, 128);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = warp * 16 + g + 8 * half, rr = r % 32;
@@ -439,11 +450,15 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         for (int rb = 0; rb < 2; ++rb)
           ptx::tma_reduce_add_2d(&tm_dq, box(cb, rb), dq_col0 + 32 * cb, row0 + 32 * rb);
       ptx::bulk_commit_group();
-      ptx::bulk_wait_group_read0();
+      if constexpr (Cfg::kSplitD) ptx::bulk_wait_group_read0();
     }
-    ptx::named_barrier_sync(3 + c, 128);
-    ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
+    if constexpr (Cfg::kSplitD) {
+      ptx::named_barrier_sync(3 + c, 128);
+      ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
+    }
   }
+  // The last reductions read their staging before the CTA's shared memory goes.
+  if (tid % 128 == 0) ptx::bulk_wait_group_read0();
 
   // Epilogue: dK (× scale) and dV rounded into this warpgroup's own part of the K and V tiles (the
   // other warpgroup may still be reading K for its last dQ tile: meet first), then 16-byte stores.
