@@ -95,53 +95,53 @@ std::vector<int> head_dims_of(int bucket) {
 }
 
 // The problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length batches, any mask, GQA,
-// 16-byte aligned strides; no dropout, score modifiers or deterministic mode) in each of its buckets
-// at the bucket's head_dim and 24 below it, through the automatic choice and forced to sm80. On
-// an sm_90 device with sm_90a code every automatic call must take the sm90 kernel (counted).
+// 16-byte aligned strides; no dropout, score modifiers or deterministic mode) in each of its
+// buckets at the bucket's head_dim and below it (zero-filled: d 72-96 in the 128 bucket), through
+// the automatic choice and forced to sm80. On an sm_90 device with sm_90a code every automatic call
+// must take the sm90 kernel (counted).
 TEST_F(GpuBackward, Sm90EveryBucketAndMask) {
   const bool sm90 = cuda::testing::sm90_available();
   for (DType dt : kDtypes)
-    for (int bucket : {64, 128, 256})
-      for (int d : {bucket, bucket - 24}) {
-        std::vector<ProblemSpec> specs;
-        specs.push_back(with_run_seed(fixed(2, 197, 197, 2, 2, d, dt)));  // ragged last blocks
-        ProblemSpec causal = with_run_seed(fixed(1, 97, 300, 2, 2, d, dt));
-        causal.options.causal = true;
-        specs.push_back(causal);
-        ProblemSpec no_keys = with_run_seed(fixed(1, 300, 97, 2, 2, d, dt));  // 203 rows see no key
-        no_keys.options.causal = true;
-        specs.push_back(no_keys);
-        ProblemSpec window = with_run_seed(fixed(1, 290, 310, 4, 2, d, dt));
-        window.options.window_left = 70;
-        window.options.window_right = 5;
-        specs.push_back(window);
-        ProblemSpec mqa = with_run_seed(fixed(2, 150, 260, 3, 1, d, dt));  // padded rows (aligned)
-        mqa.pad = 16;
-        mqa.options.causal = true;
-        specs.push_back(mqa);
-        specs.push_back(with_run_seed(fixed(2, 1, 1, 2, 2, d, dt)));
-        ProblemSpec longer = with_run_seed(fixed(1, 700, 700, 2, 2, d, dt));
-        longer.options.causal = d == bucket;
-        specs.push_back(longer);
-        for (const ProblemSpec& s : specs) {
-          const long before = cuda::testing::sm90_backward_launches();
-          check_backward(s);
-          if (sm90) {
-            EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 1)
-                << s.describe() << ": the automatic choice did not take the sm90 kernel";
-          }
-          ForceArch force(80);
-          SCOPED_TRACE("forced to sm80");
-          check_backward(s);
-          EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + (sm90 ? 1 : 0));
+    for (int d : {64, 40, 128, 104, 96, 80, 72, 256, 232}) {
+      std::vector<ProblemSpec> specs;
+      specs.push_back(with_run_seed(fixed(2, 197, 197, 2, 2, d, dt)));  // ragged last blocks
+      ProblemSpec causal = with_run_seed(fixed(1, 97, 300, 2, 2, d, dt));
+      causal.options.causal = true;
+      specs.push_back(causal);
+      ProblemSpec no_keys = with_run_seed(fixed(1, 300, 97, 2, 2, d, dt));  // 203 rows see no key
+      no_keys.options.causal = true;
+      specs.push_back(no_keys);
+      ProblemSpec window = with_run_seed(fixed(1, 290, 310, 4, 2, d, dt));
+      window.options.window_left = 70;
+      window.options.window_right = 5;
+      specs.push_back(window);
+      ProblemSpec mqa = with_run_seed(fixed(2, 150, 260, 3, 1, d, dt));  // padded rows (aligned)
+      mqa.pad = 16;
+      mqa.options.causal = true;
+      specs.push_back(mqa);
+      specs.push_back(with_run_seed(fixed(2, 1, 1, 2, 2, d, dt)));
+      ProblemSpec longer = with_run_seed(fixed(1, 700, 700, 2, 2, d, dt));
+      longer.options.causal = d % 64 == 0;
+      specs.push_back(longer);
+      for (const ProblemSpec& s : specs) {
+        const long before = cuda::testing::sm90_backward_launches();
+        check_backward(s);
+        if (sm90) {
+          EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 1)
+              << s.describe() << ": the automatic choice did not take the sm90 kernel";
         }
+        ForceArch force(80);
+        SCOPED_TRACE("forced to sm80");
+        check_backward(s);
+        EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + (sm90 ? 1 : 0));
       }
+    }
 }
 
 // A few ragged shapes through the sm90 main kernel of every bucket: the compute-sanitizer subset
 // of scripts/gpu-check.sh.
 TEST_F(GpuBackward, Sm90RaggedShapesSmall) {
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 80, 128, 256}) {
     ProblemSpec causal = with_run_seed(fixed(1, 150, 200, 4, 2, d, DType::kBFloat16));
     causal.options.causal = true;
     check_backward(causal);

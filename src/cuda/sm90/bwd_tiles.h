@@ -37,13 +37,12 @@ constexpr Bwd90Tile bwd90_tile(int bucket) {
   return {0, 0, 0, 0};
 }
 
-// The sm90 backward bucket of a head_dim: the sm80 backward's bucket where sm90 has one of the
-// same width, else 0. Unlike the forward, zero-filling d 80/96 to 128 or d 192 to 256 does not pay
-// in the backward: sm80's 96 and 192 buckets ran 0-4% (d 80) and 5-15% (d 96, 192) faster than
-// sm90's wider ones on an H100 (sm90/notes.md).
+// The sm90 backward bucket of a head_dim, else 0. d 65-96 runs zero-filled in the 128 bucket:
+// 1.11-1.33x sm80's 96 bucket on an H200 (d 80 1.19-1.33x; sm90/notes.md). d 129-192 stays on
+// sm80: zero-filled to 256 it ran 0.87-0.91x on an H100.
 constexpr int bwd90_bucket(int head_dim) {
   if (head_dim > 32 && head_dim <= 64) return 64;
-  if (head_dim > 96 && head_dim <= 128) return 128;
+  if (head_dim > 64 && head_dim <= 128) return 128;
   if (head_dim > 192 && head_dim <= 256) return 256;
   return 0;
 }
