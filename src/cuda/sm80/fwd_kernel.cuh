@@ -880,11 +880,9 @@ Status launch_forward_order(const AttentionParams& p, int tile_group, cudaStream
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
                   static_cast<unsigned>(p.batch));
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(p, tile_group);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status::device_error("forward (head_dim bucket " + std::to_string(kHeadDim) +
-                                ") launch: " + cudaGetErrorString(err));
-  return {};
+  return launch_status("forward", [] {
+    return "kernel (head_dim bucket " + std::to_string(kHeadDim) + ")";
+  });
 }
 
 }  // namespace flare::cuda::sm80
