@@ -52,7 +52,7 @@ constexpr bool fwd90_takes_block_mask(int bucket) {
 // the bucket's width: d 80 and 96 (GPT-3 2.7B, …) and 192 pay up to 60% more tensor-core work
 // than the sm80 buckets of their width and still run 1.3-2× faster than those on an H100
 // (sm90/notes.md). Head dims up to 32 stay on sm80, whose 32-wide bucket wastes nothing. The
-// backward keeps sm80's buckets (bwd_tiles.h).
+// backward's buckets: bwd_tiles.h.
 constexpr int fwd90_bucket(int head_dim) {
   if (head_dim > 32 && head_dim <= 64) return 64;
   if (head_dim > 64 && head_dim <= 128) return 128;
