@@ -88,7 +88,7 @@ Decode run_case(const Case& c) {
 TEST(KVCache, DecodeOneTokenContiguous) { run_case({}); }
 
 TEST(KVCache, PagedBlockSizes) {
-  for (int bs : {1, 16, 256, 7}) {
+  for (int bs : {1, 3, 16, 256, 7}) {
     Case c;
     c.block_size = bs;
     c.capacity = 300;

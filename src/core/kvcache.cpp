@@ -1,13 +1,16 @@
-// kvcache.cpp — attention_with_kvcache (flare/kvcache.h): validate, append, gather, attend.
+// kvcache.cpp — attention_with_kvcache (flare/kvcache.h): validate, append, attend in place.
 //
 // Decoding is attention of q over each sequence's first n_i cache positions, so the CPU path
 // reduces it to the varlen attention every backend already implements instead of repeating its
-// mathematics: the new keys and values are written into the cache (rotated if asked), the rows
-// each sequence uses are gathered from the cache — contiguous or paged, it makes no difference
-// after this step, which is why the two layouts agree bit for bit — into one packed (total_k,
-// h_kv, d) buffer with cu_seqlens_k, and the CPU reference or flash backend runs on it. Its
-// bottom-right mask alignment is the right-aligned causal mask of decoding. The price is one copy
-// of the used cache per call, small next to the attention that reads it anyway.
+// mathematics: the new keys and values are written into the cache (rotated if asked), q is packed
+// (rotated) into (b·s_q, h_q, d) rows with cu_seqlens, and the CPU reference or flash backend runs
+// the packed call with each sequence's n_i keys read from the cache in place, through a key row
+// locator (cpu/key_rows.h: cache row cache_batch_idx[i], or page block_table[i][j / block_size]).
+// The backends load the same key rows into the same tiles whichever layout holds them, so a
+// paged cache and a contiguous one give the same bits, and so does the packed copy of the cache
+// this path made before (tests/test_cpu_kvcache_in_place.cpp keeps that copy as its reference).
+// The bottom-right mask alignment of the varlen call is the right-aligned causal mask of decoding.
+// Nothing cache-sized is allocated: a decoding step reads the cache once, at the memory's speed.
 //
 // Order of work: every argument is checked first — q, o, lse and the options by the same function
 // that validates attention_forward, the cache arguments here, the packed call's params built — and
@@ -27,6 +30,7 @@
 #include "core/numeric.h"
 #include "core/params.h"
 #include "core/validate.h"
+#include "cpu/key_rows.h"
 
 namespace flare {
 namespace {
@@ -408,6 +412,38 @@ void copy_head(const void* src, int64_t src_off, void* dst, int64_t dst_off, DTy
     store_from_float(dst, dst_off + e, dt, load_as_float(src, src_off + e, dt));
 }
 
+// The K (or V) argument of the packed call: the cache's kv heads of its first row, repeated for
+// every packed key (row stride 0). It carries the pointer, dtype, head stride and total_k to the
+// params; where each key's row lies is the KeyRows' business (cache_keys), so the view spans no
+// memory outside the cache.
+TensorView packed_stand_in(const TensorView& cache, int64_t total_k) {
+  return TensorView::strided(cache.data, cache.dtype, {total_k, cache.shape[2], cache.shape[3]},
+                             {0, cache.stride[2], 1}, cache.device, cache.device_index);
+}
+
+// Where the backends find key t of sequence i (cpu/key_rows.h): a contiguous cache is one page
+// per sequence, its cache row (`rows` holds them as int32); a paged cache's pages are the blocks
+// of its block table.
+cpu::KeyRows cache_keys(const KVCacheArgs& c, const Plan& plan, std::vector<int32_t>* rows) {
+  cpu::KeyRows keys;
+  keys.k_page_stride = c.k_cache.stride[0];
+  keys.v_page_stride = c.v_cache.stride[0];
+  keys.k_row_stride = c.k_cache.stride[1];
+  keys.v_row_stride = c.v_cache.stride[1];
+  if (plan.paged) {
+    keys.pages = static_cast<const int32_t*>(c.block_table.data);
+    keys.pages_seq_stride = c.block_table.stride[0];
+    keys.pages_stride = c.block_table.stride[1];
+    keys.page_size = plan.block_size;
+  } else {
+    rows->assign(plan.cache_row.begin(), plan.cache_row.end());  // validated: < batch_cache
+    keys.pages = rows->data();
+    keys.pages_seq_stride = 1;
+    keys.page_size = std::max<int64_t>(plan.capacity, 1);  // every used position is on page 0
+  }
+  return keys;
+}
+
 }  // namespace
 
 Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const TensorView& o,
@@ -456,8 +492,8 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
   }
   FLARE_RETURN_IF_ERROR(validate_values(c, &plan));
 
-  // The packed varlen problem the backends solve: q rows b·s_q + j, sequence i's keys at
-  // cu_k[i] .. cu_k[i + 1].
+  // The packed varlen problem the backends solve: q rows b·s_q + j, sequence i's n_i keys counted
+  // by cu_k (their rows are found in the cache, not at cu_k's offsets).
   const int64_t hkv = plan.heads_kv, d = plan.head_dim, total_q = b * sq;
   const DType dt = q.dtype;
   const size_t es = dtype_size(dt);
@@ -473,13 +509,10 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
                      " sequences so far)");
   }
   const int64_t total_k = cu_k[static_cast<size_t>(b)];
-  // Packed copies, every byte written below before it is read: left uninitialised, since zeroing
-  // a cache-sized buffer on one thread (and faulting its pages in) cost as much as the attention.
-  const size_t q_bytes = static_cast<size_t>(total_q * hq * d) * es, kv_bytes = static_cast<size_t>(total_k * hkv * d) * es;
+  // Packed q and o, every byte written below before it is read: left uninitialised.
+  const size_t q_bytes = static_cast<size_t>(total_q * hq * d) * es;
   const auto qp = std::make_unique_for_overwrite<unsigned char[]>(q_bytes);
   const auto op = std::make_unique_for_overwrite<unsigned char[]>(q_bytes);
-  const auto kp = std::make_unique_for_overwrite<unsigned char[]>(kv_bytes);
-  const auto vp = std::make_unique_for_overwrite<unsigned char[]>(kv_bytes);
   VarlenArgs varlen;
   varlen.cu_seqlens_q = TensorView::contiguous(cu_q.data(), DType::kInt32, {b + 1});
   varlen.cu_seqlens_k = TensorView::contiguous(cu_k.data(), DType::kInt32, {b + 1});
@@ -487,12 +520,13 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
   varlen.max_seqlen_k = static_cast<int>(max_k);
   AttentionParams p;
   FLARE_RETURN_IF_ERROR(make_forward_params(
-      TensorView::contiguous(qp.get(), dt, {total_q, hq, d}),
-      TensorView::contiguous(kp.get(), dt, {total_k, hkv, d}),
-      TensorView::contiguous(vp.get(), dt, {total_k, hkv, d}),
+      TensorView::contiguous(qp.get(), dt, {total_q, hq, d}), packed_stand_in(c.k_cache, total_k),
+      packed_stand_in(c.v_cache, total_k),
       TensorView::contiguous(op.get(), dt, {total_q, hq, d}),
       TensorView::contiguous(lse_packed.data(), DType::kFloat32, {hq, total_q}), options, varlen,
       &p));
+  std::vector<int32_t> cache_rows;
+  const cpu::KeyRows keys = cache_keys(c, plan, &cache_rows);
 
   const char* simd_level = nullptr;  // the flash backend's only failure, checked while it is cheap
   if (options.backend != Backend::kReference)
@@ -512,31 +546,19 @@ Status attention_with_kvcache(const TensorView& q, const KVCacheArgs& c, const T
                   dt, d, nullptr, 0, 0);
       }
     }
-  // Gather every sequence's cache rows, and q (rotated at its positions). The gather copies the
-  // whole cache on every call: in parallel over its rows, each thread first touching its pages.
-  for (int64_t i = 0; i < b; ++i) {
-    const int64_t n = plan.len_before[static_cast<size_t>(i)] + plan.seqlen_new;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t h = 0; h < hkv; ++h) {
-        const int64_t dst = ((cu_k[static_cast<size_t>(i)] + t) * hkv + h) * d;
-        copy_head(c.k_cache.data, cache_offset(c.k_cache, c, plan, i, t, h), kp.get(), dst, dt, d,
-                  nullptr, 0, 0);
-        copy_head(c.v_cache.data, cache_offset(c.v_cache, c, plan, i, t, h), vp.get(), dst, dt, d,
-                  nullptr, 0, 0);
-      }
+  // Pack q, rotated at its positions; the keys stay where they are.
+  for (int64_t i = 0; i < b; ++i)
     for (int64_t j = 0; j < sq; ++j) {
       const int64_t pos = plan.len_before[static_cast<size_t>(i)] + (plan.rotate_q_per_row ? j : 0);
       for (int64_t h = 0; h < hq; ++h)
         copy_head(q.data, i * q.stride[0] + j * q.stride[1] + h * q.stride[2], qp.get(),
                   ((i * sq + j) * hq + h) * d, dt, d, rot, plan.rotary_half, pos);
     }
-  }
 
   if (options.backend == Backend::kReference) {
-    cpu::store_forward(p, cpu::reference_forward(p, cpu::RefPrecision::kFloat64));
+    cpu::store_forward(p, cpu::reference_forward(p, keys, cpu::RefPrecision::kFloat64));
   } else {
-    FLARE_RETURN_IF_ERROR(cpu::flash_forward(p));
+    FLARE_RETURN_IF_ERROR(cpu::flash_forward(p, keys));
   }
 
   // Scatter the packed results into the caller's o (any strides) and lse (b, h_q, s_q).

@@ -85,6 +85,7 @@
 #include "cpu/flash_simd.h"
 #include "cpu/flash_tasks.h"
 #include "cpu/head_location.h"
+#include "cpu/key_rows.h"
 
 // Compiled once per instruction-set level, each copy in its own namespace and with its own
 // target (flash_simd.h); flash_dispatch.cpp defines cpu::flash_forward / flash_backward and calls
@@ -260,11 +261,11 @@ void load_rows(const void* src, DType dtype, int64_t offset, int64_t stride, int
   }
 }
 
-// `rows` rows into a transposed tile (d, width); columns [rows, width) zeroed. fp32 rows go
+// `rows` rows into columns [0, rows) of a transposed tile (d rows, row stride width). fp32 rows go
 // kLanes × kLanes blocks at a time through registers (simd::transpose): a row scattered element
 // by element touches d lines of the tile for every row, and was the decoding path's main cost.
-void load_transposed(const void* src, DType dtype, int64_t offset, int64_t stride, int rows, int d,
-                     float* dst, int width, float* row_buffer) {
+void transpose_rows(const void* src, DType dtype, int64_t offset, int64_t stride, int rows, int d,
+                    float* dst, int width, float* row_buffer) {
   int r = 0;
   if (dtype == DType::kFloat32) {
     const float* s = static_cast<const float*>(src) + offset;
@@ -284,8 +285,19 @@ void load_transposed(const void* src, DType dtype, int64_t offset, int64_t strid
     load_row(src, dtype, offset + r * stride, d, row_buffer);
     for (int c = 0; c < d; ++c) dst[c * width + r] = row_buffer[c];
   }
-  if (rows < width)
-    for (int c = 0; c < d; ++c) std::fill(dst + c * width + rows, dst + (c + 1) * width, 0.0f);
+}
+
+// Columns [cols, width) of a (d, width) tile zeroed: the lanes past its last row or key.
+void zero_columns(float* dst, int cols, int d, int width) {
+  if (cols < width)
+    for (int c = 0; c < d; ++c) std::fill(dst + c * width + cols, dst + (c + 1) * width, 0.0f);
+}
+
+// `rows` rows into a transposed tile (d, width); columns [rows, width) zeroed.
+void load_transposed(const void* src, DType dtype, int64_t offset, int64_t stride, int rows, int d,
+                     float* dst, int width, float* row_buffer) {
+  transpose_rows(src, dtype, offset, stride, rows, d, dst, width, row_buffer);
+  zero_columns(dst, rows, d, width);
 }
 
 // Asks for `rows` rows of d elements (row stride `stride`) to be brought into the cache: the next
@@ -301,14 +313,27 @@ void prefetch_rows(const void* src, DType dtype, int64_t offset, int64_t stride,
   }
 }
 
-// `rows` rows of a key-side tensor into a dense fp32 tile (row stride d). Copied even from fp32:
-// read in place at the tensor's row stride (4 KiB for 8 heads of 128), a tile's rows would share
-// a few L1 sets.
-const float* key_rows(const void* src, DType dtype, int64_t offset, int64_t stride, int rows, int d,
-                      float* tile, int64_t* ld) {
-  for (int r = 0; r < rows; ++r) load_row(src, dtype, offset + r * stride, d, tile + r * d);
-  *ld = d;
-  return tile;
+// Keys [j0, j0 + nk) of one (sequence, kv head) into dense fp32 K and V tiles (row stride d),
+// found run by run through `keys` (key_rows.h). Copied even from fp32: read in place at the
+// tensor's row stride (4 KiB for 8 heads of 128), a tile's rows would share a few L1 sets.
+void load_key_tiles(const AttentionParams& p, const KeyRows& keys, const HeadLocation& at, int j0,
+                    int nk, float* ktile, float* vtile) {
+  const int d = p.head_dim;
+  for_each_key_run(p, keys, at, j0, j0 + nk, [&](const KeyRun& run) {
+    for (int r = 0; r < run.n; ++r) {
+      load_row(p.k, p.dtype, run.k + r * run.k_stride, d, ktile + int64_t{run.r0 + r} * d);
+      load_row(p.v, p.dtype, run.v + r * run.v_stride, d, vtile + int64_t{run.r0 + r} * d);
+    }
+  });
+}
+
+// The K and V rows of keys [j0, j0 + nk) asked into the cache (prefetch_rows), run by run.
+void prefetch_keys(const AttentionParams& p, const KeyRows& keys, const HeadLocation& at, int j0,
+                   int nk) {
+  for_each_key_run(p, keys, at, j0, j0 + nk, [&](const KeyRun& run) {
+    prefetch_rows(p.k, p.dtype, run.k, run.k_stride, run.n, p.head_dim);
+    prefetch_rows(p.v, p.dtype, run.v, run.v_stride, run.n, p.head_dim);
+  });
 }
 
 // `rows` rows of a dense tile (row stride ld), times `factor` (rounded once), into a user tensor.
@@ -529,7 +554,8 @@ int64_t forward_scratch_floats(int d) {
 }
 
 // Rows [i0, i0 + kFwdQ) of query head h, queries in lanes (see the top of the file).
-void forward_block(const AttentionParams& p, int b, int h, int qblock, float* scratch) {
+void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, int qblock,
+                   float* scratch) {
   flash_tasks_run.fetch_add(1, std::memory_order_relaxed);
   const Head hd = make_head(p, b, h);
   const int i0 = qblock * kFwdQ;
@@ -587,16 +613,11 @@ void forward_block(const AttentionParams& p, int b, int h, int qblock, float* sc
     rows_meeting(lo, hi, nq, j0, j1, &ra, &rb);
     if (ra == rb) continue;
     const int ca = ra / kLanes, cb = ceil_div(rb, kLanes);  // vectors of queries computed
-    int64_t ldk, ldv;
-    const float* kr = key_rows(p.k, p.dtype, hd.k + j0 * p.k_row_stride, p.k_row_stride, nk, d,
-                               ktile, &ldk);
-    const float* vr = key_rows(p.v, p.dtype, hd.v + j0 * p.v_row_stride, p.v_row_stride, nk, d,
-                               vtile, &ldv);
-    if (j1 < khi) {
-      const int next = std::min(kFwdK, khi - j1);
-      prefetch_rows(p.k, p.dtype, hd.k + j1 * p.k_row_stride, p.k_row_stride, next, d);
-      prefetch_rows(p.v, p.dtype, hd.v + j1 * p.v_row_stride, p.v_row_stride, next, d);
-    }
+    load_key_tiles(p, keys, hd, j0, nk, ktile, vtile);
+    const float* kr = ktile;
+    const float* vr = vtile;
+    const int64_t ldk = d, ldv = d;
+    if (j1 < khi) prefetch_keys(p, keys, hd, j1, std::min(kFwdK, khi - j1));
     bool masked = false;
     for (int c = ca; c < cb; ++c) masked = masked || lo_max[c] > j0 || hi_min[c] < j1;
     // A masked key's weight is 0, and 0·Inf = NaN: a non-finite value may reach only the rows
@@ -792,7 +813,8 @@ int64_t decode_scratch_floats(int d) {
 }
 
 // One task: its rows' partial (max, sum, O) into partial[(slot + row)·(dpad + 2)], O first.
-void decode_task(const AttentionParams& p, const DecodeTask& t, float* partial, float* scratch) {
+void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask& t, float* partial,
+                 float* scratch) {
   const int d = p.head_dim, dpad = round_up(d, kLanes), ldr = rows_ld(dpad), dvecs = dpad / kLanes;
   const Head first = make_head(p, t.b, t.h0);
   const int len_q = first.seq.len_q, rows = t.heads * len_q;
@@ -820,14 +842,14 @@ void decode_task(const AttentionParams& p, const DecodeTask& t, float* partial, 
 
   for (int j0 = klo; j0 < khi; j0 += kDecodeTile) {
     const int nk = std::min(kDecodeTile, khi - j0), kvecs = ceil_div(nk, kLanes);
-    load_transposed(p.k, p.dtype, first.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, kt,
-                    kDecodeLd, row_buffer);
-    load_rows(p.v, p.dtype, first.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, vt, ldr);
-    if (j0 + nk < khi) {  // rows a token apart: the next tile's, while this one is computed
-      const int next = std::min(kDecodeTile, khi - j0 - nk);
-      prefetch_rows(p.k, p.dtype, first.k + (j0 + nk) * p.k_row_stride, p.k_row_stride, next, d);
-      prefetch_rows(p.v, p.dtype, first.v + (j0 + nk) * p.v_row_stride, p.v_row_stride, next, d);
-    }
+    for_each_key_run(p, keys, first, j0, j0 + nk, [&](const KeyRun& run) {
+      transpose_rows(p.k, p.dtype, run.k, run.k_stride, run.n, d, kt + run.r0, kDecodeLd,
+                     row_buffer);
+      load_rows(p.v, p.dtype, run.v, run.v_stride, run.n, d, vt + int64_t{run.r0} * ldr, ldr);
+    });
+    zero_columns(kt, nk, d, kDecodeLd);
+    if (j0 + nk < khi)  // rows a token apart: the next tile's, while this one is computed
+      prefetch_keys(p, keys, first, j0 + nk, std::min(kDecodeTile, khi - j0 - nk));
     matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, kt, kDecodeLd, d, s, kDecodeLd, nullptr});
     // Keys [ta[r], te[r]) of the tile that query row r sees (every head alike).
     int ta[kDecodeRows], te[kDecodeRows];
@@ -925,7 +947,7 @@ void decode_merge(const AttentionParams& p, const DecodePlan& plan, const float*
   p.lse[hd.lse + r] = sees_keys ? static_cast<float>(static_cast<double>(m) + std::log(l_row)) : -kInf;
 }
 
-Status decode_forward(const AttentionParams& p) {
+Status decode_forward(const AttentionParams& p, const KeyRows& keys) {
   const int d = p.head_dim, dpad = round_up(d, kLanes);
   DecodePlan plan;
   std::vector<float> partial;
@@ -942,7 +964,8 @@ Status decode_forward(const AttentionParams& p) {
     return Status::out_of_memory("cpu flash forward (decoding): per-thread tiles");
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t i = 0; i < n_tasks; ++i)
-    decode_task(p, plan.tasks[static_cast<size_t>(i)], partial.data(), scratch[omp_get_thread_num()].data());
+    decode_task(p, keys, plan.tasks[static_cast<size_t>(i)], partial.data(),
+                scratch[omp_get_thread_num()].data());
   // The merge: one unit of work per (sequence, query head), as the task counter counts.
   const int sets = ceil_div(p.head_group, plan.heads_per_set);
 #pragma omp parallel num_threads(threads)
@@ -1347,8 +1370,8 @@ bool one_pass_is_faster(const AttentionParams& p, int threads, std::vector<int64
 
 // ---- entry points -------------------------------------------------------------------------------
 
-Status flash_forward(const AttentionParams& p) {
-  if (use_decode_path(p)) return decode_forward(p);
+Status flash_forward(const AttentionParams& p, const KeyRows& keys) {
+  if (use_decode_path(p)) return decode_forward(p, keys);
   const int d = p.head_dim;
   BlockTasks tasks;
   try {
@@ -1364,7 +1387,7 @@ Status flash_forward(const AttentionParams& p) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t task = 0; task < tasks.size(); ++task) {
     const BlockTasks::Task t = tasks[task];
-    forward_block(p, t.b, t.h, t.blocks - 1 - t.block,  // heavy (causal: last) blocks first
+    forward_block(p, keys, t.b, t.h, t.blocks - 1 - t.block,  // heavy (causal: last) blocks first
                   scratch[omp_get_thread_num()].data());
   }
   return {};

@@ -12,27 +12,28 @@
 
 #include "core/backends.h"
 #include "cpu/flash_simd.h"  // FLARE_SIMD_NAMESPACE: the one copy of a single-level build
+#include "cpu/key_rows.h"
 
 namespace flare::cpu {
 
 #if defined(FLARE_SIMD_MULTI_LEVEL)
 // The copies' entry points: flash.cpp compiled with FLARE_SIMD_LEVEL 1, 3 and 4.
 namespace generic {
-Status flash_forward(const AttentionParams& p);
+Status flash_forward(const AttentionParams& p, const KeyRows& keys);
 Status flash_backward(const AttentionParams& p);
 }  // namespace generic
 namespace avx_fma {
-Status flash_forward(const AttentionParams& p);
+Status flash_forward(const AttentionParams& p, const KeyRows& keys);
 Status flash_backward(const AttentionParams& p);
 }  // namespace avx_fma
 namespace avx512 {
-Status flash_forward(const AttentionParams& p);
+Status flash_forward(const AttentionParams& p, const KeyRows& keys);
 Status flash_backward(const AttentionParams& p);
 }  // namespace avx512
 #else
 // The one copy: flash.cpp compiled for the compiler's target, as this file is.
 namespace FLARE_SIMD_NAMESPACE {
-Status flash_forward(const AttentionParams& p);
+Status flash_forward(const AttentionParams& p, const KeyRows& keys);
 Status flash_backward(const AttentionParams& p);
 }  // namespace FLARE_SIMD_NAMESPACE
 #endif
@@ -42,7 +43,7 @@ namespace {
 struct SimdLevel {
   const char* name;
   bool (*cpu_supports)();
-  Status (*forward)(const AttentionParams&);
+  Status (*forward)(const AttentionParams&, const KeyRows&);
   Status (*backward)(const AttentionParams&);
 };
 
@@ -113,10 +114,12 @@ Status flash_simd_level(const char** name) {
   return {};
 }
 
-Status flash_forward(const AttentionParams& p) {
+Status flash_forward(const AttentionParams& p) { return flash_forward(p, KeyRows{}); }
+
+Status flash_forward(const AttentionParams& p, const KeyRows& keys) {
   const Choice& c = chosen();
   if (c.level == nullptr) return c.error;
-  return c.level->forward(p);
+  return c.level->forward(p, keys);
 }
 
 Status flash_backward(const AttentionParams& p) {

@@ -28,6 +28,8 @@
 #include "core/numeric.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
+#include "cpu/head_location.h"
+#include "cpu/key_rows.h"
 
 namespace flare::cpu {
 namespace {
@@ -41,6 +43,23 @@ std::vector<T> load_rows(const void* base, DType dtype, int64_t head_offset, int
     for (int c = 0; c < d; ++c)
       out[r * d + c] = static_cast<T>(load_as_float(base, head_offset + r * row_stride + c, dtype));
   return out;
+}
+
+// Dense copies of one (sequence, kv head)'s keys and values, found through `keys` (key_rows.h).
+template <typename T>
+void load_keys(const AttentionParams& p, const KeyRows& keys, const HeadLocation& at,
+               std::vector<T>* k, std::vector<T>* v) {
+  const int d = p.head_dim, len = at.seq.len_k;
+  k->assign(static_cast<size_t>(len) * d, T(0));
+  v->assign(static_cast<size_t>(len) * d, T(0));
+  for_each_key_run(p, keys, at, 0, len, [&](const KeyRun& run) {
+    for (int r = 0; r < run.n; ++r)
+      for (int c = 0; c < d; ++c) {
+        const size_t e = static_cast<size_t>(run.r0 + r) * d + c;
+        (*k)[e] = static_cast<T>(load_as_float(p.k, run.k + r * run.k_stride + c, p.dtype));
+        (*v)[e] = static_cast<T>(load_as_float(p.v, run.v + r * run.v_stride + c, p.dtype));
+      }
+  });
 }
 
 template <typename T>
@@ -69,16 +88,13 @@ struct Head {
   std::vector<T> q, k, v;   // (len_q, d), (len_k, d), (len_k, d)
   float slope;
 
-  Head(const AttentionParams& params, int batch, int head) : p(params), b(batch), h(head) {
-    seq = sequence_info(p, b);
-    const int kvh = h / p.head_group;
-    q = load_rows<T>(p.q, p.dtype, b * p.q_batch_stride + seq.q_row0 * p.q_row_stride + h * p.q_head_stride,
-                     p.q_row_stride, seq.len_q, p.head_dim);
-    k = load_rows<T>(p.k, p.dtype, b * p.k_batch_stride + seq.k_row0 * p.k_row_stride + kvh * p.k_head_stride,
-                     p.k_row_stride, seq.len_k, p.head_dim);
-    v = load_rows<T>(p.v, p.dtype, b * p.v_batch_stride + seq.k_row0 * p.v_row_stride + kvh * p.v_head_stride,
-                     p.v_row_stride, seq.len_k, p.head_dim);
-    slope = alibi_slope(p, b, h);
+  Head(const AttentionParams& params, int batch, int head, const KeyRows& keys = KeyRows{})
+      : p(params), b(batch), h(head) {
+    const HeadLocation at = locate_head(p, b, h);
+    seq = at.seq;
+    q = load_rows<T>(p.q, p.dtype, at.q, p.q_row_stride, seq.len_q, p.head_dim);
+    load_keys(p, keys, at, &k, &v);
+    slope = at.slope;
   }
 
   // `stored_lse`, when given, replaces the row's own log-sum-exp in P = exp(s − LSE): the
@@ -136,14 +152,14 @@ struct Head {
 };
 
 template <typename T>
-RefForward forward_impl(const AttentionParams& p, bool low) {
+RefForward forward_impl(const AttentionParams& p, const KeyRows& keys, bool low) {
   RefForward out;
   const int d = p.head_dim;
   out.o.assign(static_cast<size_t>(p.total_q) * p.heads_q * d, 0.0);
   out.lse.assign(static_cast<size_t>(p.total_q) * p.heads_q, 0.0);
   for (int b = 0; b < p.batch; ++b) {
     for (int h = 0; h < p.heads_q; ++h) {
-      Head<T> hd(p, b, h);
+      Head<T> hd(p, b, h, keys);
       const int64_t row0 = packed_q_row0(p, b, hd.seq);
       for (int i = 0; i < hd.seq.len_q; ++i) {
         const RowScores<T> r = hd.scores(i);
@@ -265,9 +281,14 @@ void store_packed(const AttentionParams& p, const std::vector<double>& src, void
 
 }  // namespace
 
+RefForward reference_forward(const AttentionParams& p, const KeyRows& keys,
+                             RefPrecision precision) {
+  return precision == RefPrecision::kFloat64 ? forward_impl<double>(p, keys, false)
+                                             : forward_impl<float>(p, keys, true);
+}
+
 RefForward reference_forward(const AttentionParams& p, RefPrecision precision) {
-  return precision == RefPrecision::kFloat64 ? forward_impl<double>(p, false)
-                                             : forward_impl<float>(p, true);
+  return reference_forward(p, KeyRows{}, precision);
 }
 
 RefBackward reference_backward(const AttentionParams& p, RefPrecision precision) {
