@@ -11,6 +11,11 @@
 
 namespace flare {
 
+// log2(e) and ln(2) as floats: the kernels' online softmax runs in base 2 (exp2 with the scale
+// folded into one FFMA) and turns its LSE back to base e.
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
 FLARE_HD uint32_t float_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);

@@ -42,9 +42,6 @@
 
 namespace flare::cuda::decode {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
 // ---- sequence checks ----------------------------------------------------------------------------
 
 // What a kernel needs to know of sequence i, and whether its integer arguments obey the rules the

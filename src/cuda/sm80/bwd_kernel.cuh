@@ -60,6 +60,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/numeric.h"
 #include "core/params.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
@@ -194,8 +195,6 @@ struct BwdConfig {
   static constexpr int kSmemBytes = kElems * 2 + 2 * kStages * kBlockM * 4;
   static_assert(kSmemBytes == bwd_smem_bytes(kHeadDim, kStages), "shared-memory plan out of sync");
 };
-
-inline constexpr float kBwdLog2e = 1.4426950408889634f;
 
 // Element offset of (row, col) in a shared tile of kCols-element rows whose 16-byte chunks are
 // XOR-swizzled within groups of kSwzGroup: rows that are multiples of 128 bytes XOR each 8-chunk
@@ -577,7 +576,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
         // it feeds.
         auto lse2_of = [&](int m) {
           const float lse = sLses[m];
-          return i0 + m < seq.len_q && lse != -INFINITY ? lse * kBwdLog2e : INFINITY;
+          return i0 + m < seq.len_q && lse != -INFINITY ? lse * kLog2e : INFINITY;
         };
         if constexpr (kMode != kGeneral) {
           // Free of per-element branches: each one is a taken jump, and in this loop they cost more
@@ -662,7 +661,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                     dtanh = 1.0f - th * th;
                   }
                   if (p.alibi_slopes != nullptr) x += alibi_bias(slope, i, j, seq.len_q, seq.len_k);
-                  prob = ptx::exp2_approx(x * kBwdLog2e - lse2[r & 1]);
+                  prob = ptx::exp2_approx(x * kLog2e - lse2[r & 1]);
                 }
                 if (!full_tile) {
                   const int pos = i + diag;

@@ -61,6 +61,7 @@
 #include <type_traits>
 
 #include "core/block_mask.h"
+#include "core/numeric.h"
 #include "core/params.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
@@ -131,8 +132,6 @@ struct FwdConfig {
   static_assert(kBlockN * kChunksPerRow % kThreads == 0 && kBlockM * kChunksPerRow % kThreads == 0,
                 "tile copies must split evenly over the threads");
 };
-
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 // A row fragment's running max after a step whose scaled scores peak at `seen` (log2 units),
 // updated in place: the base the step's exponentials subtract, the factor for O and the row sum,

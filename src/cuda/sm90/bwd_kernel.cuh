@@ -35,6 +35,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/numeric.h"
 #include "core/params.h"
 #include "core/score_mod.h"
 #include "cuda/block_walk.cuh"
@@ -104,7 +105,6 @@ struct Bwd90Config {
                 "setmaxnreg split exceeds the CTA's registers");
 };
 
-inline constexpr float kLog2e = 1.4426950408889634f;
 
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)

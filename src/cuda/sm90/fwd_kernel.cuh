@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "core/block_mask.h"
+#include "core/numeric.h"
 #include "core/params.h"
 #include "core/score_mod.h"
 #include "cuda/block_walk.cuh"
@@ -76,7 +77,6 @@ struct Fwd90Config {
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockM == 64 * kConsumers, "tile shape");
 };
 
-inline constexpr float kLn2f = 0.6931471805599453f;
 
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
     probe += __shfl_xor_sync(0xffffffffu, probe, 2);
     if (t == 0 && r < rows_q)
       lse_row[r] = windowed && probe_found(probe) ? NAN
-                   : l > 0.0f         ? row_max[half] * kLn2f + logf(l)
+                   : l > 0.0f         ? row_max[half] * kLn2 + logf(l)
                    : every_key_visible ? NAN
                                        : -INFINITY;
   }
