@@ -7,11 +7,9 @@
 #include "cuda/decode/decode_kernel.cuh"
 #include "cuda/decode/decode_launch.h"
 #include "cuda/device_probe.h"
+#include "cuda/element_type.cuh"
 
 namespace flare::cuda::decode {
-
-template <DType kDType>
-using Element = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
 
 template <typename T, int kHeadDim>
 Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
@@ -44,7 +42,7 @@ Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
 
 template <DType kDType>
 Status launch(const DecodeParams& p, cudaStream_t stream) {
-  using T = Element<kDType>;
+  using T = ElementOf<kDType>;
   if (p.seqlen_new > 0 && p.batch > 0) {
     append_kernel<T><<<p.batch, 128, 0, stream>>>(p);
     FLARE_RETURN_IF_ERROR(launch_status(kErrorContext, "append"));

@@ -66,6 +66,7 @@
 #include "core/score_mod.h"
 #include "cuda/block_walk.cuh"
 #include "cuda/device_probe.h"
+#include "cuda/element_type.cuh"
 #include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/fast_math.cuh"
@@ -78,9 +79,6 @@
 #include "cuda/sm80/tile_order.cuh"
 
 namespace flare::cuda::sm80 {
-
-template <DType kDType>
-using BwdElement = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
 
 template <int kHeadDim, int kStagesUsed>
 struct BwdConfig {
@@ -401,7 +399,7 @@ template <DType kDType, int kHeadDim, int kStagesUsed>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ AttentionParams p, const BwdWorkspace w) {
   using Cfg = BwdConfig<kHeadDim, kStagesUsed>;
-  using Element = BwdElement<kDType>;
+  using Element = ElementOf<kDType>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kStages = Cfg::kStages, kSCols = Cfg::kSCols, kKVCols = Cfg::kKVCols;
   constexpr int kDqCols = Cfg::kDqCols, kDqChunk = Cfg::kDqChunk, kSPass = Cfg::kSPass;

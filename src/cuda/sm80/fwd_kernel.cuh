@@ -66,6 +66,7 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/device_probe.h"
+#include "cuda/element_type.cuh"
 #include "cuda/nonfinite_fixup.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/sm80/chunk_copy.cuh"
@@ -78,9 +79,6 @@
 #include "cuda/sm80/tile_order.cuh"
 
 namespace flare::cuda::sm80 {
-
-template <DType kDType>
-using ElementOf = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
 
 // kPreHopper: the configuration of the sm_80–sm_89 device code, whose key step may be shorter
 // (fwd_tiles.h's block_n_sm80); block_m and warps, all the host sees besides shared memory, are

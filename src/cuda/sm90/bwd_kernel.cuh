@@ -6,7 +6,7 @@
 // in registers and are written once, and the CTA walks every query block of every query head of
 // the kv head's group that sees one of its keys (as the sm80 kernel does). Warpgroup 0 is the
 // producer: one thread issues the TMA loads (K and V once; Q_i and dO_i into a ring of kStages
-// buffers). The consumers copy each step's LSE (base 2, +inf for rows that see nothing) and D into
+// buffers, beside each its step's query block and head). The consumers copy each step's LSE (base 2, +inf for rows that see nothing) and D into
 // shared memory beside them one step ahead, and arrive on the same `full` barrier as the TMA
 // loads. Warpgroups 1 and 2 each own 64 of the keys and per step run
 //   Sᵀ  = K·Q_iᵀ, dPᵀ = V·dO_iᵀ        wgmma, both operands K-major in shared memory
@@ -17,8 +17,9 @@
 //   dSᵀ → shared memory; the two warpgroups meet at a named barrier
 //   dQ_i += dS·K                          one 64×64 tile of dQ per warpgroup (both operands MN-major:
 //                                         dSᵀ's rows and K's rows are the reduction dimension),
-//                                         staged in shared memory and added to the fp32
-//                                         accumulator by TMA reductions
+//                                         staged in shared memory (d <= 128: a buffer of the
+//                                         warpgroup's own) and added to the fp32 accumulator by
+//                                         TMA reductions
 // dSᵀ is double-buffered, so one named barrier per step orders both its write-after-read and its
 // read-after-write. dK is scaled by the softmax scale on the way out, dQ by the convert kernel.
 // d 256 splits the head dim between the warpgroups instead (Bwd90Config::kSplitD).
@@ -105,6 +106,13 @@ struct Bwd90Config {
                 "setmaxnreg split exceeds the CTA's registers");
 };
 
+
+// The consumers' named barriers (0 is __syncthreads).
+enum Bwd90Barrier : int {
+  kBothConsumersStep = 1,  // both warpgroups' dSᵀ (and Pᵀ) of the step are in shared memory
+  kBothConsumersDone = 2,  // both warpgroups are past their last step (the epilogue reuses K, V)
+  kOwnDqStage = 3,         // + c: warpgroup c's dQ staging (its own 128 threads)
+};
 
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
@@ -364,7 +372,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         ptx::wgmma_rs<kHeadDim, Element>(
             acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
       ptx::wgmma_commit();
-      ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
+      ptx::named_barrier_sync(kBothConsumersStep, 128 * Cfg::kConsumers);
       if (more) publish(it + 1, next_copy);
       ptx::wgmma_fence();  // dq was read by the previous step's staging
     } else {
@@ -372,7 +380,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       // and dK += dSᵀ·Q_i for this warpgroup's 128 columns (and dQ below).
       (void)pa;
       (void)da;
-      ptx::named_barrier_sync(1, 128 * Cfg::kConsumers);
+      ptx::named_barrier_sync(kBothConsumersStep, 128 * Cfg::kConsumers);
       if (more) publish(it + 1, next_copy);
       ptx::wgmma_fence();
       const uint32_t col_panel = col_off / 64;
@@ -425,7 +433,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     if constexpr (!Cfg::kSplitD) {
       ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
       if (tid % 128 == 0) ptx::bulk_wait_group_read0();  // the previous step's dQ has left
-      ptx::named_barrier_sync(3 + c, 128);
+      ptx::named_barrier_sync(kOwnDqStage + c, 128);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -440,7 +448,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       }
     }
     ptx::fence_proxy_async_shared();
-    ptx::named_barrier_sync(3 + c, 128);
+    ptx::named_barrier_sync(kOwnDqStage + c, 128);
     if (tid % 128 == 0) {
       const int row0 =
           static_cast<int>(int64_t{h} * p.total_q + int64_t{b} * p.seqlen_q + i0 + dq_m * 64);
@@ -453,7 +461,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       if constexpr (Cfg::kSplitD) ptx::bulk_wait_group_read0();
     }
     if constexpr (Cfg::kSplitD) {
-      ptx::named_barrier_sync(3 + c, 128);
+      ptx::named_barrier_sync(kOwnDqStage + c, 128);
       ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
     }
   }
@@ -465,7 +473,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // A thread whose dK or dV came out ±Inf/NaN (a masked pair's P = 0 or dS = 0 times an infinite
   // dO or dP is NaN in the MMA) sets a flag; the backward's fixup kernel then recomputes the
   // non-finite rows exactly (nonfinite_fixup.cuh).
-  ptx::named_barrier_sync(2, 128 * Cfg::kConsumers);
+  ptx::named_barrier_sync(kBothConsumersDone, 128 * Cfg::kConsumers);
   float probe = 0.0f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {

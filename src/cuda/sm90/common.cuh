@@ -13,12 +13,10 @@
 
 #include "core/params.h"
 #include "cuda/device_probe.h"
+#include "cuda/element_type.cuh"
 #include "flare/status.h"
 
 namespace flare::cuda::sm90 {
-
-template <DType kDType>
-using ElementOf = std::conditional_t<kDType == DType::kFloat16, __half, __nv_bfloat16>;
 
 // Registers per thread a CTA of `threads` starts with at one CTA per SM (64 Ki / threads, rounded
 // down to 8). setmaxnreg.inc waits until the producer's release covers the consumers' growth, so a
