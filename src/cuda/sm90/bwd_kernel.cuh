@@ -89,6 +89,7 @@ struct Bwd90Config {
   // d <= 128: each warpgroup's 64 × 64 fp32 dQ tile is staged for the TMA reductions in a buffer
   // of its own, so a step need not wait for the copy engine to read it (d 256: no room; it stages
   // in the step's Q and dO panels).
+  static constexpr uint32_t kDqBoxBytes = 32 * 32 * 4;  // one TMA reduction: 32 rows × 32 fp32
   static constexpr uint32_t kDqStageBytes = 64 * 64 * 4;
   static constexpr uint32_t kOffDqStage = kOffP;  // d <= 128 only
   static constexpr int kSmemBytes =
@@ -366,11 +367,11 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk)
         ptx::wgmma_rs<kHeadDim, Element>(
-            acc_dv, pa[kk], ptx::wgmma_desc_mn_major(do_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
+            acc_dv, pa[kk], ptx::wgmma_desc_mn_major(do_tile + kk * kSlice16Bytes, Cfg::kQPanelBytes), 1);
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk)
         ptx::wgmma_rs<kHeadDim, Element>(
-            acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * 2048u, Cfg::kQPanelBytes), 1);
+            acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * kSlice16Bytes, Cfg::kQPanelBytes), 1);
       ptx::wgmma_commit();
       ptx::named_barrier_sync(kBothConsumersStep, 128 * Cfg::kConsumers);
       if (more) publish(it + 1, next_copy);
@@ -388,14 +389,14 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       for (int kk = 0; kk < kBlockM / 16; ++kk)
         ptx::wgmma_ss_bmn<kWgCols, Element>(
             acc_dv, ptx::wgmma_desc_k_major(base + p_buf + kk * 32u),
-            ptx::wgmma_desc_mn_major(do_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
+            ptx::wgmma_desc_mn_major(do_tile + col_panel * Cfg::kQPanelBytes + kk * kSlice16Bytes,
                                      Cfg::kQPanelBytes),
             1);
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk)
         ptx::wgmma_ss_bmn<kWgCols, Element>(
             acc_dk, ptx::wgmma_desc_k_major(base + ds_buf + kk * 32u),
-            ptx::wgmma_desc_mn_major(q_tile + col_panel * Cfg::kQPanelBytes + kk * 2048u,
+            ptx::wgmma_desc_mn_major(q_tile + col_panel * Cfg::kQPanelBytes + kk * kSlice16Bytes,
                                      Cfg::kQPanelBytes),
             1);
     }
@@ -404,9 +405,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       ptx::wgmma_ss_mn<kDqCols, Element>(
           dq,
-          ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * 2048u,
+          ptx::wgmma_desc_mn_major(base + ds_buf + dq_m * Cfg::kDsPanelBytes + kk * kSlice16Bytes,
                                    Cfg::kDsPanelBytes),
-          ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * 2048u,
+          ptx::wgmma_desc_mn_major(sK + (dq_col0 / 64) * Cfg::kKVPanelBytes + kk * kSlice16Bytes,
                                    Cfg::kKVPanelBytes),
           kk > 0 ? 1 : 0);
     ptx::wgmma_commit();
@@ -426,9 +427,11 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     // warpgroups), so the read is waited for before the buffer is released.
     auto box = [&](int cb, int rb) -> uint32_t {
       if constexpr (Cfg::kSplitD)
-        return (cb < 2 ? q_tile : do_tile) + (2 * c + cb % 2) * Cfg::kQPanelBytes + rb * 4096u;
+        return (cb < 2 ? q_tile : do_tile) + (2 * c + cb % 2) * Cfg::kQPanelBytes +
+               rb * Cfg::kDqBoxBytes;
       else
-        return base + Cfg::kOffDqStage + c * Cfg::kDqStageBytes + (cb * 2 + rb) * 4096u;
+        return base + Cfg::kOffDqStage + c * Cfg::kDqStageBytes +
+               (cb * 2 + rb) * Cfg::kDqBoxBytes;
     };
     if constexpr (!Cfg::kSplitD) {
       ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
@@ -440,6 +443,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       const int r = warp * 16 + g + 8 * half, rr = r % 32;
 #pragma unroll
       for (int j = 0; j < kDqCols / 8; ++j) {
+        // swizzled(rr, chunk, ·) within one box (chunk < 8), written out: through the helper,
+        // ptxas schedules the d 256 kernel differently.
         const int chunk = 2 * (j % 4) + t / 2;
         const uint32_t off =
             box(j / 4, r / 32) - base + rr * 128 + ((chunk ^ (rr % 8)) * 16) + 8 * (t % 2);

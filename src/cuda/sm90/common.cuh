@@ -23,6 +23,10 @@ namespace flare::cuda::sm90 {
 // split that exceeds this hangs the kernel.
 constexpr int launch_regs(int threads) { return (65536 / threads) / 8 * 8; }
 
+// Bytes of 16 rows of a 64-column panel (128 bytes a row): from one k16 slice of an MN-major wgmma
+// operand to the next.
+inline constexpr uint32_t kSlice16Bytes = 16 * 128;
+
 // Byte offset of 16-byte chunk `chunk` (of the whole row) of row `row` in a tile stored as 64-column
 // panels of `panel_bytes` in the 128-byte swizzle (ptx/wgmma.cuh).
 __device__ __forceinline__ uint32_t swizzled(int row, int chunk, uint32_t panel_bytes) {

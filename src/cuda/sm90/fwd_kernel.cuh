@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * 2048u, Cfg::kKVPanelBytes);
+      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
       ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
     }
     ptx::wgmma_commit();
