@@ -33,6 +33,7 @@
 #include "cuda/sm90/bwd_launch.h"
 #include "cuda/sm90/bwd_tiles.h"
 #include "cuda/testing.h"
+#include "cuda/variant_key.h"
 
 namespace flare {
 namespace cuda {
@@ -47,15 +48,11 @@ long sm90_backward_launches() { return sm90_launches.load(); }
 
 namespace {
 
-constexpr int bwd_variant_key(DType dtype, int head_dim) {
-  return static_cast<int>(dtype) * 1024 + head_dim;
-}
-
 Status launch_main(const AttentionParams& p, const sm80::BwdWorkspace& w, int key_blocks,
                    cudaStream_t stream) {
-  switch (bwd_variant_key(p.dtype, w.bucket)) {
+  switch (variant_key(p.dtype, w.bucket)) {
 #define FLARE_CUDA_BWD_VARIANT(DT, HD) \
-  case bwd_variant_key(DType::DT, HD): \
+  case variant_key(DType::DT, HD):     \
     return sm80::launch_backward_main<DType::DT, HD>(p, w, key_blocks, stream);
 #include "flare/cuda_bwd_variants.inc"
 #undef FLARE_CUDA_BWD_VARIANT
@@ -71,9 +68,9 @@ Status launch_main(const AttentionParams& p, const sm80::BwdWorkspace& w, int ke
 // of the main kernel that runs, and sm90's bucket can be wider than sm80's (d 80: 128, not 96).
 bool sm90_runs(const AttentionParams& p) {
   if (testing::forced_arch() == 80 || !sm90::backward_supported(p)) return false;
-  switch (bwd_variant_key(p.dtype, sm90::bwd90_bucket(p.head_dim))) {
+  switch (variant_key(p.dtype, sm90::bwd90_bucket(p.head_dim))) {
 #define FLARE_CUDA_BWD90_VARIANT(DT, HD) \
-  case bwd_variant_key(DType::DT, HD):   \
+  case variant_key(DType::DT, HD):       \
     return sm90::backward_runs_on_device<DType::DT, HD>();
 #include "flare/cuda_bwd90_variants.inc"
 #undef FLARE_CUDA_BWD90_VARIANT
@@ -86,9 +83,9 @@ bool sm90_runs(const AttentionParams& p) {
 Status launch_main_sm90(const AttentionParams& p, const sm80::BwdWorkspace& w,
                         cudaStream_t stream) {
   ++testing::sm90_launches;
-  switch (bwd_variant_key(p.dtype, w.bucket)) {
+  switch (variant_key(p.dtype, w.bucket)) {
 #define FLARE_CUDA_BWD90_VARIANT(DT, HD) \
-  case bwd_variant_key(DType::DT, HD):   \
+  case variant_key(DType::DT, HD):       \
     return sm90::launch_backward_main<DType::DT, HD>(p, w, stream);
 #include "flare/cuda_bwd90_variants.inc"
 #undef FLARE_CUDA_BWD90_VARIANT

@@ -17,6 +17,7 @@
 #include "cuda/sm90/fwd_launch.h"
 #include "cuda/sm90/fwd_tiles.h"
 #include "cuda/testing.h"
+#include "cuda/variant_key.h"
 
 namespace flare {
 namespace cuda {
@@ -33,10 +34,6 @@ int forced_arch() { return forced_arch_value.load(); }
 }  // namespace testing
 
 namespace {
-
-constexpr int variant_key(DType dtype, int head_dim) {
-  return static_cast<int>(dtype) * 1024 + head_dim;
-}
 
 // Smallest compiled bucket ≥ head_dim for this dtype, 0 if none.
 int forward_bucket(DType dtype, int head_dim) {
