@@ -24,7 +24,9 @@ Writes DIR/cpu_compare-<cpu>-<date>.json: {"card": the CPU model, "date", "commi
 "fraction_of_peak"}], "ratios": [{cell…, "flare_over_torch"}]} and, with --chart, a PNG of the
 ratios. --tiny runs two small cells with few iterations (CI keeps the script from rotting).
 --decode runs decoding cells instead (forward only, one query row against a long K/V, with and
-without GQA: the shapes of a KV-cache decode step; torch with enable_gqa).
+without GQA: the shapes of a KV-cache decode step; torch with enable_gqa), and times beside them
+the decode step itself, flare.flash_attn_with_kvcache over the same K/V as a contiguous cache
+("flare-kvcache") and as a paged one of 16-token pages in shuffled order ("flare-kvcache-paged").
 """
 
 import argparse
@@ -173,6 +175,28 @@ DECODE_CELLS = ((1, 8192, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 8192, 32, 8, 6
                 (1, 32768, 8, 1, 128), (1, 8192, 32, 32, 128))
 
 
+PAGE = 16  # tokens per page of the paged decode step
+
+
+def kvcache_steps(torch, flare, q, k, v):
+    """(name, step) of flare's decode step over k, v (b, s_k, h_kv, d) held as a KV cache: every
+    position cached, no new token appended (so repeated calls read the same cache)."""
+    b, s_k, h_kv, d = k.shape
+    seqlens = torch.full((b,), s_k, dtype=torch.int32)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    steps = [("flare-kvcache", lambda: flare.flash_attn_with_kvcache(qd, kd, vd, cache_seqlens=seqlens))]
+    if s_k % PAGE == 0:
+        blocks = b * s_k // PAGE
+        perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(blocks))
+        k_pages, v_pages = torch.empty(blocks, PAGE, h_kv, d, dtype=k.dtype), torch.empty(blocks, PAGE, h_kv, d, dtype=k.dtype)
+        k_pages[perm] = kd.reshape(blocks, PAGE, h_kv, d)
+        v_pages[perm] = vd.reshape(blocks, PAGE, h_kv, d)
+        table = perm.reshape(b, s_k // PAGE).to(torch.int32)
+        steps.append(("flare-kvcache-paged", lambda: flare.flash_attn_with_kvcache(
+            qd, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)))
+    return steps
+
+
 def cells(args):
     """The (b, s_q, s_k, h, h_kv, d, causal) cells of the run."""
     if args.decode:
@@ -233,12 +257,15 @@ def main(argv=None):
                     return torch.nn.functional.scaled_dot_product_attention(
                         qt, kt, vt, is_causal=causal, enable_gqa=h != h_kv)
 
+            impls = [("flare", run_flare, (q, k, v), dout), ("torch-cpu", run_torch, (qt, kt, vt), dout_t)]
+            if args.decode:
+                impls += [(name, step, None, None) for name, step in kvcache_steps(torch, flare, q, k, v)]
+
             for pass_ in passes:
                 cell = {"pass": pass_, "dtype": str(dtype).replace("torch.", ""), "b": b, "s_q": s_q,
                         "s_k": s_k, "h": h, "h_kv": h_kv, "d": d, "causal": causal}
                 ms = {}
-                for impl, fwd, ins, grad in (("flare", run_flare, (q, k, v), dout),
-                                             ("torch-cpu", run_torch, (qt, kt, vt), dout_t)):
+                for impl, fwd, ins, grad in impls:
                     if pass_ == "fwd":
                         def step(fwd=fwd):
                             with torch.no_grad():
