@@ -319,21 +319,29 @@ void prefetch_rows(const void* src, DType dtype, int64_t offset, int64_t stride,
 void load_key_tiles(const AttentionParams& p, const KeyRows& keys, const HeadLocation& at, int j0,
                     int nk, float* ktile, float* vtile) {
   const int d = p.head_dim;
-  for_each_key_run(p, keys, at, j0, j0 + nk, [&](const KeyRun& run) {
-    for (int r = 0; r < run.n; ++r) {
+  for (int j = j0; j < j0 + nk;) {  // all of K first, then V, as the tiles are used
+    const KeyRun run = key_run(p, keys, at, j0, j, j0 + nk);
+    for (int r = 0; r < run.n; ++r)
       load_row(p.k, p.dtype, run.k + r * run.k_stride, d, ktile + int64_t{run.r0 + r} * d);
+    j += run.n;
+  }
+  for (int j = j0; j < j0 + nk;) {
+    const KeyRun run = key_run(p, keys, at, j0, j, j0 + nk);
+    for (int r = 0; r < run.n; ++r)
       load_row(p.v, p.dtype, run.v + r * run.v_stride, d, vtile + int64_t{run.r0 + r} * d);
-    }
-  });
+    j += run.n;
+  }
 }
 
 // The K and V rows of keys [j0, j0 + nk) asked into the cache (prefetch_rows), run by run.
 void prefetch_keys(const AttentionParams& p, const KeyRows& keys, const HeadLocation& at, int j0,
                    int nk) {
-  for_each_key_run(p, keys, at, j0, j0 + nk, [&](const KeyRun& run) {
+  for (int j = j0; j < j0 + nk;) {
+    const KeyRun run = key_run(p, keys, at, j0, j, j0 + nk);
     prefetch_rows(p.k, p.dtype, run.k, run.k_stride, run.n, p.head_dim);
     prefetch_rows(p.v, p.dtype, run.v, run.v_stride, run.n, p.head_dim);
-  });
+    j += run.n;
+  }
 }
 
 // `rows` rows of a dense tile (row stride ld), times `factor` (rounded once), into a user tensor.
@@ -842,11 +850,13 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
 
   for (int j0 = klo; j0 < khi; j0 += kDecodeTile) {
     const int nk = std::min(kDecodeTile, khi - j0), kvecs = ceil_div(nk, kLanes);
-    for_each_key_run(p, keys, first, j0, j0 + nk, [&](const KeyRun& run) {
+    for (int j = j0; j < j0 + nk;) {  // the tile's keys, one strided run at a time
+      const KeyRun run = key_run(p, keys, first, j0, j, j0 + nk);
       transpose_rows(p.k, p.dtype, run.k, run.k_stride, run.n, d, kt + run.r0, kDecodeLd,
                      row_buffer);
       load_rows(p.v, p.dtype, run.v, run.v_stride, run.n, d, vt + int64_t{run.r0} * ldr, ldr);
-    });
+      j += run.n;
+    }
     zero_columns(kt, nk, d, kDecodeLd);
     if (j0 + nk < khi)  // rows a token apart: the next tile's, while this one is computed
       prefetch_keys(p, keys, first, j0 + nk, std::min(kDecodeTile, khi - j0 - nk));

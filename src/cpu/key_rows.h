@@ -4,7 +4,7 @@
 // packed (varlen) call they lie at one row stride from the sequence's first row (head_location.h's
 // offsets). A KV cache (flare/kvcache.h) holds them elsewhere: a contiguous cache keeps sequence b
 // in cache row cache_batch_idx[b], a paged one in the blocks block_table[b][j / page_size], row
-// j % page_size. KeyRows describes either layout, and for_each_key_run cuts a range of keys into
+// j % page_size. KeyRows describes either layout, and key_run cuts a range of keys into
 // runs that lie at one row stride, so a tile load is one strided copy per run: one for the packed
 // and the contiguous layouts, one per page crossed for a paged cache. The backends' forwards read
 // K and V through it and nothing else, so the cache is read in place instead of first being
@@ -42,28 +42,23 @@ struct KeyRun {
   int64_t k_stride = 0, v_stride = 0;  // between consecutive keys of the run
 };
 
-// Calls f(KeyRun) for keys [j0, j1) of the (sequence, kv head) `at` locates, in key order. The
-// params' layout is one run; a paged cache one per page the range touches.
-template <typename F>
-void for_each_key_run(const AttentionParams& p, const KeyRows& keys, const HeadLocation& at, int j0,
-                      int j1, F&& f) {
-  if (j0 >= j1) return;
-  if (keys.in_params()) {
-    f(KeyRun{0, j1 - j0, at.k + j0 * p.k_row_stride, at.v + j0 * p.v_row_stride, p.k_row_stride,
-             p.v_row_stride});
-    return;
-  }
-  const int b = at.b, kvh = at.h / p.head_group;
-  for (int j = j0; j < j1;) {
-    const int64_t page_index = j / keys.page_size, row = j % keys.page_size;
-    const int n = static_cast<int>(std::min<int64_t>(j1 - j, keys.page_size - row));
-    const int64_t page = keys.pages[b * keys.pages_seq_stride + page_index * keys.pages_stride];
-    f(KeyRun{j - j0, n,
-             page * keys.k_page_stride + row * keys.k_row_stride + kvh * p.k_head_stride,
-             page * keys.v_page_stride + row * keys.v_row_stride + kvh * p.v_head_stride,
-             keys.k_row_stride, keys.v_row_stride});
-    j += n;
-  }
+// The run of keys [j0, j1) that starts at key j (j0 <= j < j1): the rest of the range in the
+// params' layout, the rest of j's page (or of the range) in a cache. Callers walk a range as
+//   for (int j = j0; j < j1;) { const KeyRun run = key_run(p, keys, at, j0, j, j1); …; j += run.n; }
+// a loop in their own code (not a callback), so the tile loads stay inline in the kernels.
+inline KeyRun key_run(const AttentionParams& p, const KeyRows& keys, const HeadLocation& at, int j0,
+                      int j, int j1) {
+  if (keys.in_params())
+    return KeyRun{j - j0, j1 - j, at.k + j * p.k_row_stride, at.v + j * p.v_row_stride,
+                  p.k_row_stride, p.v_row_stride};
+  const int kvh = at.h / p.head_group;
+  const int64_t page_index = j / keys.page_size, row = j % keys.page_size;
+  const int n = static_cast<int>(std::min<int64_t>(j1 - j, keys.page_size - row));
+  const int64_t page = keys.pages[at.b * keys.pages_seq_stride + page_index * keys.pages_stride];
+  return KeyRun{j - j0, n,
+                page * keys.k_page_stride + row * keys.k_row_stride + kvh * p.k_head_stride,
+                page * keys.v_page_stride + row * keys.v_row_stride + kvh * p.v_head_stride,
+                keys.k_row_stride, keys.v_row_stride};
 }
 
 // The forwards with keys found through `keys` (the params' K/V pointers, head strides, lengths

@@ -52,14 +52,16 @@ void load_keys(const AttentionParams& p, const KeyRows& keys, const HeadLocation
   const int d = p.head_dim, len = at.seq.len_k;
   k->assign(static_cast<size_t>(len) * d, T(0));
   v->assign(static_cast<size_t>(len) * d, T(0));
-  for_each_key_run(p, keys, at, 0, len, [&](const KeyRun& run) {
+  for (int j = 0; j < len;) {
+    const KeyRun run = key_run(p, keys, at, 0, j, len);
     for (int r = 0; r < run.n; ++r)
       for (int c = 0; c < d; ++c) {
         const size_t e = static_cast<size_t>(run.r0 + r) * d + c;
         (*k)[e] = static_cast<T>(load_as_float(p.k, run.k + r * run.k_stride + c, p.dtype));
         (*v)[e] = static_cast<T>(load_as_float(p.v, run.v + r * run.v_stride + c, p.dtype));
       }
-  });
+    j += run.n;
+  }
 }
 
 template <typename T>
