@@ -8,68 +8,19 @@
 // contiguous caches (with permuted cache_batch_idx), paged ones of block sizes 1, 3, 16 and 256,
 // both forward modes of the flash kernel (at most 4 query rows, and more) and the reference.
 // And no cache-sized buffer may be allocated: every heap allocation of this binary is counted
-// (operator new below), and the peak growth during a call over a 16 MiB cache must stay far
+// (heap_counter.h), and the peak growth during a call over a 16 MiB cache must stay far
 // below one copy of the keys.
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 #include <vector>
 
 #include "core/backends.h"
+#include "heap_counter.h"
 #include "kvcache_cases.h"
 #include "test_util.h"
-
-#if defined(__GLIBC__)
-#include <malloc.h>
-
-namespace {
-
-std::atomic<int64_t> g_live{0};
-std::atomic<int64_t> g_peak{0};
-
-void* counted_alloc(std::size_t n, std::size_t align) {
-  void* p = align > alignof(std::max_align_t)
-                ? std::aligned_alloc(align, (n + align - 1) / align * align)
-                : std::malloc(n == 0 ? 1 : n);
-  if (p == nullptr) throw std::bad_alloc();
-  const int64_t size = static_cast<int64_t>(malloc_usable_size(p));
-  const int64_t live = g_live.fetch_add(size) + size;
-  int64_t peak = g_peak.load();
-  while (live > peak && !g_peak.compare_exchange_weak(peak, live)) {
-  }
-  return p;
-}
-
-void counted_free(void* p) {
-  if (p == nullptr) return;
-  g_live.fetch_sub(static_cast<int64_t>(malloc_usable_size(p)));
-  std::free(p);
-}
-
-}  // namespace
-
-void* operator new(std::size_t n) { return counted_alloc(n, 0); }
-void* operator new[](std::size_t n) { return counted_alloc(n, 0); }
-void* operator new(std::size_t n, std::align_val_t a) {
-  return counted_alloc(n, static_cast<std::size_t>(a));
-}
-void* operator new[](std::size_t n, std::align_val_t a) {
-  return counted_alloc(n, static_cast<std::size_t>(a));
-}
-void operator delete(void* p) noexcept { counted_free(p); }
-void operator delete[](void* p) noexcept { counted_free(p); }
-void operator delete(void* p, std::size_t) noexcept { counted_free(p); }
-void operator delete[](void* p, std::size_t) noexcept { counted_free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { counted_free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { counted_free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { counted_free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { counted_free(p); }
-#endif
 
 namespace flare::test {
 namespace {
@@ -225,7 +176,7 @@ TEST(KVCacheInPlace, ManySeedsOfPermutedRowsAndPages) {
   }
 }
 
-#if defined(__GLIBC__)
+#if FLARE_HEAP_COUNTER
 // Peak heap growth during one flash call over a cache of s_cache 4096 × 8 kv heads × 128 fp32
 // (16 MiB of keys): the gathered path allocated two copies of it (32 MiB); in place, the call
 // holds packed q and o, per-thread tiles and the decoding path's partial results.
@@ -243,10 +194,9 @@ TEST(KVCacheInPlace, NoCacheSizedAllocation) {
     Decode s = make_setup(c, test_seed());
     const int64_t key_bytes = int64_t{4096} * c.heads_kv * c.head_dim * 4;
     const Call call = make_call(c, s.views(), Backend::kFlash);
-    const int64_t base = g_live.load();
-    g_peak.store(base);
+    const HeapGrowth growth;
     const Status st = invoke(call);
-    const int64_t extra = g_peak.load() - base;
+    const int64_t extra = growth.bytes();
     ASSERT_TRUE(st.ok()) << st.to_string();
     RecordProperty(block_size ? "extra_bytes_paged" : "extra_bytes_contiguous", std::to_string(extra));
     EXPECT_LT(extra, key_bytes / 8) << "block_size " << block_size << ": a call allocated " << extra
