@@ -73,6 +73,14 @@ struct ForceArch {
   ForceArch& operator=(const ForceArch&) = delete;
 };
 
+// Caps the sm90 forward's persistent grid for the scope (cuda/testing.h).
+struct ForceForwardCtas {
+  explicit ForceForwardCtas(int ctas) { cuda::testing::force_forward_ctas(ctas); }
+  ~ForceForwardCtas() { cuda::testing::force_forward_ctas(0); }
+  ForceForwardCtas(const ForceForwardCtas&) = delete;
+  ForceForwardCtas& operator=(const ForceForwardCtas&) = delete;
+};
+
 // Head dims the sm90 forward tests run in each sm90 bucket (sm90/fwd_tiles.h): the bucket's own,
 // one 24 below it, and the narrowest the bucket takes besides (80 and 136: zero-filled past d by
 // TMA). The backward's buckets are narrower (sm90/bwd_tiles.h): its tests take {bucket, bucket-24}.

@@ -797,6 +797,24 @@ TEST(GpuBlockSparse, SmallRaggedShapes) {
   }
 }
 
+// The sm90 persistent forward (d 128) with its grid capped at 3 CTAs, so that each walks many
+// query tiles whose step counts differ (a sparse mask leaves some with none) through its Q
+// buffers and K/V ring.
+TEST(GpuBlockSparse, PersistentForwardWalksManyTiles) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  ForceForwardCtas cap(3);
+  const Case cases[] = {
+      {"d128_sparse", fixed(2, 1000, 1000, 2, 2, 128, kBF16), blocks(128, 128, 0.15)},
+      {"d128_causal", causal(fixed(1, 1024, 1024, 3, 1, 128, kF16)), blocks(128, 256, 0.5)},
+      {"d128_window", window(fixed(1, 700, 650, 2, 2, 128, kBF16), 200, 30),
+       blocks(128, 128, 0.5)},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    check_case(c);
+  }
+}
+
 // ---- what CUDA refuses ---------------------------------------------------------------------------
 
 // Both passes of `dev` answer `code` with a message that starts with `prefix` (the argument it

@@ -408,15 +408,44 @@ TEST(GpuForwardSm90, EveryBucketAndMaskAgainstTheReference) {
       }
 }
 
-// A few ragged shapes through the sm90 kernel of every bucket: the compute-sanitizer subset of
-// scripts/gpu-check.sh (memcheck and racecheck over the TMA, mbarrier and wgmma paths).
+// A few ragged shapes through the sm90 kernels of every bucket, as the automatic choice runs them
+// and with the persistent kernel's grid capped at two CTAs (each walking several tiles through its
+// Q buffers): the compute-sanitizer subset of scripts/gpu-check.sh (memcheck and racecheck over
+// the TMA, mbarrier and wgmma paths).
 TEST(GpuForwardSm90, RaggedShapesSmall) {
   FLARE_SKIP_WITHOUT_CUDA();
-  for (int d : {64, 128, 256}) {
-    ProblemSpec one = base_spec(DType::kBFloat16, d, 80);
-    one.batch = 1;
-    check_forward(causal_shape(one, 97, 300));
-    check_forward(window_gqa(one, 130, 140, 40, 3));
+  for (int ctas : {0, 2}) {
+    ForceForwardCtas cap(ctas);
+    for (int d : {64, 128, 256}) {
+      ProblemSpec one = base_spec(DType::kBFloat16, d, 80);
+      one.batch = 1;
+      check_forward(causal_shape(one, 97, 300));
+      check_forward(window_gqa(one, 130, 140, 40, 3));
+    }
+  }
+}
+
+// The persistent kernel (sm90/fwd_kernel.cuh; d 64 and 128, fwd_tiles.h) with its grid capped at
+// 1, 3 and 7 CTAs, so that each walks many tiles through its two Q buffers and the K/V ring (one
+// CTA draws every tile from the counter; several draw them in an order that differs run to
+// run): causal masks whose tiles differ in work, rows that see no key, a window, GQA and ragged
+// lengths, against the reference. Lengths past the automatic choice's limit run it too.
+TEST(GpuForwardSm90, PersistentCtasWalkManyTiles) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  for (int ctas : {1, 3, 7}) {
+    ForceForwardCtas cap(ctas);
+    for (int d : {64, 128}) {
+      SCOPED_TRACE("ctas " + std::to_string(ctas) + ", d " + std::to_string(d));
+      ProblemSpec causal = causal_shape(base_spec(DType::kBFloat16, d, 90), 333, 333);
+      causal.heads_q = causal.heads_kv = 3;
+      check_forward(causal);
+      check_forward(causal_shape(base_spec(DType::kFloat16, d, 91), 97, 300));
+      check_forward(causal_shape(base_spec(DType::kBFloat16, d, 92), 300, 97));  // rows see no key
+      check_forward(window_gqa(base_spec(DType::kBFloat16, d, 93), 410, 390, 60, 0));
+      ProblemSpec plain = base_spec(DType::kFloat16, d, 94);
+      plain.batch = 3;
+      check_forward(plain);
+    }
   }
 }
 

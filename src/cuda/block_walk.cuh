@@ -1,6 +1,7 @@
 // block_walk.cuh — the CUDA kernels' walks under a block mask: how many tiles of a walk are on
-// (count_on_tiles, all threads of a CTA at once), and the backward's walk over the (query tile,
-// query head) steps of one key block (QueryWalk), which visits only the steps whose block is on.
+// (count_on_tiles, all threads of a CTA at once; count_on_tiles_warp, one warp), and the
+// backward's walk over the (query tile, query head) steps of one key block (QueryWalk), which
+// visits only the steps whose block is on.
 //
 // A backward CTA holds one key block (inside one mask column block: every kernel tile divides
 // kMaskTileMultiple, core/block_mask.h) and steps through query tiles m in [m_begin, m_end) of
@@ -16,6 +17,24 @@
 
 namespace flare::cuda {
 
+// The pairs (line, mask block) a count over tiles [t_begin, t_end) of `lines` walks shares out,
+// and how many tiles the i-th pair holds that are on (on(line, block) says).
+struct OnTileCount {
+  int t_begin, t_end, per_block;  // per_block tiles to a mask block
+  int blk_begin, blocks;
+  __device__ OnTileCount(int tb, int te, int pb)
+      : t_begin(tb),
+        t_end(te),
+        per_block(pb),
+        blk_begin(tb / pb),
+        blocks(te > tb ? (te - 1) / pb + 1 - tb / pb : 0) {}
+  template <typename On>
+  __device__ int tiles_on(int i, On& on) const {
+    const int r = blk_begin + i % blocks, line = i / blocks;
+    return on(line, r) ? min(t_end, (r + 1) * per_block) - max(t_begin, r * per_block) : 0;
+  }
+};
+
 // Tiles t in [t_begin, t_end) (per_block tiles to a mask block), over `lines` walks, whose block
 // is on: on(line, block) says. Every thread of the CTA (kThreads) calls it and reads a share of
 // the blocks; `scratch` is a shared int. Starts and ends with a barrier; the caller keeps one
@@ -23,18 +42,24 @@ namespace flare::cuda {
 template <int kThreads, typename On>
 __device__ int count_on_tiles(int lines, int t_begin, int t_end, int per_block, On on,
                               int* scratch) {
-  const int blk_begin = t_begin / per_block;
-  const int blocks = t_end > t_begin ? (t_end - 1) / per_block + 1 - blk_begin : 0;
+  const OnTileCount count(t_begin, t_end, per_block);
   if (threadIdx.x == 0) *scratch = 0;
   __syncthreads();
   int mine = 0;
-  for (int i = threadIdx.x; i < blocks * lines; i += kThreads) {
-    const int r = blk_begin + i % blocks, line = i / blocks;
-    if (on(line, r)) mine += min(t_end, (r + 1) * per_block) - max(t_begin, r * per_block);
-  }
+  for (int i = threadIdx.x; i < count.blocks * lines; i += kThreads) mine += count.tiles_on(i, on);
   if (mine != 0) atomicAdd(scratch, mine);
   __syncthreads();
   return *scratch;
+}
+
+// The same count by one warp alone (all 32 lanes call it; no barrier), for a warp that walks
+// its own tiles while the rest of the CTA computes.
+template <typename On>
+__device__ int count_on_tiles_warp(int lines, int t_begin, int t_end, int per_block, On on) {
+  const OnTileCount count(t_begin, t_end, per_block);
+  int mine = 0;
+  for (int i = threadIdx.x % 32; i < count.blocks * lines; i += 32) mine += count.tiles_on(i, on);
+  return __reduce_add_sync(0xffffffffu, mine);
 }
 
 struct QueryWalk {

@@ -26,7 +26,10 @@ namespace {
 std::atomic<int> forced_tiles{0};
 std::atomic<int> forced_arch_value{0};
 std::atomic<long> sm90_launches{0};
+std::atomic<int> forced_ctas{0};
 }  // namespace
+void force_forward_ctas(int ctas) { forced_ctas.store(ctas); }
+int forced_forward_ctas() { return forced_ctas.load(); }
 void force_forward_tiles(int choice) { forced_tiles.store(choice); }
 int forced_forward_tiles() { return forced_tiles.load(); }
 void force_arch(int arch) { forced_arch_value.store(arch); }

@@ -22,6 +22,13 @@ int forced_forward_tiles();
 void force_arch(int arch);
 int forced_arch();
 
+// Runs the sm90 forward's persistent kernel (sm90/fwd_kernel.cuh; in the buckets that have it,
+// fwd_tiles.h) on every call, its grid capped at `ctas` CTAs (one per SM otherwise), so that small
+// test problems make each CTA walk many tiles; 0 restores the automatic choice. Process-wide; for
+// single-threaded tests.
+void force_forward_ctas(int ctas);
+int forced_forward_ctas();
+
 // Whether the current device runs the sm90 kernels (an sm_90 device, sm_90a code in the build),
 // and how many forward and backward calls have taken them in this process.
 bool sm90_available();

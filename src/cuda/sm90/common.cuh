@@ -23,6 +23,9 @@ namespace flare::cuda::sm90 {
 // split that exceeds this hangs the kernel.
 constexpr int launch_regs(int threads) { return (65536 / threads) / 8 * 8; }
 
+// Shared memory one CTA may opt into on sm_90 (227 KiB): what a kernel's buffers must fit.
+inline constexpr uint32_t kSmemOptinBytes = 227 * 1024;
+
 // Bytes of 16 rows of a 64-column panel (128 bytes a row): from one k16 slice of an MN-major wgmma
 // operand to the next.
 inline constexpr uint32_t kSlice16Bytes = 16 * 128;

@@ -16,6 +16,13 @@
 //       shared memory (MN-major)
 //     with no CTA-wide barrier: warpgroups drift apart, so one's softmax runs beside another's
 //     products.
+// Two kernels share these steps (load_kv, attend_step, write_tile). attention_forward_sm90_kernel
+// runs one CTA per query tile. The persistent attention_forward_sm90_persistent_kernel runs one
+// CTA per SM, each walking tiles (ForwardTiles) one after another, so that a tile's start (its Q
+// load, its first K/V loads) overlaps the previous tile's last steps and epilogue instead of
+// waiting for a CTA to retire and the next to start; the K/V ring runs on across tiles and Q has
+// two buffers. It runs where that was measured faster (fwd90_persistent, fwd_tiles.h): short
+// sequences, where a tile has few steps to hide its start behind.
 // Shared memory holds every tile in the 128-byte swizzle TMA writes and wgmma reads (panels of 64
 // columns, see ptx/wgmma.cuh). Rows past a sequence end and columns past head_dim are zero-filled
 // by TMA; the mask keeps the former out of the softmax.
@@ -26,6 +33,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -47,12 +55,14 @@
 #include "cuda/sm90/fwd_launch.h"
 #include "cuda/sm90/fwd_tiles.h"
 #include "cuda/sm90/tensor_map.h"
+#include "cuda/testing.h"
 
 namespace flare::cuda::sm90 {
 
-template <DType kDType, int kHeadDim>
+template <DType kDType, int kBucket, bool kPersistent>
 struct Fwd90Config {
   using Element = ElementOf<kDType>;
+  static constexpr int kHeadDim = kBucket;
   static constexpr Fwd90Tile kTile = fwd90_tile(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kFwd90Tiles");
   static constexpr int kBlockM = kTile.block_m;
@@ -66,27 +76,246 @@ struct Fwd90Config {
   static constexpr uint32_t kQBytes = kPanels * kQPanelBytes;
   static constexpr uint32_t kKVPanelBytes = kBlockN * 128;
   static constexpr uint32_t kKVBytes = kPanels * kKVPanelBytes;  // one K or V tile
-  // Dynamic shared memory: Q, the K ring, the V ring, and 1 KiB to align the start to 1024 bytes.
-  static constexpr int kSmemBytes = static_cast<int>(kQBytes + 2 * kStages * kKVBytes) + 1024;
-  // Registers per thread after setmaxnreg (within launch_regs: common.cuh).
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  // Q buffers: the persistent kernel keeps two where they fit beside the K/V rings (the next
+  // tile's Q lands while this tile runs), else one (the next Q waits for this tile's epilogue; its
+  // K/V do not).
+  static constexpr uint32_t kRingBytes = 2 * kStages * kKVBytes;
+  static constexpr int kQBuffers =
+      kPersistent && 2 * kQBytes + kRingBytes + 2048 <= kSmemOptinBytes ? 2 : 1;
+  // Dynamic shared memory: the Q buffers, the K ring, the V ring, and 1 KiB to align the start
+  // to 1024 bytes.
+  static constexpr int kSmemBytes = static_cast<int>(kQBuffers * kQBytes + kRingBytes) + 1024;
+  // Registers per thread after setmaxnreg (within launch_regs: common.cuh). The persistent
+  // producer's tile walk needs more than the 24 that suffice for one tile.
+  static constexpr int kProducerRegs = !kPersistent ? 24 : kConsumers == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? (kPersistent ? 232 : 240) : 160;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <=
                     launch_regs(kThreads) * kThreads,
                 "setmaxnreg split exceeds the CTA's registers");
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockM == 64 * kConsumers, "tile shape");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockM == 64 * kConsumers,
+                "tile shape");
 };
 
+// One query tile's work: its rows and the key tiles they see.
+struct TileWork {
+  int b, h, m0, rows_q;
+  int n_begin, n_end;     // key tiles [n_begin, n_end)
+  int last_lo, first_hi;  // keys every row of the tile sees: a step inside needs no mask
+};
+
+// The query tiles of one call, numbered in the order a grid of one CTA per tile would start them:
+// tile t is (b, h, x), x fastest, so the tiles at work at one time share a few heads' K/V in L2,
+// and x counts query blocks from the last, so under a causal mask a head's heaviest tile goes
+// first. CTA c starts with tile c; then the producer draws the next from a counter
+// (fwd90_tile_count of fwd_tiles.h tiles in all), so a CTA that drew heavy tiles draws fewer.
+// Handed out by a fixed rule instead (a snake over rounds of G tiles, or pairs of a heavy and a
+// light tile), the tiles left some CTAs running long after the rest: up to 1.7x slower on an
+// H200 (causal, s 16k, d 256).
+template <int kBlockM, int kBlockN>
+struct ForwardTiles {
+  int m_blocks, count;
+
+  __device__ explicit ForwardTiles(const AttentionParams& p)
+      : m_blocks((p.seqlen_q + kBlockM - 1) / kBlockM), count(m_blocks * p.heads_q * p.batch) {}
+
+  __device__ TileWork work(const AttentionParams& p, int tile) const {
+    TileWork w;
+    const int x = tile % m_blocks, bh = tile / m_blocks;
+    w.h = bh % p.heads_q;
+    w.b = bh / p.heads_q;
+    w.m0 = (m_blocks - 1 - x) * kBlockM;
+    w.rows_q = min(kBlockM, p.seqlen_q - w.m0);
+    const int len_q = p.seqlen_q, len_k = p.seqlen_k;
+    const KeyRange first = visible_keys(w.m0, len_q, len_k, p.window_left, p.window_right);
+    const KeyRange last =
+        visible_keys(w.m0 + w.rows_q - 1, len_q, len_k, p.window_left, p.window_right);
+    w.n_begin = first.lo / kBlockN;
+    w.n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : w.n_begin;
+    w.last_lo = last.lo;
+    w.first_hi = first.hi;
+    return w;
+  }
+};
+
+// ---- the steps both kernels share --------------------------------------------------------------
+
+// Producer: K and V of key tile n into one ring stage (k_dst, v_dst), each announced on its
+// barrier with the bytes it brings.
+template <class Cfg>
+__device__ __forceinline__ void load_kv(uint32_t k_dst, uint32_t v_dst, uint32_t k_bar,
+                                        uint32_t v_bar, const CUtensorMap* tm_k,
+                                        const CUtensorMap* tm_v, int n, int hk, int b) {
+  ptx::mbarrier_arrive_expect_tx(k_bar, Cfg::kKVBytes);
+#pragma unroll
+  for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
+    ptx::tma_load_4d(k_dst + pnl * Cfg::kKVPanelBytes, tm_k, k_bar, pnl * 64, n * Cfg::kBlockN, hk,
+                     b);
+  ptx::mbarrier_arrive_expect_tx(v_bar, Cfg::kKVBytes);
+#pragma unroll
+  for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
+    ptx::tma_load_4d(v_dst + pnl * Cfg::kKVPanelBytes, tm_v, v_bar, pnl * 64, n * Cfg::kBlockN, hk,
+                     b);
+}
+
+// Consumer: one key step of a warpgroup's 64 query rows (at q_rows) against the K and V tiles of
+// a ring stage, once their barriers (k_bar, v_bar) reach `parity`: S = Q·K_jᵀ, the mask, the
+// online softmax and O += P·V_j into this thread's acc_o, row_max and row_sum. key_tile() names
+// the step's key tile, read after K has landed; keys in [last_lo, first_hi) are visible to every
+// row of the tile, so a step inside needs no mask.
+template <class Cfg, typename KeyTile>
+__device__ __forceinline__ void attend_step(float (&acc_o)[Cfg::kHeadDim / 2], float (&row_max)[2],
+                                            float (&row_sum)[2], const AttentionParams& p,
+                                            uint32_t q_rows, uint32_t k_tile, uint32_t v_tile,
+                                            uint32_t k_bar, uint32_t v_bar, uint32_t parity,
+                                            KeyTile key_tile, int last_lo, int first_hi, int m0,
+                                            int r0, int t) {
+  using Element = typename Cfg::Element;
+  constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN;
+  const int len_q = p.seqlen_q, len_k = p.seqlen_k;
+  // S = Q·K_jᵀ (64 × kBlockN per warpgroup).
+  float s[kBlockN / 2];
+  ptx::mbarrier_wait(k_bar, parity);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const uint32_t k_off = (kk % 4) * 32u;  // k slice within the 128-byte row
+    const uint64_t da = ptx::wgmma_desc_k_major(q_rows + (kk / 4) * Cfg::kQPanelBytes + k_off);
+    const uint64_t db = ptx::wgmma_desc_k_major(k_tile + (kk / 4) * Cfg::kKVPanelBytes + k_off);
+    ptx::wgmma_ss<kBlockN, Element>(s, da, db, kk > 0 ? 1 : 0);
+  }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  ptx::fence_operands(s);
+
+  // Mask on boundary steps (the sm80 kernel's test: visible_keys per element, as two 32-bit
+  // differences against uniform bounds).
+  const int n0 = key_tile() * kBlockN;
+  if (n0 < last_lo || n0 + kBlockN > first_hi) {
+    const int col_room = len_k - n0 - 2 * t;
+    const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
+    const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
+    const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = j * 8 + (i & 1);
+        const int rel = rel0 + col - (i >> 1) * 8;
+        if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * j + i] = -INFINITY;
+      }
+  }
+
+  // Online softmax for the thread's two rows; O rescaled in place.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+      mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_old = row_max[half];
+    const float m_new = fmaxf(m_old, mx * p.scale_log2);
+    const float sub = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
+    const float correction = ptx::exp2_approx(m_old - sub);
+    row_max[half] = m_new;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      acc_o[4 * j + 2 * half] *= correction;
+      acc_o[4 * j + 2 * half + 1] *= correction;
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        x = ptx::exp2_approx(fmaf(x, p.scale_log2, -sub));
+        sum += x;
+      }
+    row_sum[half] = row_sum[half] * correction + sum;
+  }
+
+  // P rounded to the A fragments of O += P·V: k slice kk is n8 blocks 2kk and 2kk + 1.
+  uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    pa[kk][0] = ptx::pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = ptx::pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = ptx::pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = ptx::pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+
+  // O += P·V_j; V's rows are the reduction dimension (MN-major B).
+  ptx::mbarrier_wait(v_bar, parity);
+  ptx::fence_operands(acc_o);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
+    ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
+  }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  ptx::fence_operands(acc_o);
+}
+
+// Consumer, after a tile's last step: normalise, write LSE, stage O (rounded) in this warp's own
+// rows of the Q tile at `smem_q`, in
+// the same swizzle (eight rows of one chunk column hit eight bank quads), then 16-byte stores.
+// Non-finite inputs (cuda/nonfinite_fixup.cuh): as in the sm80 kernel, a row with no positive
+// sum that sees every key (no window) is NaN, and under a window a row whose O comes out
+// non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
+template <class Cfg>
+__device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 2],
+                                           const float (&row_max)[2], const float (&row_sum)[2],
+                                           const AttentionParams& p, unsigned char* smem_q, int b,
+                                           int h, int m0, int rows_q, int r0, int t, int c,
+                                           int warp, int lane) {
+  using Element = typename Cfg::Element;
+  constexpr int kHeadDim = Cfg::kHeadDim;
+  float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
+  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
+  const bool every_key_visible = !windowed && p.block_mask == nullptr && p.seqlen_k > 0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float l = row_sum[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : every_key_visible ? NAN : 0.0f;
+    const int r = r0 + half * 8;
+    float probe = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const float o0 = acc_o[4 * j + 2 * half] * inv, o1 = acc_o[4 * j + 2 * half + 1] * inv;
+      probe = nonfinite_probe(nonfinite_probe(probe, o0), o1);
+      *reinterpret_cast<uint32_t*>(smem_q + swizzled(r, j, Cfg::kQPanelBytes) + 4 * t) =
+          ptx::pack2<Element>(o0, o1);
+    }
+    probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
+    probe += __shfl_xor_sync(0xffffffffu, probe, 2);
+    if (t == 0 && r < rows_q)
+      lse_row[r] = windowed && probe_found(probe) ? NAN
+                   : l > 0.0f                     ? row_max[half] * kLn2 + logf(l)
+                   : every_key_visible            ? NAN
+                                                  : -INFINITY;
+  }
+  __syncwarp();
+
+  Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride + int64_t{m0} * p.o_row_stride +
+                h * p.o_head_stride;
+  store_rows<kHeadDim / 8>(gO, p.o_row_stride, smem_q, Cfg::kQPanelBytes, c * 64 + warp * 16, 0,
+                           rows_q, p.head_dim, lane);
+}
 
 template <DType kDType, int kHeadDim>
-__global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads, 1)
     attention_forward_sm90_kernel(const __grid_constant__ AttentionParams p,
                                   const __grid_constant__ CUtensorMap tm_q,
                                   const __grid_constant__ CUtensorMap tm_k,
                                   const __grid_constant__ CUtensorMap tm_v) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = Fwd90Config<kDType, kHeadDim>;
-  using Element = typename Cfg::Element;
+  using Cfg = Fwd90Config<kDType, kHeadDim, false>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
@@ -157,17 +386,8 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
         const int stage = step % kStages, round = step / kStages;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
         if (sparse()) s_step_tile[stage] = n;
-        const uint32_t k_dst = sK + stage * Cfg::kKVBytes, v_dst = sV + stage * Cfg::kKVBytes;
-        ptx::mbarrier_arrive_expect_tx(k_full(stage), Cfg::kKVBytes);
-#pragma unroll
-        for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-          ptx::tma_load_4d(k_dst + pnl * Cfg::kKVPanelBytes, &tm_k, k_full(stage), pnl * 64,
-                           n * kBlockN, hk, b);
-        ptx::mbarrier_arrive_expect_tx(v_full(stage), Cfg::kKVBytes);
-#pragma unroll
-        for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-          ptx::tma_load_4d(v_dst + pnl * Cfg::kKVPanelBytes, &tm_v, v_full(stage), pnl * 64,
-                           n * kBlockN, hk, b);
+        load_kv<Cfg>(sK + stage * Cfg::kKVBytes, sV + stage * Cfg::kKVBytes, k_full(stage),
+                     v_full(stage), &tm_k, &tm_v, n, hk, b);
       }
     }
     return;
@@ -193,133 +413,16 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
     const uint32_t parity = (step / kStages) & 1;
     const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
 
-    // S = Q·K_jᵀ (64 × kBlockN per warpgroup).
-    float s[kBlockN / 2];
-    ptx::mbarrier_wait(k_full(stage), parity);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      const uint32_t k_off = (kk % 4) * 32u;  // k slice within the 128-byte row
-      const uint64_t da = ptx::wgmma_desc_k_major(q_rows + (kk / 4) * Cfg::kQPanelBytes + k_off);
-      const uint64_t db = ptx::wgmma_desc_k_major(k_tile + (kk / 4) * Cfg::kKVPanelBytes + k_off);
-      ptx::wgmma_ss<kBlockN, Element>(s, da, db, kk > 0 ? 1 : 0);
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::fence_operands(s);
-
-    // Mask on boundary steps (the sm80 kernel's test: visible_keys per element, as two 32-bit
-    // differences against uniform bounds).
-    const int n0 =
-        (sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + step) * kBlockN;
-    if (n0 < last.lo || n0 + kBlockN > first.hi) {
-      const int col_room = len_k - n0 - 2 * t;
-      const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
-      const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
-      const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = j * 8 + (i & 1);
-          const int rel = rel0 + col - (i >> 1) * 8;
-          if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * j + i] = -INFINITY;
-        }
-    }
-
-    // Online softmax for the thread's two rows; O rescaled in place.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_old = row_max[half];
-      const float m_new = fmaxf(m_old, mx * p.scale_log2);
-      const float sub = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-      const float correction = ptx::exp2_approx(m_old - sub);
-      row_max[half] = m_new;
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        acc_o[4 * j + 2 * half] *= correction;
-        acc_o[4 * j + 2 * half + 1] *= correction;
-      }
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * j + 2 * half + e];
-          x = ptx::exp2_approx(fmaf(x, p.scale_log2, -sub));
-          sum += x;
-        }
-      row_sum[half] = row_sum[half] * correction + sum;
-    }
-
-    // P rounded to the A fragments of O += P·V: k slice kk is n8 blocks 2kk and 2kk + 1.
-    uint32_t pa[kBlockN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      pa[kk][0] = ptx::pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = ptx::pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = ptx::pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = ptx::pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-
-    // O += P·V_j; V's rows are the reduction dimension (MN-major B).
-    ptx::mbarrier_wait(v_full(stage), parity);
-    ptx::fence_operands(acc_o);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
-      ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::fence_operands(acc_o);
+    attend_step<Cfg>(
+        acc_o, row_max, row_sum, p, q_rows, k_tile, v_tile, k_full(stage), v_full(stage), parity,
+        [&] {
+          return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + step;
+        },
+        last.lo, first.hi, m0, r0, t);
     ptx::mbarrier_arrive(empty(stage));
   }
 
-  // Epilogue: normalise, write LSE, stage O (rounded) in this warp's own rows of the Q tile, in
-  // the same swizzle (eight rows of one chunk column hit eight bank quads), then 16-byte stores.
-  // Non-finite inputs (cuda/nonfinite_fixup.cuh): as in the sm80 kernel, a row with no positive
-  // sum that sees every key (no window) is NaN, and under a window a row whose O comes out
-  // non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
-  float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
-  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  const bool every_key_visible = !windowed && p.block_mask == nullptr && len_k > 0;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float l = row_sum[half];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : every_key_visible ? NAN : 0.0f;
-    const int r = r0 + half * 8;
-    float probe = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const float o0 = acc_o[4 * j + 2 * half] * inv, o1 = acc_o[4 * j + 2 * half + 1] * inv;
-      probe = nonfinite_probe(nonfinite_probe(probe, o0), o1);
-      *reinterpret_cast<uint32_t*>(smem + swizzled(r, j, Cfg::kQPanelBytes) + 4 * t) =
-          ptx::pack2<Element>(o0, o1);
-    }
-    probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
-    probe += __shfl_xor_sync(0xffffffffu, probe, 2);
-    if (t == 0 && r < rows_q)
-      lse_row[r] = windowed && probe_found(probe) ? NAN
-                   : l > 0.0f         ? row_max[half] * kLn2 + logf(l)
-                   : every_key_visible ? NAN
-                                       : -INFINITY;
-  }
-  __syncwarp();
-
-  Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride + int64_t{m0} * p.o_row_stride +
-                h * p.o_head_stride;
-  store_rows<kHeadDim / 8>(gO, p.o_row_stride, smem, Cfg::kQPanelBytes, c * 64 + warp * 16, 0,
-                           rows_q, p.head_dim, lane);
+  write_tile<Cfg>(acc_o, row_max, row_sum, p, smem, b, h, m0, rows_q, r0, t, c, warp, lane);
 #else
   (void)p;
   (void)tm_q;
@@ -328,28 +431,234 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim>::kThreads, 1)
 #endif
 }
 
+template <DType kDType, int kHeadDim>
+__global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads, 1)
+    attention_forward_sm90_persistent_kernel(const __grid_constant__ AttentionParams p,
+                                             const __grid_constant__ CUtensorMap tm_q,
+                                             const __grid_constant__ CUtensorMap tm_k,
+                                             const __grid_constant__ CUtensorMap tm_v,
+                                             int* tile_counter) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = Fwd90Config<kDType, kHeadDim, true>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+
+  extern __shared__ unsigned char smem_raw[];
+  constexpr int kQBuffers = Cfg::kQBuffers;
+  // q_full[], q_empty[], k_full[], v_full[], empty[]
+  __shared__ __align__(8) uint64_t bars[2 * kQBuffers + 3 * kStages];
+  const uint32_t raw = ptx::smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* const smem = smem_raw + (base - raw);
+  const uint32_t sQ = base;
+  const uint32_t sK = sQ + kQBuffers * Cfg::kQBytes;
+  const uint32_t sV = sK + kStages * Cfg::kKVBytes;
+  const uint32_t bar0 = ptx::smem_addr(bars);
+  auto q_full = [&](int qb) { return bar0 + 8u * qb; };
+  auto q_empty = [&](int qb) { return bar0 + 8u * (kQBuffers + qb); };
+  auto k_full = [&](int s) { return bar0 + 8u * (2 * kQBuffers + s); };
+  auto v_full = [&](int s) { return bar0 + 8u * (2 * kQBuffers + kStages + s); };
+  auto empty = [&](int s) { return bar0 + 8u * (2 * kQBuffers + 2 * kStages + s); };
+
+  const int tid = threadIdx.x;
+  const ForwardTiles<kBlockM, kBlockN> tiles(p);
+  // Block-sparse (core/block_mask.h; kernels whose tile lies in one mask row block): a tile's
+  // steps are the key tiles whose block is on. The producer counts them (beside the tile's Q
+  // buffer, published by the Q load's barrier) and writes each step's key tile beside its K
+  // buffer (published by the K load's barrier), so the consumers read no mask. Dense, a tile has
+  // n_end - n_begin steps and step `it` is key tile n_begin + it.
+  auto sparse = [&] { return Cfg::kBlockSparse && p.block_mask != nullptr; };
+  __shared__ int s_tile[kQBuffers];  // the tile in each Q buffer, -1: none left
+  __shared__ int s_tile_steps[kQBuffers];
+  __shared__ int s_step_tile[kStages];
+
+  if (tid == 0) {
+    for (int qb = 0; qb < kQBuffers; ++qb) {
+      ptx::mbarrier_init(q_full(qb), 1);
+      ptx::mbarrier_init(q_empty(qb), 128 * Cfg::kConsumers);
+    }
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(k_full(s), 1);
+      ptx::mbarrier_init(v_full(s), 1);
+      ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
+    }
+    ptx::mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // Producer warpgroup: its first warp walks the tiles (all lanes count a block-sparse tile's
+    // steps), one thread issues every load; the other warps have nothing to do.
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (tid >= 32) return;
+    if (tid == 0) {
+      ptx::tma_prefetch_descriptor(&tm_q);
+      ptx::tma_prefetch_descriptor(&tm_k);
+      ptx::tma_prefetch_descriptor(&tm_v);
+    }
+    int ring_step = 0;  // K/V loads issued, over every tile so far
+    for (int k = 0, tile = blockIdx.x;; ++k) {
+      const int qb = k % kQBuffers, use = k / kQBuffers;
+      if (tile >= tiles.count) {  // none left: the consumers are told through the next Q buffer
+        if (tid == 0) {
+          if (use > 0) ptx::mbarrier_wait(q_empty(qb), (use - 1) & 1);
+          s_tile[qb] = -1;
+          ptx::mbarrier_arrive(q_full(qb));
+        }
+        break;
+      }
+      // The next tile, drawn now so that the atomic's latency hides behind this tile's loads.
+      int next = 0;
+      if (tid == 0) next = static_cast<int>(gridDim.x) + atomicAdd(tile_counter, 1);
+      const TileWork w = tiles.work(p, tile);
+      const int row_block = sparse() ? w.m0 / p.block_m : 0;
+      const int steps =
+          sparse()
+              ? count_on_tiles_warp(1, w.n_begin, w.n_end, p.block_n / kBlockN,
+                                    [&](int, int c) { return block_on(p, w.b, w.h, row_block, c); })
+              : w.n_end - w.n_begin;
+      if (tid == 0) {
+        auto load_q = [&] {
+          if (use > 0) ptx::mbarrier_wait(q_empty(qb), (use - 1) & 1);
+          s_tile[qb] = tile;
+          if (sparse()) s_tile_steps[qb] = steps;
+          ptx::mbarrier_arrive_expect_tx(q_full(qb), Cfg::kQBytes);
+#pragma unroll
+          for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
+            ptx::tma_load_4d(sQ + qb * Cfg::kQBytes + pnl * Cfg::kQPanelBytes, &tm_q, q_full(qb),
+                             pnl * 64, w.m0, w.h, w.b);
+        };
+        // With one Q buffer, the tile's first K/V loads go out before its Q, which waits for
+        // the previous tile's epilogue.
+        const int q_after = kQBuffers == 1 ? min(steps, kStages) : 0;
+        if (q_after == 0) load_q();
+        const int hk = w.h / p.head_group;
+        auto next_on = [&](int n) {
+          return sparse() ? next_key_tile_on(p, w.b, w.h, row_block, row_block, n, w.n_end, kBlockN)
+                          : n;
+        };
+        for (int n = next_on(w.n_begin), step = 0; step < steps;
+             n = next_on(n + 1), ++step, ++ring_step) {
+          if (step == q_after && step > 0) load_q();
+          const int stage = ring_step % kStages, round = ring_step / kStages;
+          if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
+          if (sparse()) s_step_tile[stage] = n;
+          load_kv<Cfg>(sK + stage * Cfg::kKVBytes, sV + stage * Cfg::kKVBytes, k_full(stage),
+                       v_full(stage), &tm_k, &tm_v, n, hk, w.b);
+        }
+        if (q_after == steps && steps > 0) load_q();
+      }
+      tile = __shfl_sync(0xffffffffu, next, 0);
+    }
+    return;
+  }
+
+  // Consumer warpgroup c: query rows 64c..64c+63 of each tile; this thread's two rows are r0 and
+  // r0 + 8 (the accumulator layout, ptx/wgmma.cuh).
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int c = tid / 128 - 1;
+  const int warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int r0 = c * 64 + warp * 16 + g;
+  int ring_step = 0;  // K/V steps consumed, over every tile so far
+
+  for (int k = 0;; ++k) {
+    const int qb = k % kQBuffers;
+    ptx::mbarrier_wait(q_full(qb), (k / kQBuffers) & 1);
+    const int tile = *static_cast<volatile int*>(&s_tile[qb]);
+    if (tile < 0) break;
+    const TileWork w = tiles.work(p, tile);
+
+    float acc_o[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+    const uint32_t q_tile = sQ + qb * Cfg::kQBytes;
+    const uint32_t q_rows = q_tile + c * 64 * 128;
+    const int steps =
+        sparse() ? *static_cast<volatile int*>(&s_tile_steps[qb]) : w.n_end - w.n_begin;
+
+    for (int step = 0; step < steps; ++step) {
+      const int stage = ring_step % kStages;
+      const uint32_t parity = (ring_step / kStages) & 1;
+      const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
+
+      attend_step<Cfg>(
+          acc_o, row_max, row_sum, p, q_rows, k_tile, v_tile, k_full(stage), v_full(stage), parity,
+          [&] {
+            return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : w.n_begin + step;
+          },
+          w.last_lo, w.first_hi, w.m0, r0, t);
+      ptx::mbarrier_arrive(empty(stage));
+      ++ring_step;
+    }
+
+    write_tile<Cfg>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes, w.b, w.h, w.m0, w.rows_q,
+                    r0, t, c, warp, lane);
+    // The Q buffer goes back to the producer; its next TMA write (async proxy) must follow this
+    // warp's staging through it (generic proxy).
+    ptx::fence_proxy_async_shared();
+    ptx::mbarrier_arrive(q_empty(qb));
+  }
+#else
+  (void)p;
+  (void)tm_q;
+  (void)tm_k;
+  (void)tm_v;
+  (void)tile_counter;
+#endif
+}
 
 template <DType kDType, int kHeadDim>
 bool forward_runs_on_device() {
-  return runs_sm90a_code(reinterpret_cast<const void*>(attention_forward_sm90_kernel<kDType, kHeadDim>));
+  return runs_sm90a_code(
+      reinterpret_cast<const void*>(attention_forward_sm90_kernel<kDType, kHeadDim>));
+}
+
+// The persistent kernel over `tiles` query tiles: one CTA per SM, or one per tile when there are
+// fewer (the tests may cap it lower). The tile counter comes from the stream-ordered allocator,
+// zeroed and freed in stream order: nothing waits for the device.
+template <DType kDType, int kHeadDim>
+Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
+                         const CUtensorMap& tm_v, int64_t tiles, cudaStream_t stream) {
+  using Cfg = Fwd90Config<kDType, kHeadDim, true>;
+  DeviceFacts device;
+  FLARE_RETURN_IF_ERROR(current_device_facts(&device));
+  const int ctas = testing::forced_forward_ctas() > 0 ? testing::forced_forward_ctas() : device.sms;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, ctas)));
+  void* counter = nullptr;
+  FLARE_RETURN_IF_ERROR(cuda_status("forward", "cudaMallocAsync of the tile counter",
+                                    cudaMallocAsync(&counter, sizeof(int), stream)));
+  Status status = cuda_status("forward", "cudaMemsetAsync of the tile counter",
+                              cudaMemsetAsync(counter, 0, sizeof(int), stream));
+  if (status.ok())
+    status = launch(attention_forward_sm90_persistent_kernel<kDType, kHeadDim>, "forward", kHeadDim,
+                    grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v,
+                    static_cast<int*>(counter));
+  const Status freed = cuda_status("forward", "cudaFreeAsync", cudaFreeAsync(counter, stream));
+  return status.ok() ? freed : status;
 }
 
 template <DType kDType, int kHeadDim>
 Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  using Cfg = Fwd90Config<kDType, kHeadDim>;
-  const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  if (m_blocks == 0 || p.batch == 0) return {};
+  constexpr Fwd90Tile kTile = fwd90_tile(kHeadDim);
+  const int64_t tiles = fwd90_tile_count(p, kTile.block_m);
+  if (tiles == 0) return {};
   CUtensorMap tm_q, tm_k, tm_v;
   Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-                                 p.q_row_stride, p.q_head_stride, p.q_batch_stride, Cfg::kBlockM,
-                                 "q");
+                         p.q_row_stride, p.q_head_stride, p.q_batch_stride, kTile.block_m, "q");
   if (!st.ok()) return st;
-  st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                          p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBlockN, "k");
+  st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride,
+                  p.k_head_stride, p.k_batch_stride, kTile.block_n, "k");
   if (!st.ok()) return st;
-  st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                          p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
+  st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride,
+                  p.v_head_stride, p.v_batch_stride, kTile.block_n, "v");
   if (!st.ok()) return st;
+  if constexpr (kTile.persistent_max_keys > 0) {
+    if (fwd90_persistent(p) || testing::forced_forward_ctas() > 0)
+      return launch_persistent<kDType, kHeadDim>(p, tm_q, tm_k, tm_v, tiles, stream);
+  }
+  using Cfg = Fwd90Config<kDType, kHeadDim, false>;
+  const int64_t m_blocks = (int64_t{p.seqlen_q} + kTile.block_m - 1) / kTile.block_m;
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
                   static_cast<unsigned>(p.batch));
   return launch(attention_forward_sm90_kernel<kDType, kHeadDim>, "forward", kHeadDim, grid,

@@ -14,6 +14,7 @@
 // an H100 (A/B in one call), so block-sparse d 64 runs the sm80 kernel.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "core/block_mask.h"
@@ -28,18 +29,23 @@ struct Fwd90Tile {
   int block_n;
   int consumers;  // warpgroups of 64 query rows
   int stages;     // K/V buffers
+  // The persistent kernel runs calls of at most this many keys (0: never). A/B against one CTA
+  // per tile on an H200, standard grid (bench/results/2026-11-28-h200-fwd90-persistent-ab.txt):
+  // d 64 and 128 1.03-1.20x faster up to s 2048, even at 4096, up to 8% slower at s 8k-16k causal;
+  // d 256 (one Q buffer) 2-21% slower from s 1024.
+  int persistent_max_keys;
 };
 
 inline constexpr Fwd90Tile kFwd90Tiles[] = {
-    {64, 192, 128, 3, 2},
-    {128, 128, 128, 2, 2},
-    {256, 128, 64, 2, 2},
+    {64, 192, 128, 3, 2, 2048},
+    {128, 128, 128, 2, 2, 2048},
+    {256, 128, 64, 2, 2, 0},
 };
 
 constexpr Fwd90Tile fwd90_tile(int bucket) {
   for (const Fwd90Tile& t : kFwd90Tiles)
     if (t.head_dim == bucket) return t;
-  return {0, 0, 0, 0, 0};
+  return {0, 0, 0, 0, 0, 0};
 }
 
 // Whether the kernel of a bucket takes block masks: its tile in one mask row block.
@@ -60,6 +66,17 @@ constexpr int fwd90_bucket(int head_dim) {
   return 0;
 }
 
+// Query tiles of a call (the persistent kernel's work, fwd_kernel.cuh's ForwardTiles): block_m
+// rows of one head of one sequence each.
+inline int64_t fwd90_tile_count(const AttentionParams& p, int block_m) {
+  return (int64_t{p.seqlen_q} + block_m - 1) / block_m * p.heads_q * p.batch;
+}
+
+// Whether the sm90 forward runs p with its persistent kernel (Fwd90Tile::persistent_max_keys).
+inline bool fwd90_persistent(const AttentionParams& p) {
+  return p.seqlen_k <= fwd90_tile(fwd90_bucket(p.head_dim)).persistent_max_keys;
+}
+
 // Whether the sm90 forward takes a problem (before asking the device): fixed-length batches with
 // any causal or sliding-window mask, GQA/MQA and seqlen_q != seqlen_k; no dropout, softcap or
 // ALiBi, no packed variable-length batches. TMA needs 16-byte aligned tensors and row, head and
@@ -71,6 +88,10 @@ inline bool forward_supported(const AttentionParams& p) {
   if (p.is_varlen() || p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr)
     return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
+  // The persistent kernel numbers its tiles in int, and its counter runs a grid's width past the
+  // last.
+  if (fwd90_tile_count(p, fwd90_tile(fwd90_bucket(p.head_dim)).block_m) > INT_MAX / 2)
+    return false;
   if (p.block_mask != nullptr && !fwd90_takes_block_mask(fwd90_bucket(p.head_dim))) return false;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o)) return false;
   return strides_fit_tma({{p.q_row_stride, p.seqlen_q},  {p.q_head_stride, p.heads_q},
