@@ -14,6 +14,9 @@
 # Whole kernels matter: these run to 6,000-13,000 instructions, and a check that keeps only
 # four-digit addresses (/*0000*/ .. /*fff0*/) sees the first 4,096 of them.
 # Needs cuobjdump from a CUDA toolkit (on PATH, in $CUDA_HOME/bin, or given as CUOBJDUMP=path).
+# A toolkit without it (no GPU needed either): pip install nvidia-cuda-cuobjdump
+# nvidia-cuda-nvdisasm, then CUOBJDUMP=<site-packages>/nvidia/cu13/bin/cuobjdump (it disassembles
+# through the nvdisasm beside it; without one it prints no SASS).
 set -uo pipefail
 
 arch=""
@@ -21,7 +24,7 @@ args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --arch) arch="$2"; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) args+=("$1"); shift ;;
   esac
 done
