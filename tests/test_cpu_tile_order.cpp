@@ -9,6 +9,7 @@
 
 #include "cuda/sm80/fwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
+#include "cuda/sm90/fwd_tiles.h"
 
 namespace flare {
 namespace {
@@ -125,6 +126,40 @@ TEST(FwdTiles, ShortWalkTileForMasksWithShortKeyWalks) {
   // Only d 256 has a short-walk tile now; the other buckets never ask.
   EXPECT_TRUE(cuda::sm80::has_short_fwd_tile(256));
   EXPECT_FALSE(cuda::sm80::has_short_fwd_tile(128));
+}
+
+// The sm90 forward's persistent kernel runs d 64/128-bucket calls of at most 2048 keys (the
+// lengths where it measured faster), never the d 256 bucket; it counts query tiles in int, so
+// calls with more than INT_MAX / 2 tiles stay off sm90.
+TEST(Fwd90Tiles, PersistentKernelForShortCallsOfItsBuckets) {
+  using cuda::sm90::fwd90_persistent;
+  auto problem = [](int d, int s_q, int s_k) {
+    AttentionParams p;
+    p.dtype = DType::kBFloat16;
+    p.head_dim = d;
+    p.seqlen_q = s_q;
+    p.seqlen_k = s_k;
+    return p;
+  };
+  for (int d : {40, 64, 80, 128}) {
+    EXPECT_TRUE(fwd90_persistent(problem(d, 512, 512))) << d;
+    EXPECT_TRUE(fwd90_persistent(problem(d, 4096, 2048))) << d;
+    EXPECT_FALSE(fwd90_persistent(problem(d, 2048, 2049))) << d;
+    EXPECT_FALSE(fwd90_persistent(problem(d, 16384, 16384))) << d;
+  }
+  EXPECT_FALSE(fwd90_persistent(problem(192, 512, 512)));
+  EXPECT_FALSE(fwd90_persistent(problem(256, 512, 512)));
+
+  AttentionParams p = problem(128, 1024, 1024);
+  p.heads_q = 32;
+  p.batch = 4;
+  EXPECT_EQ(cuda::sm90::fwd90_tile_count(p, 128), 8 * 32 * 4);
+  p.seqlen_q = 1025;  // a ragged last tile counts
+  EXPECT_EQ(cuda::sm90::fwd90_tile_count(p, 128), 9 * 32 * 4);
+  p.seqlen_q = 1 << 30;  // 2^23 tiles a head
+  p.heads_q = 256;       // 2^31 in all
+  p.batch = 1;
+  EXPECT_GT(cuda::sm90::fwd90_tile_count(p, 128), int64_t{INT32_MAX} / 2);
 }
 
 }  // namespace
