@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/device_probe.h"
 #include "dist/dist_internal.h"
 #include "flare/dist.h"
 
@@ -45,9 +46,10 @@ std::string nccl_error(ncclResult_t r, ncclComm_t comm) {
   return s;
 }
 
+// The communicator's CUDA calls as Statuses, through flare's one conversion (a failed allocation
+// is out_of_memory, anything else device_error).
 Status cuda_check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return {};
-  return Status::device_error(cat(what, ": ", cudaGetErrorString(e)));
+  return cuda::cuda_status("NCCL communicator", what, e);
 }
 
 // Polls ncclCommGetAsyncError until the communicator's last call has left ncclInProgress, or the
