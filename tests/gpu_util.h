@@ -73,7 +73,8 @@ struct ForceArch {
   ForceArch& operator=(const ForceArch&) = delete;
 };
 
-// Caps the sm90 forward's persistent grid for the scope (cuda/testing.h).
+// Runs the sm90 forward's persistent kernel on every call of its buckets, its grid capped at
+// `ctas` CTAs, for the scope (cuda/testing.h).
 struct ForceForwardCtas {
   explicit ForceForwardCtas(int ctas) { cuda::testing::force_forward_ctas(ctas); }
   ~ForceForwardCtas() { cuda::testing::force_forward_ctas(0); }
@@ -83,12 +84,23 @@ struct ForceForwardCtas {
 
 // Head dims the sm90 forward tests run in each sm90 bucket (sm90/fwd_tiles.h): the bucket's own,
 // one 24 below it, and the narrowest the bucket takes besides (80 and 136: zero-filled past d by
-// TMA). The backward's buckets are narrower (sm90/bwd_tiles.h): its tests take {bucket, bucket-24}.
+// TMA).
 inline std::vector<int> sm90_forward_test_head_dims(int bucket) {
   switch (bucket) {
     case 64: return {64, 40};
     case 128: return {128, 104, 80};
     case 256: return {256, 192, 136};
+    default: return {bucket};
+  }
+}
+
+// The backward's (sm90/bwd_tiles.h): its 128 bucket takes d 65-128 (96, 80 and 72 zero-filled)
+// and its 256 bucket only d 193-256.
+inline std::vector<int> sm90_backward_test_head_dims(int bucket) {
+  switch (bucket) {
+    case 64: return {64, 40};
+    case 128: return {128, 104, 96, 80, 72};
+    case 256: return {256, 232};
     default: return {bucket};
   }
 }

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,9 @@
 namespace flare::test {
 namespace {
 
+using problem_cases::causal;
 using problem_cases::fixed;
+using problem_cases::window;
 using problem_cases::with_run_seed;
 
 class GpuBackward : public ::testing::Test {
@@ -94,49 +97,94 @@ std::vector<int> head_dims_of(int bucket) {
   }
 }
 
-// The problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length batches, any mask, GQA,
-// 16-byte aligned strides; no dropout, score modifiers or deterministic mode) in each of its
-// buckets at the bucket's head_dim and below it (zero-filled: d 72-96 in the 128 bucket), through
-// the automatic choice and forced to sm80. On an sm_90 device with sm_90a code every automatic call
-// must take the sm90 kernel (counted).
-TEST_F(GpuBackward, Sm90EveryBucketAndMask) {
-  const bool sm90 = cuda::testing::sm90_available();
-  for (DType dt : kDtypes)
-    for (int d : {64, 40, 128, 104, 96, 80, 72, 256, 232}) {
-      std::vector<ProblemSpec> specs;
-      specs.push_back(with_run_seed(fixed(2, 197, 197, 2, 2, d, dt)));  // ragged last blocks
-      ProblemSpec causal = with_run_seed(fixed(1, 97, 300, 2, 2, d, dt));
-      causal.options.causal = true;
-      specs.push_back(causal);
-      ProblemSpec no_keys = with_run_seed(fixed(1, 300, 97, 2, 2, d, dt));  // 203 rows see no key
-      no_keys.options.causal = true;
-      specs.push_back(no_keys);
-      ProblemSpec window = with_run_seed(fixed(1, 290, 310, 4, 2, d, dt));
-      window.options.window_left = 70;
-      window.options.window_right = 5;
-      specs.push_back(window);
-      ProblemSpec mqa = with_run_seed(fixed(2, 150, 260, 3, 1, d, dt));  // padded rows (aligned)
-      mqa.pad = 16;
-      mqa.options.causal = true;
-      specs.push_back(mqa);
-      specs.push_back(with_run_seed(fixed(2, 1, 1, 2, 2, d, dt)));
+// ---- the sm90 (Hopper) backward ----------------------------------------------------------------
+
+// One case of the problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length batches, any
+// mask, GQA, 16-byte aligned strides; no dropout, score modifiers or deterministic mode): a
+// compiled sm90 variant (the generated table that instantiates the kernels), one of its test head
+// dims (sm90_backward_test_head_dims) and one shape, each case its own test.
+struct Sm90Case {
+  DType dtype;
+  int bucket, head_dim;
+  int shape;  // index into kSm90Shapes
+};
+
+// The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
+// keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, and 700 tokens
+// (causal at head dims that fill their 64-column panels).
+const char* const kSm90Shapes[] = {"s197",       "causal_97x300", "causal_300x97", "window_gqa",
+                                   "mqa_padded", "one_token",     "s700"};
+constexpr int kSm90ShapeCount = sizeof(kSm90Shapes) / sizeof(kSm90Shapes[0]);
+
+ProblemSpec sm90_problem(const Sm90Case& c) {
+  const int d = c.head_dim;
+  const DType dt = c.dtype;
+  switch (c.shape) {
+    case 1: return causal(with_run_seed(fixed(1, 97, 300, 2, 2, d, dt)));
+    case 2: return causal(with_run_seed(fixed(1, 300, 97, 2, 2, d, dt)));
+    case 3: return window(with_run_seed(fixed(1, 290, 310, 4, 2, d, dt)), 70, 5);
+    case 4: {
+      ProblemSpec mqa = causal(with_run_seed(fixed(2, 150, 260, 3, 1, d, dt)));
+      mqa.pad = 16;  // padded rows (aligned)
+      return mqa;
+    }
+    case 5: return with_run_seed(fixed(2, 1, 1, 2, 2, d, dt));
+    case 6: {
       ProblemSpec longer = with_run_seed(fixed(1, 700, 700, 2, 2, d, dt));
       longer.options.causal = d % 64 == 0;
-      specs.push_back(longer);
-      for (const ProblemSpec& s : specs) {
-        const long before = cuda::testing::sm90_backward_launches();
-        check_backward(s);
-        if (sm90) {
-          EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 1)
-              << s.describe() << ": the automatic choice did not take the sm90 kernel";
-        }
-        ForceArch force(80);
-        SCOPED_TRACE("forced to sm80");
-        check_backward(s);
-        EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + (sm90 ? 1 : 0));
-      }
+      return longer;
     }
+    default: return with_run_seed(fixed(2, 197, 197, 2, 2, d, dt));
+  }
 }
+
+std::vector<Sm90Case> sm90_cases() {
+  const std::vector<Variant> variants = {
+#define FLARE_CUDA_BWD90_VARIANT(DT, HD) {DType::DT, HD},
+#include "flare/cuda_bwd90_variants.inc"
+#undef FLARE_CUDA_BWD90_VARIANT
+  };
+  std::vector<Sm90Case> cases;
+  for (const Variant& v : variants)
+    for (int d : sm90_backward_test_head_dims(v.bucket))
+      for (int shape = 0; shape < kSm90ShapeCount; ++shape)
+        cases.push_back({v.dtype, v.bucket, d, shape});
+  return cases;
+}
+
+void PrintTo(const Sm90Case& c, std::ostream* os) {
+  *os << (c.dtype == DType::kFloat16 ? "fp16" : "bf16") << " d " << c.head_dim << " in bucket "
+      << c.bucket << ", " << kSm90Shapes[c.shape];
+}
+
+std::string sm90_case_name(const ::testing::TestParamInfo<Sm90Case>& info) {
+  const Sm90Case& c = info.param;
+  return std::string(c.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
+         std::to_string(c.head_dim) + "_in" + std::to_string(c.bucket) + "_" +
+         kSm90Shapes[c.shape];
+}
+
+class GpuBackwardSm90Cases : public GpuTestWithParam<Sm90Case> {};
+
+// Once through the automatic choice and once forced to sm80. On an sm_90 device with sm_90a code
+// the automatic call must take the sm90 kernel (counted).
+TEST_P(GpuBackwardSm90Cases, AutomaticAndForcedSm80AgainstTheReference) {
+  const ProblemSpec s = sm90_problem(GetParam());
+  const bool sm90 = cuda::testing::sm90_available();
+  const long before = cuda::testing::sm90_backward_launches();
+  check_backward(s);
+  if (sm90) {
+    EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 1)
+        << s.describe() << ": the automatic choice did not take the sm90 kernel";
+  }
+  ForceArch force(80);
+  SCOPED_TRACE("forced to sm80");
+  check_backward(s);
+  EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + (sm90 ? 1 : 0));
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuBackwardSm90Cases, ::testing::ValuesIn(sm90_cases()),
+                         sm90_case_name);
 
 // A few ragged shapes through the sm90 main kernel of every bucket: the compute-sanitizer subset
 // of scripts/gpu-check.sh.
