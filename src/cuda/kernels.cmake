@@ -89,9 +89,6 @@ target_sources(flare PRIVATE src/cuda/cuda_backend.cpp src/cuda/fwd_fixup.cu)
 target_sources(flare PRIVATE src/cuda/decode/decode.cpp src/cuda/decode/decode_fp16.cu
                              src/cuda/decode/decode_bf16.cu)
 target_include_directories(flare PUBLIC $<BUILD_INTERFACE:${flare_gen_dir}>)
-# Device code is C++17: CMake 3.25 (the minimum) knows no C++20 flag for nvcc and would refuse to
-# generate the build with the top level's CMAKE_CUDA_STANDARD 20.
-set_target_properties(flare PROPERTIES CUDA_STANDARD 17)
 target_link_libraries(flare PUBLIC CUDA::cudart)
 target_compile_options(flare PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=--warn-on-spills -lineinfo -Xcompiler=-Wall,-Wextra,-Wno-unknown-pragmas>
