@@ -28,15 +28,14 @@ before clipping and the optimizer):
   DIR/logits.bin      optional: (B·T, padded_vocab) row-major in logits_dtype, the logits before
                       the fused classifier overwrites them with their gradient
 
-The rule (DESIGN.md's, applied to the model): the ground truth is the reference in fp64. A naive
-run is the reference in flare's precision: bf16 autocast over fp32 weights for flare's GPU path
-("bf16"), plain fp32 (TF32 off) for its CPU path ("fp32"). For the loss, the logits (first
-vocab_size columns) and each gradient tensor separately,
-    max|flare - fp64| <= 2 · max|naive - fp64| + u · max|fp64|
-where u is the dtype's unit roundoff (2^-8 bf16, 2^-24 fp32): the rounding noise at the tensor's
-magnitude, so a tensor the naive run happens to get almost exactly right still has a floor.
-Gradients are compared where flare keeps them, export rows included (padding rows are cut by the
-export, and they must be zero in a flat dump).
+The rule (docs/architecture.md's tolerance rule, applied to the model): the ground truth is the
+reference in fp64. A naive run is the reference in flare's precision: bf16 autocast over fp32
+weights for flare's GPU path ("bf16"), plain fp32 (TF32 off) for its CPU path ("fp32"). For the
+loss, the logits (first vocab_size columns) and each gradient tensor separately, max|flare - fp64|
+<= 2 · max|naive - fp64| + u · max|fp64| where u is the dtype's unit roundoff (2^-8 bf16, 2^-24
+fp32): the rounding noise at the tensor's magnitude, so a tensor the naive run happens to get almost
+exactly right still has a floor. Gradients are compared where flare keeps them, export rows included
+(padding rows are cut by the export, and they must be zero in a flat dump).
 
     python3 bench/train_compare.py prepare --model gpt2 --batch 4 --seq 256 --out /tmp/step
     flare-train --model gpt2 --init-weights /tmp/step/weights.bin ... --dump-step /tmp/step

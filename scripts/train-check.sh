@@ -16,7 +16,8 @@
 #    targets: `prepare` writes the weights and the batch, `flare-train --init-weights
 #    --dump-step` runs one forward/backward from them (deterministic attention), the weights it
 #    ran with must be the prepared ones bit for bit, and `compare` checks the loss, the logits and
-#    every gradient against the fp64 reference under DESIGN.md's rule (2·naive + u·max|ref|).
+# every gradient against the fp64 reference under the tolerance rule of docs/architecture.md
+# (2·naive + u·max|ref|).
 #    -> DIR/first_step_<family>-d<head_dim>.json
 # 2. Loss curves on the real corpus (scripts/prepare_data.py: Python docs, GPT-2 BPE; --data
 #    takes shards made elsewhere, as the GPU machine has neither the corpus nor the tokenizer's

@@ -5,12 +5,12 @@
 // A case draws its logical contents first — q, each sequence's cached keys and values, the new
 // ones, rotary tables, ALiBi slopes, and at most one injected NaN/±Inf — and only then lays them
 // out as a contiguous or paged cache (shuffled blocks, unused block_table entries −1, every unused
-// cache slot NaN so a stray read shows). So the paged and the contiguous setup of one seed hold
-// the same values, and the same seed drawn twice gives the same setup, byte for byte, for two
-// runs (two backends, or the GPU and the CPU path). The expectation is built independently of the
-// decoding code: per sequence, fixed-length attention of q (rotated here) over the logical keys,
-// by the float64 reference and by the same reference in low precision, for DESIGN.md's tolerance
-// rule (test_util.h's within_tolerance).
+// cache slot NaN so a stray read shows). So the paged and the contiguous setup of one seed hold the
+// same values, and the same seed drawn twice gives the same setup, byte for byte, for two runs (two
+// backends, or the GPU and the CPU path). The expectation is built independently of the decoding
+// code: per sequence, fixed-length attention of q (rotated here) over the logical keys, by the
+// float64 reference and by the same reference in low precision, for docs/architecture.md's
+// tolerance rule (test_util.h's within_tolerance).
 #pragma once
 
 #include <algorithm>

@@ -2,8 +2,8 @@
 //
 // Cases come from kvcache_cases.h: logical contents drawn first, then laid out as a contiguous or
 // paged cache, NaN in every unused slot; the expectation is the float64 reference of each
-// sequence's fixed-length attention, with the tolerance rule of DESIGN.md against the same
-// reference in low precision. Appended cache rows must equal the rotated new keys; every other
+// sequence's fixed-length attention, with the tolerance rule of docs/architecture.md against the
+// same reference in low precision. Appended cache rows must equal the rotated new keys; every other
 // cache byte must be unchanged. Bad inputs must be rejected with a message naming the argument,
 // leaving outputs and caches byte for byte as they were.
 #include <gtest/gtest.h>

@@ -5,9 +5,9 @@
 // is kUnsupported, named, nothing written) and every feature of dense attention under them. Each
 // case builds a problem on the host (fresh seeded inputs, seed printed on failure) and its mask,
 // computes the references once (float64 and the naive kernel in the inputs' precision, for the
-// tolerance rule of DESIGN.md: test_util.h), then runs the device backward on the reference's O
-// and LSE and the device forward, on NaN-poisoned outputs, through the automatic kernel choice
-// and, where that took an sm90 kernel, through the sm80 kernels forced. Families, one
+// tolerance rule of docs/architecture.md: test_util.h), then runs the device backward on the
+// reference's O and LSE and the device forward, on NaN-poisoned outputs, through the automatic
+// kernel choice and, where that took an sm90 kernel, through the sm80 kernels forced. Families, one
 // parameterised test each, so a failure names its case:
 //   RandomMasks  densities 100 to 5 %, block shapes 128×128, 256×128, 128×256, lengths that are
 //                and are not multiples of 128, up to 32×32 blocks per head (s 4k)

@@ -9,7 +9,7 @@
 // Backend::kReference. Then:
 //   - the caches after the GPU call equal the CPU path's caches bit for bit (the append, rotation
 //     in fp32 rounded once, lands in the same slots with the same bits; nothing else changes);
-//   - o and lse follow DESIGN.md's tolerance rule (test_util.h's within_tolerance, as
+//   - o and lse follow docs/architecture.md's tolerance rule (test_util.h's within_tolerance, as
 //     test_gpu_forward.cpp uses it) against the float64 reference of each sequence's fixed-length
 //     attention over its logical keys (read from the CPU path's cache), with the naive
 //     low-precision reference's error as the budget.

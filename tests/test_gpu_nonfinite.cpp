@@ -10,7 +10,7 @@
 // value (NaN, +Inf or −Inf) written into one element or one whole row of q, k, v or dO; every
 // output of the CUDA forward (O, LSE) and backward (dQ, dK, dV) must then carry exactly the
 // reference's non-finite pattern — NaN where it has NaN, +Inf where +Inf, −Inf where −Inf, nothing
-// else — and its finite entries must follow DESIGN.md's tolerance rule, with the naive
+// else — and its finite entries must follow docs/architecture.md's tolerance rule, with the naive
 // low-precision kernel's error measured on the problem's finite twin (same seed, nothing injected:
 // test_util.h's NaiveErrors), as tests/test_cpu_nonfinite.cpp does.
 //

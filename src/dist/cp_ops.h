@@ -93,7 +93,7 @@ class OpsScope {
 
 // Host memory: every pass completes before it returns.
 std::unique_ptr<CpOps> make_host_ops(int64_t workspace_bytes);
-// The communicator's CUDA device (device_ring_ops.cu; kUnsupported in builds without CUDA):
+// The communicator's CUDA device (device_ops.cu; kUnsupported in builds without CUDA):
 // allocates the workspace and the communication stream.
 Status make_device_ops(int device_index, int64_t workspace_bytes, std::unique_ptr<CpOps>* out);
 

@@ -408,8 +408,9 @@ def test_flare_init_matches_init_cpp():
 def test_loss_curve_matches_flare_train_cpu(name, tmp_path):
     # flare-train --device cpu (fp32) against train_torch.py --cpu from flare's own initial weights
     # (flare:SEED), the same shards in the same order, the same schedule and AdamW. Rule as
-    # DESIGN.md's: max over steps |flare - fp64| <= 2 · max over steps |torch fp32 - fp64| plus
-    # fp32's rounding at the loss's size (training steps, validation passes and grad norms alike).
+    # docs/architecture.md's tolerance rule: max over steps |flare - fp64| <= 2 · max over steps
+    # |torch fp32 - fp64| plus fp32's rounding at the loss's size (training steps, validation passes
+    # and grad norms alike).
     import subprocess
     import train_torch
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")

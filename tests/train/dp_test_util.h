@@ -3,14 +3,14 @@
 // data-parallel run against a one-rank reference within the reordering noise of one-rank
 // regroupings of the same global batch.
 //
-// Tolerance (DESIGN.md's rule, max|fast − ref| ≤ 2·max|naive − ref| + floor): the reference is one
-// rank with batch B·N; the data-parallel run (N ranks of batch B) computes the same mean gradient
-// of the same windows with its sums grouped and ordered otherwise (per rank, then across ranks).
-// The naive runs are such regroupings on one rank, in the same precision: batch B with N times the
-// micro-batches, and one sequence per micro-batch (the loader deals the same windows to a step
-// whatever the split, loader.h). Their distance to the reference is the reordering noise of the
-// arithmetic at this problem; the floor is fp32 rounding at the reference's magnitude
-// (2·2⁻²³·max|ref|), the precision of the loss, the norm and the optimizer state.
+// Tolerance (docs/architecture.md's rule, max|fast − ref| ≤ 2·max|naive − ref| + floor): the
+// reference is one rank with batch B·N; the data-parallel run (N ranks of batch B) computes the
+// same mean gradient of the same windows with its sums grouped and ordered otherwise (per rank,
+// then across ranks). The naive runs are such regroupings on one rank, in the same precision: batch
+// B with N times the micro-batches, and one sequence per micro-batch (the loader deals the same
+// windows to a step whatever the split, loader.h). Their distance to the reference is the
+// reordering noise of the arithmetic at this problem; the floor is fp32 rounding at the reference's
+// magnitude (2·2⁻²³·max|ref|), the precision of the loss, the norm and the optimizer state.
 #pragma once
 
 #include <gtest/gtest.h>

@@ -3,8 +3,8 @@
 // attention between them), alone or beside data parallelism, against one rank on the same global
 // batch; the rows and positions each rank holds; and the rules, each refused by name.
 //
-// Tolerance: dp_test_util.h's rule (DESIGN.md: max|fast − ref| ≤ 2·max|naive − ref| + fp32
-// rounding at the reference's magnitude), against one rank on the same global batch. A
+// Tolerance: dp_test_util.h's rule (docs/architecture.md: max|fast − ref| ≤ 2·max|naive − ref| +
+// fp32 rounding at the reference's magnitude), against one rank on the same global batch. A
 // context-parallel step regroups that rank's sums twice: each sequence's token losses and gradient
 // contributions are added per rank, then across ranks — the naive runs of the data-parallel tests
 // (one-rank regroupings of the batch) measure that noise — and each attention row's softmax sums

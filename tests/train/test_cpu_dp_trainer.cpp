@@ -4,21 +4,22 @@
 // state, resumed at the same world size (bit for bit) and at another one; and a dead peer during a
 // checkpoint.
 //
-// Tolerance: dp_test_util.h (DESIGN.md's rule against one-rank regroupings of the same global
-// batch, the floor fp32 rounding at the reference's magnitude). Three naive regroupings (B with N
-// times the micro-batches, one sequence per micro-batch, and the N ranks each with one sequence per
-// micro-batch) and sequences of 40 tokens: with 32, a batch split in halves fell on the CPU
-// kernels' own split of the rows, the naive sums came out bit for bit the reference's and the noise
-// estimate was degenerate (one element differed where the ranks' strided split changed 65k). The
-// one-rank regroupings can still come out nearly bit for bit the reference's for a model (llama-tiny
-// on 2 ranks: m within 5e-10 where the ranks' sum of per-rank gradients differs by 1e-8), since
-// they add every micro-batch into one gradient while the ranks add whole per-rank gradients; the
-// third regrouping has the ranks' structure, so the estimate sees that sum's rounding too; it runs
-// the code under test, so it must first meet the one-rank rule on every loss and gradient norm. AdamW's eps is
-// 1 in these runs: with 1e-8, an element whose gradient is near zero moves by lr · g / (|g| + eps),
-// which turns a last-bit difference of g into up to lr of weight, so the final weights measured
-// where reordering noise happened to land rather than the gradient arithmetic; with eps 1 the
-// update is about lr · m̂, and m and v carry the step's gradients themselves.
+// Tolerance: dp_test_util.h (docs/architecture.md's rule against one-rank regroupings of the same
+// global batch, the floor fp32 rounding at the reference's magnitude). Three naive regroupings (B
+// with N times the micro-batches, one sequence per micro-batch, and the N ranks each with one
+// sequence per micro-batch) and sequences of 40 tokens: with 32, a batch split in halves fell on
+// the CPU kernels' own split of the rows, the naive sums came out bit for bit the reference's and
+// the noise estimate was degenerate (one element differed where the ranks' strided split changed
+// 65k). The one-rank regroupings can still come out nearly bit for bit the reference's for a model
+// (llama-tiny on 2 ranks: m within 5e-10 where the ranks' sum of per-rank gradients differs by
+// 1e-8), since they add every micro-batch into one gradient while the ranks add whole per-rank
+// gradients; the third regrouping has the ranks' structure, so the estimate sees that sum's
+// rounding too; it runs the code under test, so it must first meet the one-rank rule on every loss
+// and gradient norm. AdamW's eps is 1 in these runs: with 1e-8, an element whose gradient is near
+// zero moves by lr · g / (|g| + eps), which turns a last-bit difference of g into up to lr of
+// weight, so the final weights measured where reordering noise happened to land rather than the
+// gradient arithmetic; with eps 1 the update is about lr · m̂, and m and v carry the step's
+// gradients themselves.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -27,10 +27,10 @@
 //         the spread of g under moves of every parameter that re-round every value (see
 //         gradient_noise). It adds to the bound: at most 7% of ε_L/h, except in an untied head
 //         (13–37% at three seeds), whose loss noise is the smallest (σ_T ~ 1e-9).
-// So |fd(h) − g| ≤ ε_L/h + (|fd(2h) − fd(h)| + 1.5·ε_L/h) / 3 + ε_g, and the test allows twice
-// that (the factor 2 of the tolerance rule, DESIGN.md; it also covers the spread of the σ
-// estimates). A wrong gradient errs by O(|g|); the test also requires that most checked
-// gradients are far above their bound, so it cannot pass vacuously.
+// So |fd(h) − g| ≤ ε_L/h + (|fd(2h) − fd(h)| + 1.5·ε_L/h) / 3 + ε_g, and the test allows twice that
+// (the factor 2 of the tolerance rule, docs/architecture.md; it also covers the spread of the σ
+// estimates). A wrong gradient errs by O(|g|); the test also requires that most checked gradients
+// are far above their bound, so it cannot pass vacuously.
 #include <gtest/gtest.h>
 #include <omp.h>
 

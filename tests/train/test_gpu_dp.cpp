@@ -236,16 +236,16 @@ INSTANTIATE_TEST_SUITE_P(Presets, GpuShardedGradients,
 
 // `cp` GPUs share each sequence (zigzag rows, flare's ring attention between them) in world / cp
 // data-parallel groups. The one-GPU regroupings of the data-parallel suite cannot measure what
-// context parallelism changes: each ring step's attention call stores its block of O in bf16
-// before the fp32 merge (as ring attention does; tests/test_dist_gpu_attention.cpp holds that
-// attention to the float64 rule), so a few elements of O round another way than in one call, and
-// that noise is bf16's, which a regrouped batch (bit-identical rows) does not show. So the
-// reference is the float32 CPU trainer, on the same global batch from the same weights, and the
-// naive is one GPU: DESIGN.md's rule, max|fast − ref| ≤ 2·max|naive − ref| + fp32 rounding, for
-// each quantity as one tensor — the loss over the steps, the gradient norm over the steps, the
-// final weights, m and v. (A single step's loss is one draw of the rounding noise, too few
-// elements for a max; the data-parallel tests can hold each step alone because their runs differ
-// from the reference by regrouped fp32 sums only.)
+// context parallelism changes: each ring step's attention call stores its block of O in bf16 before
+// the fp32 merge (as ring attention does; tests/test_dist_gpu_attention.cpp holds that attention to
+// the float64 rule), so a few elements of O round another way than in one call, and that noise is
+// bf16's, which a regrouped batch (bit-identical rows) does not show. So the reference is the
+// float32 CPU trainer, on the same global batch from the same weights, and the naive is one GPU:
+// docs/architecture.md's rule, max|fast − ref| ≤ 2·max|naive − ref| + fp32 rounding, for each
+// quantity as one tensor — the loss over the steps, the gradient norm over the steps, the final
+// weights, m and v. (A single step's loss is one draw of the rounding noise, too few elements for a
+// max; the data-parallel tests can hold each step alone because their runs differ from the
+// reference by regrouped fp32 sums only.)
 void expect_as_close_as_one_gpu(const RunResult& fast, const RunResult& ref, const RunResult& naive) {
   struct Quantity {
     const char* name;

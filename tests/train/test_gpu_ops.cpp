@@ -1,9 +1,9 @@
 // test_gpu_ops.cpp — the trainer's CUDA operators (src/train/cuda) against the CPU operators
 // (src/train/cpu/ops.h, core/adamw.h) on the same random bf16 inputs.
 //
-// Tolerance (DESIGN.md): for each output, max|gpu − ref| ≤ 2·max|naive − ref| + floor, where ref
-// is the CPU operator in double on the inputs as rounded to bf16, naive the same operator in
-// float (the GPU's precision: fp32 math), rounded to bf16 where the GPU stores bf16, and floor
+// Tolerance (docs/architecture.md): for each output, max|gpu − ref| ≤ 2·max|naive − ref| + floor,
+// where ref is the CPU operator in double on the inputs as rounded to bf16, naive the same operator
+// in float (the GPU's precision: fp32 math), rounded to bf16 where the GPU stores bf16, and floor
 // the dtype's rounding at the reference's magnitude (test_util.h). The optimizer has only a float
 // reference; there ref = naive and the floor alone bounds the difference.
 //

@@ -16,7 +16,7 @@ namespace flare::cuda::sm80 {
 // Indices of BwdWorkspace::nonfinite.
 inline constexpr int kNonfiniteDq = 0, kNonfiniteDkDv = 1;
 
-// Stream-ordered scratch of one backward call (allocated by src/cuda/backward.cu), plus the
+// Stream-ordered scratch of one backward call (allocated by src/cuda/backward.cpp), plus the
 // launch-shape decisions the three kernels must agree on. Trivially copyable: passed by value.
 struct BwdWorkspace {
   // fp32 dQ accumulator, (splits, heads_q, total_q, bucket): row r of head h of split s at

@@ -2,10 +2,10 @@
 // type of weights and activations, and how a CUDA error becomes a Status: flare's one conversion
 // (cuda/device_probe.h), under the trainer's context.
 //
-// The operators follow one contract (DESIGN.md "API conventions"): raw device pointers with their
-// dimensions in, a cudaStream_t to run on, a Status out. Launchers validate every size first and
-// launch nothing when they reject a call; they never synchronise the device, so the only errors
-// they can report are launch errors (cudaGetLastError), never a fault of the kernel itself.
+// The operators follow one contract (docs/architecture.md, "API conventions"): raw device pointers
+// with their dimensions in, a cudaStream_t to run on, a Status out. Launchers validate every size
+// first and launch nothing when they reject a call; they never synchronise the device, so the only
+// errors they can report are launch errors (cudaGetLastError), never a fault of the kernel itself.
 #pragma once
 
 #include <cuda_bf16.h>
