@@ -38,6 +38,22 @@ int forced_arch() { return forced_arch_value.load(); }
 
 namespace {
 
+// kernels.cmake instantiates the sm90 forward for the buckets it lists; kFwd90Tiles holds their
+// tiles. A unit without a row fails Fwd90Config's static_assert; a row without a unit fails here.
+constexpr bool every_fwd90_tile_compiled() {
+  for (const sm90::Fwd90Tile& t : sm90::kFwd90Tiles) {
+    bool compiled = false;
+#define FLARE_CUDA_FWD90_VARIANT(DT, HD) compiled = compiled || (HD) == t.head_dim;
+#include "flare/cuda_fwd90_variants.inc"
+#undef FLARE_CUDA_FWD90_VARIANT
+    if (!compiled) return false;
+  }
+  return true;
+}
+static_assert(every_fwd90_tile_compiled(),
+              "a kFwd90Tiles row has no compiled unit: list its bucket in kernels.cmake's "
+              "FLARE_CUDA_FWD90_HEAD_DIMS");
+
 // Smallest compiled bucket ≥ head_dim for this dtype, 0 if none.
 int forward_bucket(DType dtype, int head_dim) {
   int best = 0;

@@ -62,8 +62,10 @@ flare_cuda_variants(fwd ${FLARE_CUDA_FWD_HEAD_DIMS})
 # sm90/bwd_tiles.h, listed in flare/cuda_<pass>90_variants.inc for the dispatch. Their device code
 # exists only in the sm_90a compilation (other architectures compile an empty body the launchers
 # never reach).
-set(FLARE_CUDA_FWD90_HEAD_DIMS 64 128 256)  # must match kFwd90Tiles
-set(FLARE_CUDA_BWD90_HEAD_DIMS 64 128 256)  # must match kBwd90Tiles
+# The buckets must be kFwd90Tiles' and kBwd90Tiles': static_asserts check both ways (Fwd90Config /
+# Bwd90Config for a unit without a row, cuda_backend.cpp / backward.cpp for a row without a unit).
+set(FLARE_CUDA_FWD90_HEAD_DIMS 64 128 256)
+set(FLARE_CUDA_BWD90_HEAD_DIMS 64 128 256)
 function(flare_cuda90_variants pass)
   string(TOUPPER ${pass} PASS)
   set(lines "")
