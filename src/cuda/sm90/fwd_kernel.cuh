@@ -139,6 +139,18 @@ struct ForwardTiles {
 
 // ---- the steps both kernels share --------------------------------------------------------------
 
+// The K/V ring's barriers, by one thread before the CTA's first barrier: per stage, K and V each
+// announced by the producer's one arrival (with the bytes the copy brings), the stage released
+// when every consumer thread has arrived.
+template <class Cfg, typename KFull, typename VFull, typename Empty>
+__device__ __forceinline__ void init_kv_ring(KFull k_full, VFull v_full, Empty empty) {
+  for (int s = 0; s < Cfg::kStages; ++s) {
+    ptx::mbarrier_init(k_full(s), 1);
+    ptx::mbarrier_init(v_full(s), 1);
+    ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
+  }
+}
+
 // Producer: K and V of key tile n into one ring stage (k_dst, v_dst), each announced on its
 // barrier with the bytes it brings.
 template <class Cfg>
@@ -357,11 +369,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 
   if (tid == 0) {
     ptx::mbarrier_init(q_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(k_full(s), 1);
-      ptx::mbarrier_init(v_full(s), 1);
-      ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
-    }
+    init_kv_ring<Cfg>(k_full, v_full, empty);
     ptx::mbarrier_init_fence();
   }
   __syncthreads();
@@ -476,11 +484,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
       ptx::mbarrier_init(q_full(qb), 1);
       ptx::mbarrier_init(q_empty(qb), 128 * Cfg::kConsumers);
     }
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(k_full(s), 1);
-      ptx::mbarrier_init(v_full(s), 1);
-      ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
-    }
+    init_kv_ring<Cfg>(k_full, v_full, empty);
     ptx::mbarrier_init_fence();
   }
   __syncthreads();
