@@ -48,19 +48,13 @@ long sm90_backward_launches() { return sm90_launches.load(); }
 
 namespace {
 
-// kernels.cmake instantiates the sm90 backward for the buckets it lists; kBwd90Tiles holds their
-// tiles. A unit without a row fails Bwd90Config's static_assert; a row without a unit fails here.
-constexpr bool every_bwd90_tile_compiled() {
-  for (const sm90::Bwd90Tile& t : sm90::kBwd90Tiles) {
-    bool compiled = false;
-#define FLARE_CUDA_BWD90_VARIANT(DT, HD) compiled = compiled || (HD) == t.head_dim;
+// The sm90 backward's compiled buckets, and every kBwd90Tiles row among them.
+constexpr int kBwd90Compiled[] = {
+#define FLARE_CUDA_BWD90_VARIANT(DT, HD) HD,
 #include "flare/cuda_bwd90_variants.inc"
 #undef FLARE_CUDA_BWD90_VARIANT
-    if (!compiled) return false;
-  }
-  return true;
-}
-static_assert(every_bwd90_tile_compiled(),
+};
+static_assert(every_tile_compiled(sm90::kBwd90Tiles, kBwd90Compiled),
               "a kBwd90Tiles row has no compiled unit: list its bucket in kernels.cmake's "
               "FLARE_CUDA_BWD90_HEAD_DIMS");
 

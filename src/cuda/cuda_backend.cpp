@@ -38,19 +38,13 @@ int forced_arch() { return forced_arch_value.load(); }
 
 namespace {
 
-// kernels.cmake instantiates the sm90 forward for the buckets it lists; kFwd90Tiles holds their
-// tiles. A unit without a row fails Fwd90Config's static_assert; a row without a unit fails here.
-constexpr bool every_fwd90_tile_compiled() {
-  for (const sm90::Fwd90Tile& t : sm90::kFwd90Tiles) {
-    bool compiled = false;
-#define FLARE_CUDA_FWD90_VARIANT(DT, HD) compiled = compiled || (HD) == t.head_dim;
+// The sm90 forward's compiled buckets, and every kFwd90Tiles row among them.
+constexpr int kFwd90Compiled[] = {
+#define FLARE_CUDA_FWD90_VARIANT(DT, HD) HD,
 #include "flare/cuda_fwd90_variants.inc"
 #undef FLARE_CUDA_FWD90_VARIANT
-    if (!compiled) return false;
-  }
-  return true;
-}
-static_assert(every_fwd90_tile_compiled(),
+};
+static_assert(every_tile_compiled(sm90::kFwd90Tiles, kFwd90Compiled),
               "a kFwd90Tiles row has no compiled unit: list its bucket in kernels.cmake's "
               "FLARE_CUDA_FWD90_HEAD_DIMS");
 
