@@ -10,6 +10,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstddef>
+#include <ostream>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/testing.h"
@@ -103,6 +107,60 @@ inline std::vector<int> sm90_backward_test_head_dims(int bucket) {
     case 256: return {256, 232};
     default: return {bucket};
   }
+}
+
+// ---- the sm90 suites' cases ---------------------------------------------------------------------
+
+// One case of a pass's sm90 suite (test_gpu_forward.cpp, test_gpu_backward.cpp): a compiled sm90
+// variant (dtype, bucket: the generated table that instantiates the kernels), one of the bucket's
+// test head dims and one of the suite's shapes, each case its own named test.
+struct Sm90SuiteCase {
+  DType dtype;
+  int bucket, head_dim;
+  int shape;               // index into the suite's shapes
+  const char* shape_name;  // for the test's name
+};
+
+inline void PrintTo(const Sm90SuiteCase& c, std::ostream* os) {
+  *os << (c.dtype == DType::kFloat16 ? "fp16" : "bf16") << " d " << c.head_dim << " in bucket "
+      << c.bucket << ", " << c.shape_name;
+}
+
+inline std::string sm90_suite_case_name(const ::testing::TestParamInfo<Sm90SuiteCase>& info) {
+  const Sm90SuiteCase& c = info.param;
+  return std::string(c.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
+         std::to_string(c.head_dim) + "_in" + std::to_string(c.bucket) + "_" + c.shape_name;
+}
+
+// Every (variant, head dim of its bucket, shape).
+template <std::size_t kShapes>
+std::vector<Sm90SuiteCase> sm90_suite_cases(const std::vector<std::pair<DType, int>>& variants,
+                                            std::vector<int> (*head_dims)(int),
+                                            const char* const (&shapes)[kShapes]) {
+  std::vector<Sm90SuiteCase> cases;
+  for (const auto& [dtype, bucket] : variants)
+    for (int d : head_dims(bucket))
+      for (std::size_t shape = 0; shape < kShapes; ++shape)
+        cases.push_back({dtype, bucket, d, static_cast<int>(shape), shapes[shape]});
+  return cases;
+}
+
+// `check` (a pass's run against the reference) once through the automatic choice and once forced
+// to sm80. On an sm_90 device built with sm_90a code the automatic call must take an sm90 kernel,
+// counted by `launches`; elsewhere both runs are sm80 and the test still checks them.
+template <typename Check>
+void check_sm90_and_forced_sm80(const ProblemSpec& s, Check check, long (*launches)()) {
+  const bool sm90 = cuda::testing::sm90_available();
+  const long before = launches();
+  check(s);
+  if (sm90) {
+    EXPECT_EQ(launches(), before + 1)
+        << s.describe() << ": the automatic choice did not take the sm90 kernel";
+  }
+  ForceArch force(80);
+  SCOPED_TRACE("forced to sm80");
+  check(s);
+  EXPECT_EQ(launches(), before + (sm90 ? 1 : 0));
 }
 
 }  // namespace flare::test

@@ -99,24 +99,17 @@ std::vector<int> head_dims_of(int bucket) {
 
 // ---- the sm90 (Hopper) backward ----------------------------------------------------------------
 
-// One case of the problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length batches, any
-// mask, GQA, 16-byte aligned strides; no dropout, score modifiers or deterministic mode): a
-// compiled sm90 variant (the generated table that instantiates the kernels), one of its test head
-// dims (sm90_backward_test_head_dims) and one shape, each case its own test.
-struct Sm90Case {
-  DType dtype;
-  int bucket, head_dim;
-  int shape;  // index into kSm90Shapes
-};
-
+// The problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length batches, any mask, GQA,
+// 16-byte aligned strides; no dropout, score modifiers or deterministic mode), one named test per
+// (compiled sm90 variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
+//
 // The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
 // keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, and 700 tokens
 // (causal at head dims that fill their 64-column panels).
 const char* const kSm90Shapes[] = {"s197",       "causal_97x300", "causal_300x97", "window_gqa",
                                    "mqa_padded", "one_token",     "s700"};
-constexpr int kSm90ShapeCount = sizeof(kSm90Shapes) / sizeof(kSm90Shapes[0]);
 
-ProblemSpec sm90_problem(const Sm90Case& c) {
+ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
   const int d = c.head_dim;
   const DType dt = c.dtype;
   switch (c.shape) {
@@ -138,53 +131,26 @@ ProblemSpec sm90_problem(const Sm90Case& c) {
   }
 }
 
-std::vector<Sm90Case> sm90_cases() {
-  const std::vector<Variant> variants = {
+std::vector<Sm90SuiteCase> every_sm90_case() {
+  return sm90_suite_cases(
+      {
 #define FLARE_CUDA_BWD90_VARIANT(DT, HD) {DType::DT, HD},
 #include "flare/cuda_bwd90_variants.inc"
 #undef FLARE_CUDA_BWD90_VARIANT
-  };
-  std::vector<Sm90Case> cases;
-  for (const Variant& v : variants)
-    for (int d : sm90_backward_test_head_dims(v.bucket))
-      for (int shape = 0; shape < kSm90ShapeCount; ++shape)
-        cases.push_back({v.dtype, v.bucket, d, shape});
-  return cases;
+      },
+      sm90_backward_test_head_dims, kSm90Shapes);
 }
 
-void PrintTo(const Sm90Case& c, std::ostream* os) {
-  *os << (c.dtype == DType::kFloat16 ? "fp16" : "bf16") << " d " << c.head_dim << " in bucket "
-      << c.bucket << ", " << kSm90Shapes[c.shape];
-}
+class GpuBackwardSm90Cases : public GpuTestWithParam<Sm90SuiteCase> {};
 
-std::string sm90_case_name(const ::testing::TestParamInfo<Sm90Case>& info) {
-  const Sm90Case& c = info.param;
-  return std::string(c.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
-         std::to_string(c.head_dim) + "_in" + std::to_string(c.bucket) + "_" +
-         kSm90Shapes[c.shape];
-}
-
-class GpuBackwardSm90Cases : public GpuTestWithParam<Sm90Case> {};
-
-// Once through the automatic choice and once forced to sm80. On an sm_90 device with sm_90a code
-// the automatic call must take the sm90 kernel (counted).
+// Through the automatic choice and forced to sm80 (gpu_util.h: check_sm90_and_forced_sm80).
 TEST_P(GpuBackwardSm90Cases, AutomaticAndForcedSm80AgainstTheReference) {
-  const ProblemSpec s = sm90_problem(GetParam());
-  const bool sm90 = cuda::testing::sm90_available();
-  const long before = cuda::testing::sm90_backward_launches();
-  check_backward(s);
-  if (sm90) {
-    EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 1)
-        << s.describe() << ": the automatic choice did not take the sm90 kernel";
-  }
-  ForceArch force(80);
-  SCOPED_TRACE("forced to sm80");
-  check_backward(s);
-  EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + (sm90 ? 1 : 0));
+  check_sm90_and_forced_sm80(sm90_problem(GetParam()), check_backward,
+                             cuda::testing::sm90_backward_launches);
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuBackwardSm90Cases, ::testing::ValuesIn(sm90_cases()),
-                         sm90_case_name);
+INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuBackwardSm90Cases,
+                         ::testing::ValuesIn(every_sm90_case()), sm90_suite_case_name);
 
 // A few ragged shapes through the sm90 main kernel of every bucket: the compute-sanitizer subset
 // of scripts/gpu-check.sh.

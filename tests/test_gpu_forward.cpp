@@ -364,25 +364,18 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
 
 // ---- the sm90 (Hopper) forward -----------------------------------------------------------------
 
-// One case of the problems the sm90 forward takes (sm90/fwd_tiles.h: fixed-length batches, any
-// mask, GQA, 16-byte aligned strides, no dropout or score modifiers): a compiled sm90 variant (the
-// generated table that instantiates the kernels), one of its test head dims
-// (sm90_forward_test_head_dims) and one shape, each case its own test.
-struct Sm90Case {
-  DType dtype;
-  int bucket, head_dim;
-  int shape;  // index into kSm90Shapes
-};
-
+// The problems the sm90 forward takes (sm90/fwd_tiles.h: fixed-length batches, any mask, GQA,
+// 16-byte aligned strides, no dropout or score modifiers), one named test per (compiled sm90
+// variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
+//
 // The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
 // keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, and 1025 tokens
 // of magnitude 1e3 (causal at the bucket's own head dim).
 const char* const kSm90Shapes[] = {"s197",         "causal_97x300", "causal_300x97",
                                    "window_gqa",   "mqa_padded",    "one_token",
                                    "large_1025"};
-constexpr int kSm90ShapeCount = sizeof(kSm90Shapes) / sizeof(kSm90Shapes[0]);
 
-ProblemSpec sm90_problem(const Sm90Case& c) {
+ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
   const ProblemSpec base = base_spec(c.dtype, c.head_dim, 60 + static_cast<uint64_t>(c.shape));
   switch (c.shape) {
     case 1: return causal_shape(base, 97, 300);
@@ -413,54 +406,26 @@ ProblemSpec sm90_problem(const Sm90Case& c) {
   }
 }
 
-std::vector<Sm90Case> sm90_cases() {
-  const std::vector<Variant> variants = {
+std::vector<Sm90SuiteCase> every_sm90_case() {
+  return sm90_suite_cases(
+      {
 #define FLARE_CUDA_FWD90_VARIANT(DT, HD) {DType::DT, HD},
 #include "flare/cuda_fwd90_variants.inc"
 #undef FLARE_CUDA_FWD90_VARIANT
-  };
-  std::vector<Sm90Case> cases;
-  for (const Variant& v : variants)
-    for (int d : sm90_forward_test_head_dims(v.bucket))
-      for (int shape = 0; shape < kSm90ShapeCount; ++shape)
-        cases.push_back({v.dtype, v.bucket, d, shape});
-  return cases;
+      },
+      sm90_forward_test_head_dims, kSm90Shapes);
 }
 
-void PrintTo(const Sm90Case& c, std::ostream* os) {
-  *os << (c.dtype == DType::kFloat16 ? "fp16" : "bf16") << " d " << c.head_dim << " in bucket "
-      << c.bucket << ", " << kSm90Shapes[c.shape];
-}
+class GpuForwardSm90Cases : public GpuTestWithParam<Sm90SuiteCase> {};
 
-std::string sm90_case_name(const ::testing::TestParamInfo<Sm90Case>& info) {
-  const Sm90Case& c = info.param;
-  return std::string(c.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
-         std::to_string(c.head_dim) + "_in" + std::to_string(c.bucket) + "_" +
-         kSm90Shapes[c.shape];
-}
-
-class GpuForwardSm90Cases : public GpuTestWithParam<Sm90Case> {};
-
-// Once through the automatic choice and once forced to sm80. On an sm_90 device built with sm_90a
-// code the automatic call must take an sm90 kernel (counted); elsewhere both runs are sm80 and
-// the test still checks them.
+// Through the automatic choice and forced to sm80 (gpu_util.h: check_sm90_and_forced_sm80).
 TEST_P(GpuForwardSm90Cases, AutomaticAndForcedSm80AgainstTheReference) {
-  const ProblemSpec s = sm90_problem(GetParam());
-  const bool sm90 = cuda::testing::sm90_available();
-  const long before = cuda::testing::sm90_forward_launches();
-  check_forward(s);
-  if (sm90) {
-    EXPECT_EQ(cuda::testing::sm90_forward_launches(), before + 1)
-        << s.describe() << ": the automatic choice did not take the sm90 kernel";
-  }
-  ForceArch force(80);
-  SCOPED_TRACE("forced to sm80");
-  check_forward(s);
-  EXPECT_EQ(cuda::testing::sm90_forward_launches(), before + (sm90 ? 1 : 0));
+  check_sm90_and_forced_sm80(sm90_problem(GetParam()), check_forward,
+                             cuda::testing::sm90_forward_launches);
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuForwardSm90Cases, ::testing::ValuesIn(sm90_cases()),
-                         sm90_case_name);
+INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuForwardSm90Cases,
+                         ::testing::ValuesIn(every_sm90_case()), sm90_suite_case_name);
 
 // A few ragged shapes through the sm90 kernels of every bucket, as the automatic choice runs them
 // and with the persistent kernel's grid capped at two CTAs (each walking several tiles through its
