@@ -109,8 +109,10 @@ run_ctest() {  # label
 # (shared-memory hazards) over ragged shapes that exercise every boundary path of both kernels,
 # sm80 and sm90, and their block-mask walks.
 sanitize() {  # tool binary filter
+  # A filter that matches no test would pass silently: ask for at least one test run.
   if timeout 150 compute-sanitizer --tool "$1" --error-exitcode 9 "$build/tests/$2" --gtest_filter="$3" \
-       > "$out/sanitizer_$1_$2.log" 2>&1; then
+       > "$out/sanitizer_$1_$2.log" 2>&1 &&
+     grep -qE '^\[  PASSED  \] [1-9][0-9]* test' "$out/sanitizer_$1_$2.log"; then
     log "compute-sanitizer $1 $2 ($3): clean"
   else
     status=1

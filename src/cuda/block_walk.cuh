@@ -18,7 +18,10 @@
 namespace flare::cuda {
 
 // The pairs (line, mask block) a count over tiles [t_begin, t_end) of `lines` walks shares out,
-// and how many tiles the i-th pair holds that are on (on(line, block) says).
+// and how many tiles the i-th pair holds that are on (on(line, block) says): count_on_tiles_warp's
+// share of a lane. count_on_tiles writes the same share out for itself: drawn from this struct it
+// moved the machine code of every sm90 backward and one-CTA-per-tile forward unit
+// (scripts/sass-diff.sh), and those kernels are measured in the written-out form.
 struct OnTileCount {
   int t_begin, t_end, per_block;  // per_block tiles to a mask block
   int blk_begin, blocks;
@@ -42,11 +45,15 @@ struct OnTileCount {
 template <int kThreads, typename On>
 __device__ int count_on_tiles(int lines, int t_begin, int t_end, int per_block, On on,
                               int* scratch) {
-  const OnTileCount count(t_begin, t_end, per_block);
+  const int blk_begin = t_begin / per_block;
+  const int blocks = t_end > t_begin ? (t_end - 1) / per_block + 1 - blk_begin : 0;
   if (threadIdx.x == 0) *scratch = 0;
   __syncthreads();
   int mine = 0;
-  for (int i = threadIdx.x; i < count.blocks * lines; i += kThreads) mine += count.tiles_on(i, on);
+  for (int i = threadIdx.x; i < blocks * lines; i += kThreads) {
+    const int r = blk_begin + i % blocks, line = i / blocks;
+    if (on(line, r)) mine += min(t_end, (r + 1) * per_block) - max(t_begin, r * per_block);
+  }
   if (mine != 0) atomicAdd(scratch, mine);
   __syncthreads();
   return *scratch;

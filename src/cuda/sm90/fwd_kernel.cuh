@@ -16,8 +16,8 @@
 //       shared memory (MN-major)
 //     with no CTA-wide barrier: warpgroups drift apart, so one's softmax runs beside another's
 //     products.
-// Two kernels share these steps (load_kv, attend_step, write_tile). attention_forward_sm90_kernel
-// runs one CTA per query tile. The persistent attention_forward_sm90_persistent_kernel runs one
+// Two kernels run these steps. attention_forward_sm90_kernel runs one CTA per query tile, its
+// steps written out in its body (see there why). The persistent attention_forward_sm90_persistent_kernel runs one
 // CTA per SM, each walking tiles (ForwardTiles) one after another, so that a tile's start (its Q
 // load, its first K/V loads) overlaps the previous tile's last steps and epilogue instead of
 // waiting for a CTA to retire and the next to start; the K/V ring runs on across tiles and Q has
@@ -137,7 +137,7 @@ struct ForwardTiles {
   }
 };
 
-// ---- the steps both kernels share --------------------------------------------------------------
+// ---- the persistent kernel's steps -------------------------------------------------------------
 
 // The K/V ring's barriers, by one thread before the CTA's first barrier: per stage, K and V each
 // announced by the producer's one arrival (with the bytes the copy brings), the stage released
@@ -320,6 +320,13 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
                            rows_q, p.head_dim, lane);
 }
 
+// One CTA per query tile. The same steps as the persistent kernel's (init_kv_ring, load_kv,
+// attend_step, write_tile), written out: called as those functions, the same source compiled to a
+// schedule with back-to-back MUFU.EX2 in the softmax, and this kernel ran 13-17% slower at d 64
+// (s 4k-16k, non-causal) and up to 3% at d 128-256 on an H200
+// (bench/results/2026-11-28-h200-fwd90-one-cta-ab.txt). This body compiles to the machine code
+// that was measured (scripts/sass-diff.sh against f10d319: identical); a change here needs that
+// A/B again.
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads, 1)
     attention_forward_sm90_kernel(const __grid_constant__ AttentionParams p,
@@ -328,6 +335,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
                                   const __grid_constant__ CUtensorMap tm_v) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Fwd90Config<kDType, kHeadDim, false>;
+  using Element = typename Cfg::Element;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
@@ -369,7 +377,11 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 
   if (tid == 0) {
     ptx::mbarrier_init(q_full, 1);
-    init_kv_ring<Cfg>(k_full, v_full, empty);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(k_full(s), 1);
+      ptx::mbarrier_init(v_full(s), 1);
+      ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
+    }
     ptx::mbarrier_init_fence();
   }
   __syncthreads();
@@ -394,8 +406,17 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
         const int stage = step % kStages, round = step / kStages;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
         if (sparse()) s_step_tile[stage] = n;
-        load_kv<Cfg>(sK + stage * Cfg::kKVBytes, sV + stage * Cfg::kKVBytes, k_full(stage),
-                     v_full(stage), &tm_k, &tm_v, n, hk, b);
+        const uint32_t k_dst = sK + stage * Cfg::kKVBytes, v_dst = sV + stage * Cfg::kKVBytes;
+        ptx::mbarrier_arrive_expect_tx(k_full(stage), Cfg::kKVBytes);
+#pragma unroll
+        for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
+          ptx::tma_load_4d(k_dst + pnl * Cfg::kKVPanelBytes, &tm_k, k_full(stage), pnl * 64,
+                           n * kBlockN, hk, b);
+        ptx::mbarrier_arrive_expect_tx(v_full(stage), Cfg::kKVBytes);
+#pragma unroll
+        for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
+          ptx::tma_load_4d(v_dst + pnl * Cfg::kKVPanelBytes, &tm_v, v_full(stage), pnl * 64,
+                           n * kBlockN, hk, b);
       }
     }
     return;
@@ -421,16 +442,133 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
     const uint32_t parity = (step / kStages) & 1;
     const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
 
-    attend_step<Cfg>(
-        acc_o, row_max, row_sum, p, q_rows, k_tile, v_tile, k_full(stage), v_full(stage), parity,
-        [&] {
-          return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + step;
-        },
-        last.lo, first.hi, m0, r0, t);
+    // S = Q·K_jᵀ (64 × kBlockN per warpgroup).
+    float s[kBlockN / 2];
+    ptx::mbarrier_wait(k_full(stage), parity);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t k_off = (kk % 4) * 32u;  // k slice within the 128-byte row
+      const uint64_t da = ptx::wgmma_desc_k_major(q_rows + (kk / 4) * Cfg::kQPanelBytes + k_off);
+      const uint64_t db = ptx::wgmma_desc_k_major(k_tile + (kk / 4) * Cfg::kKVPanelBytes + k_off);
+      ptx::wgmma_ss<kBlockN, Element>(s, da, db, kk > 0 ? 1 : 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(s);
+
+    // Mask on boundary steps (the sm80 kernel's test: visible_keys per element, as two 32-bit
+    // differences against uniform bounds).
+    const int n0 =
+        (sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + step) * kBlockN;
+    if (n0 < last.lo || n0 + kBlockN > first.hi) {
+      const int col_room = len_k - n0 - 2 * t;
+      const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
+      const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
+      const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = j * 8 + (i & 1);
+          const int rel = rel0 + col - (i >> 1) * 8;
+          if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * j + i] = -INFINITY;
+        }
+    }
+
+    // Online softmax for the thread's two rows; O rescaled in place.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_old = row_max[half];
+      const float m_new = fmaxf(m_old, mx * p.scale_log2);
+      const float sub = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
+      const float correction = ptx::exp2_approx(m_old - sub);
+      row_max[half] = m_new;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        acc_o[4 * j + 2 * half] *= correction;
+        acc_o[4 * j + 2 * half + 1] *= correction;
+      }
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * half + e];
+          x = ptx::exp2_approx(fmaf(x, p.scale_log2, -sub));
+          sum += x;
+        }
+      row_sum[half] = row_sum[half] * correction + sum;
+    }
+
+    // P rounded to the A fragments of O += P·V: k slice kk is n8 blocks 2kk and 2kk + 1.
+    uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][0] = ptx::pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = ptx::pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = ptx::pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = ptx::pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+
+    // O += P·V_j; V's rows are the reduction dimension (MN-major B).
+    ptx::mbarrier_wait(v_full(stage), parity);
+    ptx::fence_operands(acc_o);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
+      ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(acc_o);
     ptx::mbarrier_arrive(empty(stage));
   }
 
-  write_tile<Cfg>(acc_o, row_max, row_sum, p, smem, b, h, m0, rows_q, r0, t, c, warp, lane);
+  // Epilogue: normalise, write LSE, stage O (rounded) in this warp's own rows of the Q tile, in
+  // the same swizzle (eight rows of one chunk column hit eight bank quads), then 16-byte stores.
+  // Non-finite inputs (cuda/nonfinite_fixup.cuh): as in the sm80 kernel, a row with no positive
+  // sum that sees every key (no window) is NaN, and under a window a row whose O comes out
+  // non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
+  float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
+  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
+  const bool every_key_visible = !windowed && p.block_mask == nullptr && len_k > 0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float l = row_sum[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : every_key_visible ? NAN : 0.0f;
+    const int r = r0 + half * 8;
+    float probe = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const float o0 = acc_o[4 * j + 2 * half] * inv, o1 = acc_o[4 * j + 2 * half + 1] * inv;
+      probe = nonfinite_probe(nonfinite_probe(probe, o0), o1);
+      *reinterpret_cast<uint32_t*>(smem + swizzled(r, j, Cfg::kQPanelBytes) + 4 * t) =
+          ptx::pack2<Element>(o0, o1);
+    }
+    probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
+    probe += __shfl_xor_sync(0xffffffffu, probe, 2);
+    if (t == 0 && r < rows_q)
+      lse_row[r] = windowed && probe_found(probe) ? NAN
+                   : l > 0.0f         ? row_max[half] * kLn2 + logf(l)
+                   : every_key_visible ? NAN
+                                       : -INFINITY;
+  }
+  __syncwarp();
+
+  Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride + int64_t{m0} * p.o_row_stride +
+                h * p.o_head_stride;
+  store_rows<kHeadDim / 8>(gO, p.o_row_stride, smem, Cfg::kQPanelBytes, c * 64 + warp * 16, 0,
+                           rows_q, p.head_dim, lane);
 #else
   (void)p;
   (void)tm_q;
