@@ -67,7 +67,8 @@ def test_inputs_without_grad_take_no_autograd(device):
 def test_cuda_graph_captures_forward_and_backward(dropout_p):
     # Capture one training-style step (forward + backward into static buffers), replay it on new
     # inputs copied into the captured ones, and compare with eager calls on those inputs. A call
-    # that synchronised or allocated outside torch's allocator would fail the capture.
+    # that synchronised, or allocated outside torch's allocator and CUDA's stream-ordered one
+    # (cudaMalloc), would fail the capture.
     q, k, v, dout = _inputs("cuda", torch.bfloat16, b=2, s_q=300, s_k=300, h=4, h_kv=4, d=128)
     static = [t.clone().requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
     sq, sk, sv, sdout = static
