@@ -30,8 +30,8 @@ of an earlier run without a GPU.
 
 Runs offline: nothing is downloaded.
 
-    PYTHONPATH=build/python python3 bench/compare.py --out bench/results
-    python3 bench/compare.py --plot-only bench/results/compare-....json
+    PYTHONPATH=build/python python3 bench/compare.py --out bench/results/<date>-<card>-<commit>
+    python3 bench/compare.py --plot-only bench/results/<date>-<card>-<commit>/compare-....json
 """
 
 import argparse

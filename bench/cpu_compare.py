@@ -2,7 +2,8 @@
 """cpu_compare.py — flare's CPU attention against PyTorch's CPU flash attention, side by side: the
 same process, the same tensors, the same thread count.
 
-    python3 bench/cpu_compare.py --out bench/results [--threads 2] [--tiny] [--chart]
+    python3 bench/cpu_compare.py --out bench/results/<date>-<card>-<commit> \\
+        [--threads 2] [--tiny] [--chart]
 
 Cells: b 1, h 8, s 512 … 8192, d 64 and 128, causal and not, fp32 (and bf16 where the CPU has
 AVX-512 BF16 or AMX), forward and backward. flare runs through its PyTorch path

@@ -60,7 +60,7 @@ memory, the checks) and DIR/gpt_loss-<card>-<date>.png (the curves, and each run
 the reference against the tolerance). --plot-only FILE.json redraws the chart without a GPU.
 Exit status 0 when every check passes, 1 otherwise.
 
-    PYTHONPATH=build-py/python python3 bench/gpt_loss.py --out bench/results
+    PYTHONPATH=build-py/python python3 bench/gpt_loss.py --out bench/results/<date>-<card>-<commit>
 """
 
 import argparse

@@ -27,9 +27,11 @@ to each (> 1: flare is faster), then per pass the median and minimum ratio and t
 1.10x cuDNN, the bar the Hopper kernels aim for. --table-only FILE.json redraws the table of an
 earlier run without a GPU.
 
-    PYTHONPATH=build-py/python python3 bench/model_shapes.py --out bench/results
+    PYTHONPATH=build-py/python python3 bench/model_shapes.py \\
+        --out bench/results/<date>-<card>-<commit>
     PYTHONPATH=build-py/python python3 bench/model_shapes.py --quick --models gpt2,llama3-8b
-    python3 bench/model_shapes.py --table-only bench/results/model-shapes-....json
+    python3 bench/model_shapes.py --table-only \\
+        bench/results/<date>-<card>-<commit>/model-shapes-....json
 """
 
 import argparse

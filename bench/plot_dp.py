@@ -4,7 +4,7 @@ every run (forward, backward, communication and its exposed part per step, bandw
 context-parallel attention's own exchanges, tokens/s, MFU, memory per GPU) and two charts, tokens/s against GPUs beside the ideal of N times one GPU,
 and each run's step split into its parts.
 
-    python3 bench/plot_dp.py bench/results/2026-11-27-h200x4-train-dp-*.json \\
+    python3 bench/plot_dp.py bench/results/2026-11-27-h200x4-*/train-dp-*.json \\
         --table study.md --scaling scaling.png --breakdown breakdown.png
 
 Rows are flare-train's (with the step profile that CUDA events give) and the PyTorch peers'

@@ -18,7 +18,8 @@ run in bf16 and in fp32, or two seeds of data order held fixed), the bound is
     --factor · (the same distance between A and B) + --floor
 fixed in advance, as gpt_loss.py does; the exit status is 1 when a curve is farther than that.
 
-    python3 bench/plot_train.py flare.jsonl torch.json --out bench/results/train_loss-gpt2.png
+    python3 bench/plot_train.py flare.jsonl torch.json \\
+        --out bench/results/<date>-<card>-<commit>/train_loss-gpt2.png
     python3 bench/plot_train.py flare.jsonl torch-bf16.json --noise torch-bf16.json torch-fp32.json
 """
 

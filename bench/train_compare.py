@@ -39,7 +39,8 @@ exactly right still has a floor. Gradients are compared where flare keeps them, 
 
     python3 bench/train_compare.py prepare --model gpt2 --batch 4 --seq 256 --out /tmp/step
     flare-train --model gpt2 --init-weights /tmp/step/weights.bin ... --dump-step /tmp/step
-    python3 bench/train_compare.py compare /tmp/step --out bench/results/train_compare-gpt2.json
+    python3 bench/train_compare.py compare /tmp/step \\
+        --out bench/results/<date>-<card>-<commit>/train_compare-gpt2.json
 """
 
 import argparse

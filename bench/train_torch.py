@@ -44,12 +44,13 @@ Output: one line per case and <out>/train_torch-<card>-<date>.json:
   {"card", "date", "commit", "software", "rows": [{"impl": "torch-compile", "model", "gpus", "seq",
    "batch_per_gpu", "tokens_per_s", "mfu", "peak_mem_bytes", "step_ms", ...}]}
 
-Examples (from the repository root, on one H100):
-  python3 bench/train_torch.py --out bench/results                 # gpt2, gpt3-2.7b, llama3.2-1b
-  python3 bench/train_torch.py --case gpt3-2.7b:8:1024 --case gpt3-2.7b:4:2048 --out bench/results
+Examples (from the repository root, on one H100; RUN=bench/results/<date>-<card>-<commit>, the
+run's folder):
+  python3 bench/train_torch.py --out $RUN                          # gpt2, gpt3-2.7b, llama3.2-1b
+  python3 bench/train_torch.py --case gpt3-2.7b:8:1024 --case gpt3-2.7b:4:2048 --out $RUN
   python3 bench/train_torch.py --case gpt2:16:1024 --data 'data/pydoc/pydoc_train_*.bin'
   torchrun --nproc-per-node 4 bench/train_torch.py --case gpt3-2.7b:4:1024 --vocab 50257 \
-      --out bench/results                                         # DDP on 4 GPUs (--fsdp: FSDP2)
+      --out $RUN                                                  # DDP on 4 GPUs (--fsdp: FSDP2)
   python3 bench/train_torch.py --log /tmp/torch-gpt2.json --case gpt2:16:1024 \\
       --data 'data/pydoc/pydoc_train_*.bin' --val-data 'data/pydoc/pydoc_val_*.bin' \\
       --train-steps 500 --eval-every 100

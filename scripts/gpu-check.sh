@@ -228,7 +228,7 @@ if [[ $python -eq 1 ]]; then
   fi
 fi
 # Training: flare-train against the PyTorch reference (torch.compile + SDPA cuDNN), same card,
-# same call, random tokens (bench/results/*-train-*.json; docs/training.md).
+# same call, random tokens (bench/results/*/train*.json; docs/training.md).
 if [[ $bench -eq 1 && $native_bench -eq 1 && -x "$build/apps/train/flare-train" ]]; then
   log "training throughput: flare-train vs bench/train_torch.py (GPT-2 124M b16, GPT-3 2.7B b4, s 1024)"
   ft="$build/apps/train/flare-train"

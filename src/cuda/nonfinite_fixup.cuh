@@ -8,7 +8,7 @@
 // infinite dO (backward: dP = dO·Vᵀ, dS = P∘(dP − D)) holds ±Inf/NaN, turns row i's O, dQ, dK or
 // dV into NaN while the reference (src/cpu/reference.cpp) never visits the pair. Probing every
 // partly masked tile for such values inside the key loops is exact but costs the finite common
-// case up to 20% (bench/results/2026-11-27-h100-nonfinite-kernels-ab-bb18381.txt).
+// case up to 20% (bench/results/2026-11-27-h100-bb18381/nonfinite-kernels-ab.txt).
 //
 // The fix after the fact. Such pollution always shows in the finished output: NaN never cancels
 // in an accumulation and survives every rescale, so a polluted row is non-finite. The kernels

@@ -115,8 +115,8 @@ RESULTS = os.path.join(BENCH, "results")
 
 
 @pytest.mark.parametrize("script,result", [
-    ("plot_decode.py", "2026-11-28-h100-decode-2fbe81e.json"),
-    ("plot_block_sparse.py", "2026-11-28-h100-block-sparse-ea1ae10.json"),
+    ("plot_decode.py", "2026-11-28-h100-2fbe81e/decode.json"),
+    ("plot_block_sparse.py", "2026-11-28-h100-ea1ae10/block-sparse.json"),
 ])
 def test_plot_scripts_draw_the_committed_results(tmp_path, script, result):
     pytest.importorskip("matplotlib")

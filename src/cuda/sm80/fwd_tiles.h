@@ -37,7 +37,8 @@
 //             the H100 (A/B in one call, bf16, standard grid): causal s = 512 / 1k / 2k / 4k
 //             +13 / +6 / +2.5 / −2%; non-causal −4 to −11% at every s. Short key walks leave
 //             each CTA's start and end exposed at one CTA per SM; two CTAs cover each other's.
-// Results behind these lines: bench/results/2026-11-2[67]-h100-fwd-*.json, src/cuda/sm80/fwd_notes.md.
+// Results behind these lines: bench/results/2026-11-2[67]-h100-*/fwd-*.json,
+// src/cuda/sm80/fwd_notes.md.
 #pragma once
 
 #include <algorithm>

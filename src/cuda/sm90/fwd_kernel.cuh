@@ -324,9 +324,9 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
 // attend_step, write_tile), written out: called as those functions, the same source compiled to a
 // schedule with back-to-back MUFU.EX2 in the softmax, and this kernel ran 13-17% slower at d 64
 // (s 4k-16k, non-causal) and up to 3% at d 128-256 on an H200
-// (bench/results/2026-11-28-h200-fwd90-one-cta-ab.txt). This body compiles to the machine code
-// that was measured (scripts/sass-diff.sh against f10d319: identical); a change here needs that
-// A/B again.
+// (bench/results/2026-11-28-h200x2-8dc4118/fwd90-one-cta-ab.txt). This body compiles to the
+// machine code that was measured (scripts/sass-diff.sh against f10d319: identical); a change here
+// needs that A/B again.
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads, 1)
     attention_forward_sm90_kernel(const __grid_constant__ AttentionParams p,

@@ -30,7 +30,8 @@ struct Fwd90Tile {
   int consumers;  // warpgroups of 64 query rows
   int stages;     // K/V buffers
   // The persistent kernel runs calls of at most this many keys (0: never). A/B against one CTA
-  // per tile on an H200, standard grid (bench/results/2026-11-28-h200-fwd90-persistent-ab.txt):
+  // per tile on an H200, standard grid
+  // (bench/results/2026-11-28-h200-f10d319/fwd90-persistent-ab.txt):
   // d 64 and 128 1.03-1.20x faster up to s 2048, even at 4096, up to 8% slower at s 8k-16k causal;
   // d 256 (one Q buffer) 2-21% slower from s 1024.
   int persistent_max_keys;
