@@ -321,12 +321,10 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
 }
 
 // One CTA per query tile. The same steps as the persistent kernel's (init_kv_ring, load_kv,
-// attend_step, write_tile), written out: called as those functions, the same source compiled to a
-// schedule with back-to-back MUFU.EX2 in the softmax, and this kernel ran 13-17% slower at d 64
-// (s 4k-16k, non-causal) and up to 3% at d 128-256 on an H200
-// (bench/results/2026-11-28-h200x2-8dc4118/fwd90-one-cta-ab.txt). This body compiles to the
-// machine code that was measured (scripts/sass-diff.sh against f10d319: identical); a change here
-// needs that A/B again.
+// attend_step, write_tile), written out: called as those functions, the same source compiled to
+// another schedule of the softmax's exponentials (back-to-back MUFU.EX2), measured slower at d 64
+// (sm90/notes.md, "Persistent forward"). This body compiles to the machine code that was measured
+// (scripts/sass-diff.sh against f10d319: identical); a change here needs that A/B again.
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads, 1)
     attention_forward_sm90_kernel(const __grid_constant__ AttentionParams p,
