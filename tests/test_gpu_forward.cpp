@@ -11,6 +11,7 @@
 // (test_util.h: within_tolerance against the reference computed in the same low precision).
 // Outputs are poisoned with NaN on the device first, so an unwritten element fails. Without a
 // CUDA device every test skips, saying so.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -466,6 +467,90 @@ TEST(GpuForwardSm90, PersistentCtasWalkManyTiles) {
       check_forward(plain);
     }
   }
+}
+
+// The persistent kernel's tile counter is its stream's, and the kernel leaves it at 0
+// (sm90/tile_counter.h): launches whose tile counts differ alternate between the default stream
+// and two others, two run at once on different streams, and a launch captured into a CUDA graph
+// (which carries a counter of its own) replays twice with eager launches on its stream between.
+// A counter left dirty or shared would skip or repeat tiles, which the reference sees.
+TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  ForceForwardCtas cap(3);
+  std::vector<ProblemSpec> specs;
+  for (int d : {64, 128}) {
+    ProblemSpec causal = causal_shape(base_spec(DType::kBFloat16, d, 95), 333, 333);
+    causal.heads_q = causal.heads_kv = 3;
+    specs.push_back(causal);
+    specs.push_back(base_spec(DType::kFloat16, d, 96));
+    specs.push_back(causal_shape(base_spec(DType::kBFloat16, d, 97), 97, 300));
+  }
+  auto check = [](Problem* pr, const GpuProblem& gpu) {
+    gpu.download_forward(pr);
+    expect_forward_matches(*pr);
+  };
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&s1), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&s2), cudaSuccess);
+  const Stream streams[] = {nullptr, s1, s2};
+
+  for (int round = 0; round < 2; ++round) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      SCOPED_TRACE("one at a time, round " + std::to_string(round) + ", " + specs[i].describe());
+      Problem pr = make_problem(specs[i]);
+      GpuProblem gpu(pr);
+      const Status s = gpu.forward(streams[(i + round) % 3]);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      check(&pr, gpu);
+    }
+  }
+
+  {
+    SCOPED_TRACE("two streams at once");
+    Problem a = make_problem(specs[0]), b = make_problem(specs[4]);
+    GpuProblem ga(a), gb(b);
+    for (const GpuProblem* g : {&ga, &gb}) {
+      g->o.poison();
+      g->lse.poison();
+    }
+    const Status sa = attention_forward(ga.q.view(), ga.k.view(), ga.v.view(), ga.o.view(),
+                                        ga.lse.view(), ga.options, ga.varlen, s1);
+    const Status sb = attention_forward(gb.q.view(), gb.k.view(), gb.v.view(), gb.o.view(),
+                                        gb.lse.view(), gb.options, gb.varlen, s2);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_TRUE(sa.ok() && sb.ok()) << sa.to_string() << " " << sb.to_string();
+    check(&a, ga);
+    check(&b, gb);
+  }
+
+  {
+    SCOPED_TRACE("captured into a graph");
+    Problem pr = make_problem(specs[2]);
+    GpuProblem gpu(pr);
+    ASSERT_EQ(cudaStreamBeginCapture(s1, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const Status s = attention_forward(gpu.q.view(), gpu.k.view(), gpu.v.view(), gpu.o.view(),
+                                       gpu.lse.view(), gpu.options, gpu.varlen, s1);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(s1, &graph), cudaSuccess);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int replay = 0; replay < 2; ++replay) {
+      gpu.o.poison();
+      gpu.lse.poison();
+      ASSERT_EQ(cudaGraphLaunch(exec, s1), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s1), cudaSuccess);
+      check(&pr, gpu);
+      Problem between = make_problem(specs[replay]);
+      GpuProblem eager(between);
+      ASSERT_TRUE(eager.forward(s1).ok());
+      check(&between, eager);
+    }
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  }
+  EXPECT_EQ(cudaStreamDestroy(s1), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(s2), cudaSuccess);
 }
 
 // Problems outside sm90's set run the sm80 kernels on every device.

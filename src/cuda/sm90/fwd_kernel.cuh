@@ -55,6 +55,7 @@
 #include "cuda/sm90/fwd_launch.h"
 #include "cuda/sm90/fwd_tiles.h"
 #include "cuda/sm90/tensor_map.h"
+#include "cuda/sm90/tile_counter.h"
 #include "cuda/testing.h"
 
 namespace flare::cuda::sm90 {
@@ -581,7 +582,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
                                              const __grid_constant__ CUtensorMap tm_q,
                                              const __grid_constant__ CUtensorMap tm_k,
                                              const __grid_constant__ CUtensorMap tm_v,
-                                             int* tile_counter) {
+                                             int* tile_counter /* {next ticket, CTAs done} */) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Fwd90Config<kDType, kHeadDim, true>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
@@ -643,6 +644,13 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
           if (use > 0) ptx::mbarrier_wait(q_empty(qb), (use - 1) & 1);
           s_tile[qb] = -1;
           ptx::mbarrier_arrive(q_full(qb));
+          // This CTA's last draw came back empty. The last CTA to get here finds every draw
+          // made and leaves the counter at 0 for the stream's next launch (tile_counter.h).
+          __threadfence();
+          if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+            atomicExch(tile_counter, 0);
+            atomicExch(tile_counter + 1, 0);
+          }
         }
         break;
       }
@@ -755,8 +763,9 @@ bool forward_runs_on_device() {
 }
 
 // The persistent kernel over `tiles` query tiles: one CTA per SM, or one per tile when there are
-// fewer (the tests may cap it lower). The tile counter comes from the stream-ordered allocator,
-// zeroed and freed in stream order: nothing waits for the device.
+// fewer (the tests may cap it lower). Its tile counter is the stream's (tile_counter.h), or while
+// the stream captures a graph one of the launch's own, from the stream-ordered allocator, zeroed
+// and freed in stream order: nothing waits for the device.
 template <DType kDType, int kHeadDim>
 Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                          const CUtensorMap& tm_v, int64_t tiles, cudaStream_t stream) {
@@ -765,16 +774,20 @@ Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, cons
   FLARE_RETURN_IF_ERROR(current_device_facts(&device));
   const int ctas = testing::forced_forward_ctas() > 0 ? testing::forced_forward_ctas() : device.sms;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, ctas)));
-  void* counter = nullptr;
+  auto run = [&](int* counter) {
+    return launch(attention_forward_sm90_persistent_kernel<kDType, kHeadDim>, "forward", kHeadDim,
+                  grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v, counter);
+  };
+  int* counter = nullptr;
+  FLARE_RETURN_IF_ERROR(stream_tile_counter(stream, &counter));
+  if (counter != nullptr) return run(counter);
+  void* own = nullptr;
   FLARE_RETURN_IF_ERROR(cuda_status("forward", "cudaMallocAsync of the tile counter",
-                                    cudaMallocAsync(&counter, sizeof(int), stream)));
+                                    cudaMallocAsync(&own, 2 * sizeof(int), stream)));
   Status status = cuda_status("forward", "cudaMemsetAsync of the tile counter",
-                              cudaMemsetAsync(counter, 0, sizeof(int), stream));
-  if (status.ok())
-    status = launch(attention_forward_sm90_persistent_kernel<kDType, kHeadDim>, "forward", kHeadDim,
-                    grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v,
-                    static_cast<int*>(counter));
-  const Status freed = cuda_status("forward", "cudaFreeAsync", cudaFreeAsync(counter, stream));
+                              cudaMemsetAsync(own, 0, 2 * sizeof(int), stream));
+  if (status.ok()) status = run(static_cast<int*>(own));
+  const Status freed = cuda_status("forward", "cudaFreeAsync", cudaFreeAsync(own, stream));
   return status.ok() ? freed : status;
 }
 
