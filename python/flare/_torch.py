@@ -19,10 +19,10 @@ Two roads lead to the same two functions, forward() and backward() below:
 
 Outputs are allocated contiguous on both roads, so the strides the compiler plans for are the
 strides it gets. Work is queued on the current stream of the tensors' device and nothing
-synchronises: outputs come from torch's caching allocator, and the kernels' own workspaces (the
-backward's fp32 dQ accumulator, the persistent forward's tile counter) from CUDA's stream-ordered
-allocator, allocated and freed in the call's stream. A CUDA graph capture accepts both, so calls
-can be captured (test_torch_hotpath.py).
+synchronises: outputs come from torch's caching allocator, the backward's fp32 dQ accumulator
+from CUDA's stream-ordered allocator (allocated and freed in the call's stream), and the persistent
+forward's tile counter is the stream's own, zeroed once (a capture gets one of its own). A CUDA
+graph capture accepts all of them, so calls can be captured (test_torch_hotpath.py).
 
 Block-sparse attention (flare.block_sparse_attn_func) takes the same two roads through its own
 Function and operators, block_sparse_fwd / block_sparse_bwd (the end of this file).
