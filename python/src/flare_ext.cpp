@@ -157,26 +157,55 @@ int32_t torch_dtype(nb::handle dtype, const char* name) {
                               kDtypesTaken);
 }
 
+// The torch.Tensor attributes torch_view reads, as interned strings made once: a lookup by C
+// string builds a new Python string every time, and a method called through its name skips the
+// bound method object (PyObject_CallMethodNoArgs). Five tensors per call, six reads each.
+struct TorchNames {
+  PyObject *is_cuda, *is_cpu, *get_device, *dtype, *shape, *stride, *data_ptr;
+};
+
+const TorchNames& torch_names() {
+  static const TorchNames names{
+      PyUnicode_InternFromString("is_cuda"), PyUnicode_InternFromString("is_cpu"),
+      PyUnicode_InternFromString("get_device"), PyUnicode_InternFromString("dtype"),
+      PyUnicode_InternFromString("shape"), PyUnicode_InternFromString("stride"),
+      PyUnicode_InternFromString("data_ptr")};
+  return names;
+}
+
+nb::object get(nb::handle obj, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(obj.ptr(), name);
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
+nb::object call(nb::handle obj, PyObject* method) {
+  PyObject* r = PyObject_CallMethodNoArgs(obj.ptr(), method);
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
 flare_tensor torch_view(nb::handle obj, const char* name) {
+  const TorchNames& n = torch_names();
   flare_tensor t{};
-  if (nb::cast<bool>(obj.attr("is_cuda"))) {
+  if (nb::cast<bool>(get(obj, n.is_cuda))) {
     t.device = FLARE_CUDA;
-    t.device_index = nb::cast<int32_t>(obj.attr("get_device")());
-  } else if (nb::cast<bool>(obj.attr("is_cpu"))) {
+    t.device_index = nb::cast<int32_t>(call(obj, n.get_device));
+  } else if (nb::cast<bool>(get(obj, n.is_cpu))) {
     t.device = FLARE_CPU;
   } else {
     raise(PyExc_NotImplementedError,
           std::string(name) + ": device '" + nb::cast<std::string>(nb::str(obj.attr("device"))) +
               "' is not supported; flare runs on CPU and CUDA tensors");
   }
-  t.dtype = torch_dtype(obj.attr("dtype"), name);
-  const nb::tuple shape = nb::borrow<nb::tuple>(obj.attr("shape"));
+  t.dtype = torch_dtype(get(obj, n.dtype), name);
+  const nb::tuple shape = nb::borrow<nb::tuple>(get(obj, n.shape));
   if (shape.size() > 4)
     raise(PyExc_ValueError, std::string(name) + ": expected at most 4 dimensions, got " +
                                 std::to_string(shape.size()));
   nb::object strides;
   try {
-    strides = obj.attr("stride")();
+    strides = call(obj, n.stride);
   } catch (const nb::python_error& e) {  // sparse and other layouts without strides
     raise(PyExc_ValueError, std::string(name) + ": flare takes strided (dense) tensors: " + e.what());
   }
@@ -185,7 +214,7 @@ flare_tensor torch_view(nb::handle obj, const char* name) {
     t.shape[i] = nb::cast<int64_t>(shape[i]);
     t.stride[i] = nb::cast<int64_t>(nb::borrow<nb::tuple>(strides)[i]);
   }
-  t.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(obj.attr("data_ptr")()));
+  t.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(call(obj, n.data_ptr)));
   return t;
 }
 
