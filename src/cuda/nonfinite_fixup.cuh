@@ -57,6 +57,30 @@ __device__ __forceinline__ float nonfinite_probe(float acc, float x) { return fm
 // Whether a probe accumulated with nonfinite_probe saw a non-finite value.
 __device__ __forceinline__ bool probe_found(float acc) { return acc != acc; }
 
+// How a forward kernel finishes a row, in one place for every forward: given the row's sum of
+// weights l (over its four lanes) and its max in log2 units, the factor its output is scaled by
+// (numerator / l) and its LSE. A row with no positive sum that sees every key (no window, no
+// block mask) is NaN, as 0/0 is in the reference; one that sees no key gets O = 0 and LSE = −inf.
+// Under a window, a row whose output came out non-finite (probe, nonfinite_probe over its
+// elements) gets LSE = NaN, which marks it for the fixup kernel (fwd_fixup.cu) to recompute.
+struct FinishedRow {
+  bool windowed, every_key_visible;
+
+  __device__ FinishedRow(const AttentionParams& p, int len_k)
+      : windowed(p.window_left >= 0 || p.window_right >= 0),
+        every_key_visible(!windowed && p.block_mask == nullptr && len_k > 0) {}
+
+  __device__ float scale(float l, float numerator) const {
+    return l > 0.0f ? numerator / l : every_key_visible ? NAN : 0.0f;
+  }
+  __device__ float lse(float l, float max_log2, float probe) const {
+    return windowed && probe_found(probe) ? NAN
+           : l > 0.0f                     ? max_log2 * kLn2 + logf(l)
+           : every_key_visible            ? NAN
+                                          : -INFINITY;
+  }
+};
+
 namespace fixup_detail {
 
 __device__ __forceinline__ float warp_sum(float x) {

@@ -784,8 +784,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
   // P = 0: a row whose O comes out non-finite gets LSE = NaN, which has the forward fixup kernel
   // (launched after this one under windows) recompute it exactly, as it does the rows left with
   // LSE = −inf that see a key.
-  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  const bool every_key_visible = !windowed && p.block_mask == nullptr && out_seq.len_k > 0;
+  const FinishedRow finish(p, out_seq.len_k);
 #pragma unroll
   for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
@@ -793,7 +792,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
       float l = stats.sum(mf, half);
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.0f ? p.dropout_scale / l : every_key_visible ? NAN : 0.0f;
+      const float inv = finish.scale(l, p.dropout_scale);
       const int r = warp_row0 + mf * 16 + half * 8 + g;
       float probe = 0.0f;
 #pragma unroll
@@ -806,10 +805,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
       probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
       probe += __shfl_xor_sync(0xffffffffu, probe, 2);
       if (t == 0 && r < out_rows)
-        lse_row[r] = windowed && probe_found(probe) ? NAN
-                     : l > 0.0f         ? stats.max(mf, half) * kLn2 + logf(l)
-                     : every_key_visible ? NAN
-                                         : -INFINITY;
+        lse_row[r] = finish.lse(l, stats.max(mf, half), probe);
     }
   __syncwarp();
 

@@ -288,14 +288,13 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
   using Element = typename Cfg::Element;
   constexpr int kHeadDim = Cfg::kHeadDim;
   float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
-  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  const bool every_key_visible = !windowed && p.block_mask == nullptr && p.seqlen_k > 0;
+  const FinishedRow finish(p, p.seqlen_k);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : every_key_visible ? NAN : 0.0f;
+    const float inv = finish.scale(l, 1.0f);
     const int r = r0 + half * 8;
     float probe = 0.0f;
 #pragma unroll
@@ -308,10 +307,7 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
     probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
     probe += __shfl_xor_sync(0xffffffffu, probe, 2);
     if (t == 0 && r < rows_q)
-      lse_row[r] = windowed && probe_found(probe) ? NAN
-                   : l > 0.0f                     ? row_max[half] * kLn2 + logf(l)
-                   : every_key_visible            ? NAN
-                                                  : -INFINITY;
+      lse_row[r] = finish.lse(l, row_max[half], probe);
   }
   __syncwarp();
 
@@ -537,14 +533,13 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   // sum that sees every key (no window) is NaN, and under a window a row whose O comes out
   // non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
   float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
-  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
-  const bool every_key_visible = !windowed && p.block_mask == nullptr && len_k > 0;
+  const FinishedRow finish(p, len_k);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : every_key_visible ? NAN : 0.0f;
+    const float inv = finish.scale(l, 1.0f);
     const int r = r0 + half * 8;
     float probe = 0.0f;
 #pragma unroll
@@ -557,10 +552,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
     probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
     probe += __shfl_xor_sync(0xffffffffu, probe, 2);
     if (t == 0 && r < rows_q)
-      lse_row[r] = windowed && probe_found(probe) ? NAN
-                   : l > 0.0f         ? row_max[half] * kLn2 + logf(l)
-                   : every_key_visible ? NAN
-                                       : -INFINITY;
+      lse_row[r] = finish.lse(l, row_max[half], probe);
   }
   __syncwarp();
 
