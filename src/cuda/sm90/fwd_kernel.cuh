@@ -71,6 +71,7 @@ struct Fwd90Config {
   static constexpr int kConsumers = kTile.consumers;
   static constexpr int kStages = kTile.stages;
   static constexpr bool kBlockSparse = fwd90_takes_block_mask(kHeadDim);  // fwd_tiles.h
+  static constexpr bool kOverlapSteps = kTile.overlap_steps;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kPanels = kHeadDim / 64;  // 64-column panels of a tile
   static constexpr uint32_t kQPanelBytes = kBlockM * 128;
@@ -334,7 +335,8 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages];  // q_full, k_full[], v_full[], empty[]
+  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+  __shared__ __align__(8) uint64_t bars[1 + 4 * kStages];
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* const smem = smem_raw + (base - raw);
@@ -345,7 +347,8 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   const uint32_t q_full = bar0;
   auto k_full = [&](int s) { return bar0 + 8u * (1 + s); };
   auto v_full = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
-  auto empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
+  auto k_empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
 
   const int tid = threadIdx.x;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
@@ -375,14 +378,17 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(k_full(s), 1);
       ptx::mbarrier_init(v_full(s), 1);
-      ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
+      ptx::mbarrier_init(k_empty(s), 128 * Cfg::kConsumers);
+      ptx::mbarrier_init(v_empty(s), 128 * Cfg::kConsumers);
     }
     ptx::mbarrier_init_fence();
   }
   __syncthreads();
 
   if (tid < 128) {
-    // Producer warpgroup: one thread issues every load.
+    // Producer warpgroup: one thread issues every load, K one step ahead of V (K_0, K_1, V_0,
+    // K_2, V_1, ...: the order the consumers use them in), each into its ring once the
+    // consumers have released the buffer.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (tid == 0) {
       const int hk = h / p.head_group;
@@ -397,21 +403,26 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
       auto next_on = [&](int n) {
         return sparse() ? next_key_tile_on(p, b, h, row_block, row_block, n, n_end, kBlockN) : n;
       };
-      for (int n = next_on(n_begin), step = 0; step < steps; n = next_on(n + 1), ++step) {
+      // Key tile n of step `step` into K's (or V's) ring.
+      auto load = [&](bool is_k, int step, int n) {
         const int stage = step % kStages, round = step / kStages;
-        if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
-        if (sparse()) s_step_tile[stage] = n;
-        const uint32_t k_dst = sK + stage * Cfg::kKVBytes, v_dst = sV + stage * Cfg::kKVBytes;
-        ptx::mbarrier_arrive_expect_tx(k_full(stage), Cfg::kKVBytes);
+        if (round > 0) ptx::mbarrier_wait(is_k ? k_empty(stage) : v_empty(stage), (round - 1) & 1);
+        if (is_k && sparse()) s_step_tile[stage] = n;  // published by K's barrier
+        const uint32_t dst = (is_k ? sK : sV) + stage * Cfg::kKVBytes;
+        const uint32_t full = is_k ? k_full(stage) : v_full(stage);
+        ptx::mbarrier_arrive_expect_tx(full, Cfg::kKVBytes);
 #pragma unroll
         for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-          ptx::tma_load_4d(k_dst + pnl * Cfg::kKVPanelBytes, &tm_k, k_full(stage), pnl * 64,
+          ptx::tma_load_4d(dst + pnl * Cfg::kKVPanelBytes, is_k ? &tm_k : &tm_v, full, pnl * 64,
                            n * kBlockN, hk, b);
-        ptx::mbarrier_arrive_expect_tx(v_full(stage), Cfg::kKVBytes);
-#pragma unroll
-        for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-          ptx::tma_load_4d(v_dst + pnl * Cfg::kKVPanelBytes, &tm_v, v_full(stage), pnl * 64,
-                           n * kBlockN, hk, b);
+      };
+      int n = next_on(n_begin);
+      if (steps > 0) load(true, 0, n);
+      for (int step = 0; step < steps; ++step) {
+        const int n_next = step + 1 < steps ? next_on(n + 1) : n;
+        if (step + 1 < steps) load(true, step + 1, n_next);
+        load(false, step, n);
+        n = n_next;
       }
     }
     return;
@@ -432,15 +443,24 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   const uint32_t q_rows = sQ + c * 64 * 128;
   ptx::mbarrier_wait(q_full, 0);
 
-  for (int step = 0; step < steps; ++step) {
-    const int stage = step % kStages;
-    const uint32_t parity = (step / kStages) & 1;
-    const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
-
-    // S = Q·K_jᵀ (64 × kBlockN per warpgroup).
-    float s[kBlockN / 2];
-    ptx::mbarrier_wait(k_full(stage), parity);
-    ptx::wgmma_fence();
+  // Where the bucket overlaps its steps (Fwd90Tile::overlap_steps), iteration j issues
+  // S_j = Q·K_jᵀ, then O += P_{j-1}·V_{j-1}, and runs step j's mask and softmax while the tensor
+  // cores work on the latter; once that is done, O is rescaled for step j and P_j rounded for the
+  // next iteration, so the softmax's exponentials do not wait for the products of the same rows.
+  // Elsewhere each step runs S_j, softmax, P_j·V_j one after another and the overlap is only
+  // between warpgroups. K's buffer goes back once S_j is done, V's once its product is, on
+  // barriers of their own.
+  float s[kBlockN / 2];          // S_j, then exp2 of it
+  uint32_t pa[kBlockN / 16][4];  // P_{j-1} rounded: the A fragments of O += P·V (k slice kk is
+                                 // n8 blocks 2kk and 2kk + 1)
+  // S = Q·K_jᵀ (64 × kBlockN per warpgroup), issued once K_j has landed; returns the step's
+  // first key.
+  auto issue_scores = [&](int j) {
+    const int stage = j % kStages;
+    ptx::mbarrier_wait(k_full(stage), (j / kStages) & 1);
+    const int n0 =
+        (sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + j) * kBlockN;
+    const uint32_t k_tile = sK + stage * Cfg::kKVBytes;
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t k_off = (kk % 4) * 32u;  // k slice within the 128-byte row
@@ -449,61 +469,80 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
       ptx::wgmma_ss<kBlockN, Element>(s, da, db, kk > 0 ? 1 : 0);
     }
     ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
+    return n0;
+  };
+  // O += P_j·V_j; V's rows are the reduction dimension (MN-major B).
+  auto issue_product = [&](int j) {
+    const int stage = j % kStages;
+    ptx::mbarrier_wait(v_full(stage), (j / kStages) & 1);
+    const uint32_t v_tile = sV + stage * Cfg::kKVBytes;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
+      ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
+    }
+    ptx::wgmma_commit();
+  };
+  // Step j's scores, done: K_j's buffer goes back; the mask on boundary steps (the sm80 kernel's
+  // test: visible_keys per element, as two 32-bit differences against uniform bounds) and the
+  // online softmax for the thread's two rows, into `correction` the factor O waits for.
+  auto softmax = [&](int j, int n0, float (&correction)[2]) {
     ptx::fence_operands(s);
-
-    // Mask on boundary steps (the sm80 kernel's test: visible_keys per element, as two 32-bit
-    // differences against uniform bounds).
-    const int n0 =
-        (sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + step) * kBlockN;
+    ptx::mbarrier_arrive(k_empty(j % kStages));
     if (n0 < last.lo || n0 + kBlockN > first.hi) {
       const int col_room = len_k - n0 - 2 * t;
       const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
       const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
       const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
+      for (int jj = 0; jj < kBlockN / 8; ++jj)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int col = j * 8 + (i & 1);
+          const int col = jj * 8 + (i & 1);
           const int rel = rel0 + col - (i >> 1) * 8;
-          if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * j + i] = -INFINITY;
+          if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * jj + i] = -INFINITY;
         }
     }
-
-    // Online softmax for the thread's two rows; O rescaled in place.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float mx = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+      for (int jj = 0; jj < kBlockN / 8; ++jj)
+        mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_old = row_max[half];
       const float m_new = fmaxf(m_old, mx * p.scale_log2);
       const float sub = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-      const float correction = ptx::exp2_approx(m_old - sub);
+      correction[half] = ptx::exp2_approx(m_old - sub);
       row_max[half] = m_new;
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        acc_o[4 * j + 2 * half] *= correction;
-        acc_o[4 * j + 2 * half + 1] *= correction;
-      }
       float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
+      for (int jj = 0; jj < kBlockN / 8; ++jj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * j + 2 * half + e];
+          float& x = s[4 * jj + 2 * half + e];
           x = ptx::exp2_approx(fmaf(x, p.scale_log2, -sub));
           sum += x;
         }
-      row_sum[half] = row_sum[half] * correction + sum;
+      row_sum[half] = row_sum[half] * correction[half] + sum;
     }
-
-    // P rounded to the A fragments of O += P·V: k slice kk is n8 blocks 2kk and 2kk + 1.
-    uint32_t pa[kBlockN / 16][4];
+  };
+  auto product_done = [&](int j) {
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(acc_o);
+    ptx::mbarrier_arrive(v_empty(j % kStages));
+  };
+  auto rescale_o = [&](const float (&correction)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int jj = 0; jj < kHeadDim / 8; ++jj) {
+        acc_o[4 * jj + 2 * half] *= correction[half];
+        acc_o[4 * jj + 2 * half + 1] *= correction[half];
+      }
+  };
+  auto round_p = [&] {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       pa[kk][0] = ptx::pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
@@ -511,20 +550,49 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
       pa[kk][2] = ptx::pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
       pa[kk][3] = ptx::pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
     }
+  };
 
-    // O += P·V_j; V's rows are the reduction dimension (MN-major B).
-    ptx::mbarrier_wait(v_full(stage), parity);
-    ptx::fence_operands(acc_o);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
-      ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
+  if constexpr (Cfg::kOverlapSteps) {
+    if (steps > 0) {  // step 0: nothing to overlap with, and O is still 0
+      ptx::wgmma_fence();
+      const int n0 = issue_scores(0);
+      ptx::wgmma_wait<0>();
+      float correction[2];
+      softmax(0, n0, correction);
+      round_p();
     }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::fence_operands(acc_o);
-    ptx::mbarrier_arrive(empty(stage));
+    for (int j = 1; j < steps; ++j) {
+      ptx::fence_operands(acc_o);
+      ptx::wgmma_fence();
+      const int n0 = issue_scores(j);
+      issue_product(j - 1);
+      ptx::wgmma_wait<1>();  // S_j done; the product may still run
+      float correction[2];
+      softmax(j, n0, correction);
+      product_done(j - 1);
+      rescale_o(correction);
+      round_p();
+    }
+    if (steps > 0) {
+      ptx::fence_operands(acc_o);
+      ptx::wgmma_fence();
+      issue_product(steps - 1);
+      product_done(steps - 1);
+    }
+  } else {
+    for (int j = 0; j < steps; ++j) {
+      ptx::wgmma_fence();
+      const int n0 = issue_scores(j);
+      ptx::wgmma_wait<0>();
+      float correction[2];
+      softmax(j, n0, correction);
+      rescale_o(correction);
+      round_p();
+      ptx::fence_operands(acc_o);
+      ptx::wgmma_fence();
+      issue_product(j);
+      product_done(j);
+    }
   }
 
   // Epilogue: normalise, write LSE, stage O (rounded) in this warp's own rows of the Q tile, in

@@ -35,18 +35,25 @@ struct Fwd90Tile {
   // d 64 and 128 1.03-1.20x faster up to s 2048, even at 4096, up to 8% slower at s 8k-16k causal;
   // d 256 (one Q buffer) 2-21% slower from s 1024.
   int persistent_max_keys;
+  // The one-CTA kernel overlaps a step's softmax with the previous step's P·V inside each
+  // warpgroup (fwd_kernel.cuh). A/B of every bucket overlapping against the steps one after
+  // another on an H200, standard grid, where that kernel runs (s >= 4096 at d 64/128;
+  // bench/results/2026-11-28-h200x2-eadc8a9/fwd90-overlap-ab.txt): d 128 1.07-1.10x faster;
+  // d 64 1-6% slower (three consumer warpgroups at 160 registers, whose drift already hides the
+  // softmax); d 256 even but for 5% slower at s 16k.
+  bool overlap_steps;
 };
 
 inline constexpr Fwd90Tile kFwd90Tiles[] = {
-    {64, 192, 128, 3, 2, 2048},
-    {128, 128, 128, 2, 2, 2048},
-    {256, 128, 64, 2, 2, 0},
+    {64, 192, 128, 3, 2, 2048, false},
+    {128, 128, 128, 2, 2, 2048, true},
+    {256, 128, 64, 2, 2, 0, false},
 };
 
 constexpr Fwd90Tile fwd90_tile(int bucket) {
   for (const Fwd90Tile& t : kFwd90Tiles)
     if (t.head_dim == bucket) return t;
-  return {0, 0, 0, 0, 0, 0};
+  return {0, 0, 0, 0, 0, 0, false};
 }
 
 // Whether the kernel of a bucket takes block masks: its tile in one mask row block.
