@@ -16,13 +16,14 @@
 //       shared memory (MN-major)
 //     with no CTA-wide barrier: warpgroups drift apart, so one's softmax runs beside another's
 //     products.
-// Two kernels run these steps. attention_forward_sm90_kernel runs one CTA per query tile, its
-// steps written out in its body (see there why). The persistent attention_forward_sm90_persistent_kernel runs one
-// CTA per SM, each walking tiles (ForwardTiles) one after another, so that a tile's start (its Q
-// load, its first K/V loads) overlaps the previous tile's last steps and epilogue instead of
-// waiting for a CTA to retire and the next to start; the K/V ring runs on across tiles and Q has
-// two buffers. It runs where that was measured faster (fwd90_persistent, fwd_tiles.h): short
-// sequences, where a tile has few steps to hide its start behind.
+// Two kernels run these steps, through the same functions (load_steps on the producer's side,
+// attend_steps and write_tile on the consumers'): attention_forward_sm90_kernel runs one CTA per
+// query tile. The persistent attention_forward_sm90_persistent_kernel runs one CTA per SM, each
+// walking tiles (ForwardTiles) one after another, so that a tile's start (its Q load, its first
+// K/V loads) overlaps the previous tile's last steps and epilogue instead of waiting for a CTA to
+// retire and the next to start; the K/V ring runs on across tiles and Q has two buffers. It runs
+// where that was measured faster (fwd90_persistent, fwd_tiles.h): short sequences, where a tile
+// has few steps to hide its start behind.
 // Shared memory holds every tile in the 128-byte swizzle TMA writes and wgmma reads (panels of 64
 // columns, see ptx/wgmma.cuh). Rows past a sequence end and columns past head_dim are zero-filled
 // by TMA; the mask keeps the former out of the softmax.
@@ -139,139 +140,238 @@ struct ForwardTiles {
   }
 };
 
-// ---- the persistent kernel's steps -------------------------------------------------------------
+// ---- the steps both kernels run ---------------------------------------------------------------
 
-// The K/V ring's barriers, by one thread before the CTA's first barrier: per stage, K and V each
-// announced by the producer's one arrival (with the bytes the copy brings), the stage released
-// when every consumer thread has arrived.
-template <class Cfg, typename KFull, typename VFull, typename Empty>
-__device__ __forceinline__ void init_kv_ring(KFull k_full, VFull v_full, Empty empty) {
-  for (int s = 0; s < Cfg::kStages; ++s) {
-    ptx::mbarrier_init(k_full(s), 1);
-    ptx::mbarrier_init(v_full(s), 1);
-    ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
-  }
-}
-
-// Producer: K and V of key tile n into one ring stage (k_dst, v_dst), each announced on its
-// barrier with the bytes it brings.
+// The K/V ring in shared memory: kStages buffers of K and of V (k, v: the first of each), each
+// announced on a `full` barrier by the producer's one arrival (with the bytes its copy brings) and
+// released on an `empty` barrier of its own once every consumer thread has arrived: K's when S_j
+// is done, V's when P_j·V_j is. `bars` is the first of the ring's kBarriers barriers. Ring step r
+// (the r-th key step the CTA runs, over all its tiles) uses stage r % kStages.
 template <class Cfg>
-__device__ __forceinline__ void load_kv(uint32_t k_dst, uint32_t v_dst, uint32_t k_bar,
-                                        uint32_t v_bar, const CUtensorMap* tm_k,
-                                        const CUtensorMap* tm_v, int n, int hk, int b) {
-  ptx::mbarrier_arrive_expect_tx(k_bar, Cfg::kKVBytes);
+struct KvRing {
+  static constexpr int kStages = Cfg::kStages, kBarriers = 4 * kStages;
+  uint32_t k, v, bars;
+
+  __device__ uint32_t k_tile(int stage) const { return k + stage * Cfg::kKVBytes; }
+  __device__ uint32_t v_tile(int stage) const { return v + stage * Cfg::kKVBytes; }
+  __device__ uint32_t k_full(int stage) const { return bars + 8u * stage; }
+  __device__ uint32_t v_full(int stage) const { return bars + 8u * (kStages + stage); }
+  __device__ uint32_t k_empty(int stage) const { return bars + 8u * (2 * kStages + stage); }
+  __device__ uint32_t v_empty(int stage) const { return bars + 8u * (3 * kStages + stage); }
+
+  // By one thread before the CTA's first barrier.
+  __device__ void init() const {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(k_full(s), 1);
+      ptx::mbarrier_init(v_full(s), 1);
+      ptx::mbarrier_init(k_empty(s), 128 * Cfg::kConsumers);
+      ptx::mbarrier_init(v_empty(s), 128 * Cfg::kConsumers);
+    }
+  }
+
+  // Producer: K (is_k) or V of key tile n into ring step r's buffer, once it is free. A K load
+  // writes n into step_tile[stage] first where there is one (block-sparse: the consumers read the
+  // step's key tile there, published by K's barrier).
+  __device__ void load(bool is_k, int r, int n, const CUtensorMap* tm, int hk, int b,
+                       int* step_tile) const {
+    const int stage = r % kStages, round = r / kStages;
+    if (round > 0) ptx::mbarrier_wait(is_k ? k_empty(stage) : v_empty(stage), (round - 1) & 1);
+    if (is_k && step_tile != nullptr) step_tile[stage] = n;
+    const uint32_t dst = is_k ? k_tile(stage) : v_tile(stage);
+    const uint32_t full = is_k ? k_full(stage) : v_full(stage);
+    ptx::mbarrier_arrive_expect_tx(full, Cfg::kKVBytes);
 #pragma unroll
-  for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-    ptx::tma_load_4d(k_dst + pnl * Cfg::kKVPanelBytes, tm_k, k_bar, pnl * 64, n * Cfg::kBlockN, hk,
-                     b);
-  ptx::mbarrier_arrive_expect_tx(v_bar, Cfg::kKVBytes);
-#pragma unroll
-  for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-    ptx::tma_load_4d(v_dst + pnl * Cfg::kKVPanelBytes, tm_v, v_bar, pnl * 64, n * Cfg::kBlockN, hk,
-                     b);
+    for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
+      ptx::tma_load_4d(dst + pnl * Cfg::kKVPanelBytes, tm, full, pnl * 64, n * Cfg::kBlockN, hk,
+                       b);
+  }
+};
+
+// Producer: a tile's `steps` key steps from ring step r_first on, K one step ahead of V (K_0,
+// K_1, V_0, K_2, V_1, …: the order the consumers use them in, attend_steps). n_first is the first
+// step's key tile and next_on(n) the first key tile from n on that the tile runs; before_step(j)
+// runs before step j's loads (the persistent kernel's Q load, where it waits).
+template <class Cfg, typename NextOn, typename BeforeStep>
+__device__ __forceinline__ void load_steps(const KvRing<Cfg>& ring, int r_first, int steps,
+                                           int n_first, NextOn next_on, BeforeStep before_step,
+                                           const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+                                           int hk, int b, int* step_tile) {
+  int n = n_first;
+  if (steps > 0) ring.load(true, r_first, n, tm_k, hk, b, step_tile);
+  for (int j = 0; j < steps; ++j) {
+    before_step(j);
+    const int n_next = j + 1 < steps ? next_on(n + 1) : n;
+    if (j + 1 < steps) ring.load(true, r_first + j + 1, n_next, tm_k, hk, b, step_tile);
+    ring.load(false, r_first + j, n, tm_v, hk, b, step_tile);
+    n = n_next;
+  }
 }
 
-// Consumer: one key step of a warpgroup's 64 query rows (at q_rows) against the K and V tiles of
-// a ring stage, once their barriers (k_bar, v_bar) reach `parity`: S = Q·K_jᵀ, the mask, the
-// online softmax and O += P·V_j into this thread's acc_o, row_max and row_sum. key_tile() names
-// the step's key tile, read after K has landed; keys in [last_lo, first_hi) are visible to every
-// row of the tile, so a step inside needs no mask.
+// Consumer: a warpgroup's 64 query rows (at q_rows) through a tile's `steps` key steps, from
+// ring step r_first on, into this thread's acc_o, row_max and row_sum: per step S_j = Q·K_jᵀ, the
+// mask, the online softmax and O += P_j·V_j. key_tile(stage, j) names step j's key tile, read
+// once K_j has landed; keys in [last_lo, first_hi) are visible to every row of the tile, so a
+// step inside needs no mask.
+// Where the bucket overlaps its steps (Fwd90Tile::overlap_steps), iteration j issues S_j, then
+// O += P_{j-1}·V_{j-1}, and runs step j's mask and softmax while the tensor cores work on the
+// latter; once that is done, O is rescaled for step j and P_j rounded for the next iteration, so
+// the softmax's exponentials do not wait for the products of the same rows. Elsewhere the steps
+// run one after another, and the overlap is only between warpgroups.
 template <class Cfg, typename KeyTile>
-__device__ __forceinline__ void attend_step(float (&acc_o)[Cfg::kHeadDim / 2], float (&row_max)[2],
-                                            float (&row_sum)[2], const AttentionParams& p,
-                                            uint32_t q_rows, uint32_t k_tile, uint32_t v_tile,
-                                            uint32_t k_bar, uint32_t v_bar, uint32_t parity,
-                                            KeyTile key_tile, int last_lo, int first_hi, int m0,
-                                            int r0, int t) {
+__device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2],
+                                             float (&row_max)[2], float (&row_sum)[2],
+                                             const AttentionParams& p, const KvRing<Cfg>& ring,
+                                             int r_first, int steps, uint32_t q_rows,
+                                             KeyTile key_tile, int last_lo, int first_hi, int m0,
+                                             int r0, int t) {
   using Element = typename Cfg::Element;
-  constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN;
+  constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   const int len_q = p.seqlen_q, len_k = p.seqlen_k;
-  // S = Q·K_jᵀ (64 × kBlockN per warpgroup).
-  float s[kBlockN / 2];
-  ptx::mbarrier_wait(k_bar, parity);
-  ptx::wgmma_fence();
+  float s[kBlockN / 2];          // S_j, then exp2 of it
+  uint32_t pa[kBlockN / 16][4];  // P_j rounded: the A fragments of O += P·V (k slice kk is n8
+                                 // blocks 2kk and 2kk + 1)
+  // S_j (64 × kBlockN per warpgroup), issued once K_j has landed; returns its first key.
+  auto issue_scores = [&](int j) {
+    const int r = r_first + j, stage = r % kStages;
+    ptx::mbarrier_wait(ring.k_full(stage), (r / kStages) & 1);
+    const int n0 = key_tile(stage, j) * kBlockN;
+    const uint32_t k_tile = ring.k_tile(stage);
 #pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    const uint32_t k_off = (kk % 4) * 32u;  // k slice within the 128-byte row
-    const uint64_t da = ptx::wgmma_desc_k_major(q_rows + (kk / 4) * Cfg::kQPanelBytes + k_off);
-    const uint64_t db = ptx::wgmma_desc_k_major(k_tile + (kk / 4) * Cfg::kKVPanelBytes + k_off);
-    ptx::wgmma_ss<kBlockN, Element>(s, da, db, kk > 0 ? 1 : 0);
-  }
-  ptx::wgmma_commit();
-  ptx::wgmma_wait<0>();
-  ptx::fence_operands(s);
-
-  // Mask on boundary steps (the sm80 kernel's test: visible_keys per element, as two 32-bit
-  // differences against uniform bounds).
-  const int n0 = key_tile() * kBlockN;
-  if (n0 < last_lo || n0 + kBlockN > first_hi) {
-    const int col_room = len_k - n0 - 2 * t;
-    const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
-    const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
-    const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
-#pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = j * 8 + (i & 1);
-        const int rel = rel0 + col - (i >> 1) * 8;
-        if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * j + i] = -INFINITY;
-      }
-  }
-
-  // Online softmax for the thread's two rows; O rescaled in place.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j)
-      mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_old = row_max[half];
-    const float m_new = fmaxf(m_old, mx * p.scale_log2);
-    const float sub = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-    const float correction = ptx::exp2_approx(m_old - sub);
-    row_max[half] = m_new;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      acc_o[4 * j + 2 * half] *= correction;
-      acc_o[4 * j + 2 * half + 1] *= correction;
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t k_off = (kk % 4) * 32u;  // k slice within the 128-byte row
+      const uint64_t da = ptx::wgmma_desc_k_major(q_rows + (kk / 4) * Cfg::kQPanelBytes + k_off);
+      const uint64_t db = ptx::wgmma_desc_k_major(k_tile + (kk / 4) * Cfg::kKVPanelBytes + k_off);
+      ptx::wgmma_ss<kBlockN, Element>(s, da, db, kk > 0 ? 1 : 0);
     }
-    float sum = 0.0f;
+    ptx::wgmma_commit();
+    return n0;
+  };
+  // O += P_j·V_j; V's rows are the reduction dimension (MN-major B).
+  auto issue_product = [&](int j) {
+    const int r = r_first + j, stage = r % kStages;
+    ptx::mbarrier_wait(ring.v_full(stage), (r / kStages) & 1);
+    const uint32_t v_tile = ring.v_tile(stage);
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j)
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
+      ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
+    }
+    ptx::wgmma_commit();
+  };
+  // S_j is done: K_j's buffer goes back; the mask on boundary steps (the sm80 kernel's test:
+  // visible_keys per element, as two 32-bit differences against uniform bounds) and the online
+  // softmax for the thread's two rows, with `correction` the factor O waits for.
+  auto softmax = [&](int j, int n0, float (&correction)[2]) {
+    ptx::fence_operands(s);
+    ptx::mbarrier_arrive(ring.k_empty((r_first + j) % kStages));
+    if (n0 < last_lo || n0 + kBlockN > first_hi) {
+      const int col_room = len_k - n0 - 2 * t;
+      const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
+      const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
+      const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[4 * j + 2 * half + e];
-        x = ptx::exp2_approx(fmaf(x, p.scale_log2, -sub));
-        sum += x;
+      for (int jj = 0; jj < kBlockN / 8; ++jj)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = jj * 8 + (i & 1);
+          const int rel = rel0 + col - (i >> 1) * 8;
+          if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * jj + i] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int jj = 0; jj < kBlockN / 8; ++jj)
+        mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_old = row_max[half];
+      const float m_new = fmaxf(m_old, mx * p.scale_log2);
+      const float sub = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
+      correction[half] = ptx::exp2_approx(m_old - sub);
+      row_max[half] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int jj = 0; jj < kBlockN / 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * jj + 2 * half + e];
+          x = ptx::exp2_approx(fmaf(x, p.scale_log2, -sub));
+          sum += x;
+        }
+      row_sum[half] = row_sum[half] * correction[half] + sum;
+    }
+  };
+  // P_j·V_j is done: V_j's buffer goes back.
+  auto product_done = [&](int j) {
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(acc_o);
+    ptx::mbarrier_arrive(ring.v_empty((r_first + j) % kStages));
+  };
+  auto rescale_o = [&](const float (&correction)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int jj = 0; jj < kHeadDim / 8; ++jj) {
+        acc_o[4 * jj + 2 * half] *= correction[half];
+        acc_o[4 * jj + 2 * half + 1] *= correction[half];
       }
-    row_sum[half] = row_sum[half] * correction + sum;
-  }
-
-  // P rounded to the A fragments of O += P·V: k slice kk is n8 blocks 2kk and 2kk + 1.
-  uint32_t pa[kBlockN / 16][4];
+  };
+  auto round_p = [&] {
 #pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk) {
-    pa[kk][0] = ptx::pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-    pa[kk][1] = ptx::pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-    pa[kk][2] = ptx::pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-    pa[kk][3] = ptx::pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
-  }
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][0] = ptx::pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = ptx::pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = ptx::pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = ptx::pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
 
-  // O += P·V_j; V's rows are the reduction dimension (MN-major B).
-  ptx::mbarrier_wait(v_bar, parity);
-  ptx::fence_operands(acc_o);
-  ptx::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk) {
-    const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
-    ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
+  if constexpr (Cfg::kOverlapSteps) {
+    // The first and last steps are peeled off: with their conditions inside one loop, ptxas
+    // serialises every wgmma (C7514).
+    if (steps > 0) {  // step 0: nothing to overlap with, and O is still 0
+      ptx::wgmma_fence();
+      const int n0 = issue_scores(0);
+      ptx::wgmma_wait<0>();
+      float correction[2];
+      softmax(0, n0, correction);
+      round_p();
+    }
+    for (int j = 1; j < steps; ++j) {
+      ptx::fence_operands(acc_o);
+      ptx::wgmma_fence();
+      const int n0 = issue_scores(j);
+      issue_product(j - 1);
+      ptx::wgmma_wait<1>();  // S_j done; the product may still run
+      float correction[2];
+      softmax(j, n0, correction);
+      product_done(j - 1);
+      rescale_o(correction);
+      round_p();
+    }
+    if (steps > 0) {
+      ptx::fence_operands(acc_o);
+      ptx::wgmma_fence();
+      issue_product(steps - 1);
+      product_done(steps - 1);
+    }
+  } else {
+    for (int j = 0; j < steps; ++j) {
+      ptx::wgmma_fence();
+      const int n0 = issue_scores(j);
+      ptx::wgmma_wait<0>();
+      float correction[2];
+      softmax(j, n0, correction);
+      rescale_o(correction);
+      round_p();
+      ptx::fence_operands(acc_o);
+      ptx::wgmma_fence();
+      issue_product(j);
+      product_done(j);
+    }
   }
-  ptx::wgmma_commit();
-  ptx::wgmma_wait<0>();
-  ptx::fence_operands(acc_o);
 }
 
 // Consumer, after a tile's last step: normalise, write LSE, stage O (rounded) in this warp's own
@@ -318,11 +418,8 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
                            rows_q, p.head_dim, lane);
 }
 
-// One CTA per query tile. The same steps as the persistent kernel's (init_kv_ring, load_kv,
-// attend_step, write_tile), written out: called as those functions, the same source compiled to
-// another schedule of the softmax's exponentials (back-to-back MUFU.EX2), measured slower at d 64
-// (sm90/notes.md, "Persistent forward"). This body compiles to the machine code that was measured
-// (scripts/sass-diff.sh against f10d319: identical); a change here needs that A/B again.
+// One CTA per query tile: the Q tile, then the tile's steps (load_steps, attend_steps) and its
+// epilogue (write_tile), as the persistent kernel runs them for each of its tiles.
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads, 1)
     attention_forward_sm90_kernel(const __grid_constant__ AttentionParams p,
@@ -331,24 +428,17 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
                                   const __grid_constant__ CUtensorMap tm_v) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Fwd90Config<kDType, kHeadDim, false>;
-  using Element = typename Cfg::Element;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
-  // q_full, k_full[], v_full[], k_empty[], v_empty[]
-  __shared__ __align__(8) uint64_t bars[1 + 4 * kStages];
+  __shared__ __align__(8) uint64_t bars[1 + KvRing<Cfg>::kBarriers];  // q_full, the ring's
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* const smem = smem_raw + (base - raw);
   const uint32_t sQ = base;
-  const uint32_t sK = sQ + Cfg::kQBytes;
-  const uint32_t sV = sK + kStages * Cfg::kKVBytes;
-  const uint32_t bar0 = ptx::smem_addr(bars);
-  const uint32_t q_full = bar0;
-  auto k_full = [&](int s) { return bar0 + 8u * (1 + s); };
-  auto v_full = [&](int s) { return bar0 + 8u * (1 + kStages + s); };
-  auto k_empty = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
-  auto v_empty = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
+  const uint32_t q_full = ptx::smem_addr(bars);
+  const KvRing<Cfg> ring{sQ + Cfg::kQBytes, sQ + Cfg::kQBytes + kStages * Cfg::kKVBytes,
+                         q_full + 8u};
 
   const int tid = threadIdx.x;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
@@ -363,7 +453,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   // Block-sparse (core/block_mask.h; kernels whose tile lies in one mask row block): the steps
   // are the key tiles whose block is on. The CTA counts them first; the producer walks the mask
   // and writes each step's tile beside its K buffer (published by the K load's barrier), so the
-  // consumers read no mask. Dense, step it is tile n_begin + it.
+  // consumers read no mask. Dense, step j is tile n_begin + j.
   auto sparse = [&] { return Cfg::kBlockSparse && p.block_mask != nullptr; };
   __shared__ int s_steps;
   __shared__ int s_step_tile[kStages];
@@ -375,23 +465,15 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 
   if (tid == 0) {
     ptx::mbarrier_init(q_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(k_full(s), 1);
-      ptx::mbarrier_init(v_full(s), 1);
-      ptx::mbarrier_init(k_empty(s), 128 * Cfg::kConsumers);
-      ptx::mbarrier_init(v_empty(s), 128 * Cfg::kConsumers);
-    }
+    ring.init();
     ptx::mbarrier_init_fence();
   }
   __syncthreads();
 
   if (tid < 128) {
-    // Producer warpgroup: one thread issues every load, K one step ahead of V (K_0, K_1, V_0,
-    // K_2, V_1, ...: the order the consumers use them in), each into its ring once the
-    // consumers have released the buffer.
+    // Producer warpgroup: one thread issues every load.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (tid == 0) {
-      const int hk = h / p.head_group;
       ptx::tma_prefetch_descriptor(&tm_q);
       ptx::tma_prefetch_descriptor(&tm_k);
       ptx::tma_prefetch_descriptor(&tm_v);
@@ -403,27 +485,8 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
       auto next_on = [&](int n) {
         return sparse() ? next_key_tile_on(p, b, h, row_block, row_block, n, n_end, kBlockN) : n;
       };
-      // Key tile n of step `step` into K's (or V's) ring.
-      auto load = [&](bool is_k, int step, int n) {
-        const int stage = step % kStages, round = step / kStages;
-        if (round > 0) ptx::mbarrier_wait(is_k ? k_empty(stage) : v_empty(stage), (round - 1) & 1);
-        if (is_k && sparse()) s_step_tile[stage] = n;  // published by K's barrier
-        const uint32_t dst = (is_k ? sK : sV) + stage * Cfg::kKVBytes;
-        const uint32_t full = is_k ? k_full(stage) : v_full(stage);
-        ptx::mbarrier_arrive_expect_tx(full, Cfg::kKVBytes);
-#pragma unroll
-        for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-          ptx::tma_load_4d(dst + pnl * Cfg::kKVPanelBytes, is_k ? &tm_k : &tm_v, full, pnl * 64,
-                           n * kBlockN, hk, b);
-      };
-      int n = next_on(n_begin);
-      if (steps > 0) load(true, 0, n);
-      for (int step = 0; step < steps; ++step) {
-        const int n_next = step + 1 < steps ? next_on(n + 1) : n;
-        if (step + 1 < steps) load(true, step + 1, n_next);
-        load(false, step, n);
-        n = n_next;
-      }
+      load_steps<Cfg>(ring, 0, steps, next_on(n_begin), next_on, [](int) {}, &tm_k, &tm_v,
+                      h / p.head_group, b, sparse() ? s_step_tile : nullptr);
     }
     return;
   }
@@ -439,195 +502,14 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-
-  const uint32_t q_rows = sQ + c * 64 * 128;
   ptx::mbarrier_wait(q_full, 0);
-
-  // Where the bucket overlaps its steps (Fwd90Tile::overlap_steps), iteration j issues
-  // S_j = Q·K_jᵀ, then O += P_{j-1}·V_{j-1}, and runs step j's mask and softmax while the tensor
-  // cores work on the latter; once that is done, O is rescaled for step j and P_j rounded for the
-  // next iteration, so the softmax's exponentials do not wait for the products of the same rows.
-  // Elsewhere each step runs S_j, softmax, P_j·V_j one after another and the overlap is only
-  // between warpgroups. K's buffer goes back once S_j is done, V's once its product is, on
-  // barriers of their own.
-  float s[kBlockN / 2];          // S_j, then exp2 of it
-  uint32_t pa[kBlockN / 16][4];  // P_{j-1} rounded: the A fragments of O += P·V (k slice kk is
-                                 // n8 blocks 2kk and 2kk + 1)
-  // S = Q·K_jᵀ (64 × kBlockN per warpgroup), issued once K_j has landed; returns the step's
-  // first key.
-  auto issue_scores = [&](int j) {
-    const int stage = j % kStages;
-    ptx::mbarrier_wait(k_full(stage), (j / kStages) & 1);
-    const int n0 =
-        (sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + j) * kBlockN;
-    const uint32_t k_tile = sK + stage * Cfg::kKVBytes;
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      const uint32_t k_off = (kk % 4) * 32u;  // k slice within the 128-byte row
-      const uint64_t da = ptx::wgmma_desc_k_major(q_rows + (kk / 4) * Cfg::kQPanelBytes + k_off);
-      const uint64_t db = ptx::wgmma_desc_k_major(k_tile + (kk / 4) * Cfg::kKVPanelBytes + k_off);
-      ptx::wgmma_ss<kBlockN, Element>(s, da, db, kk > 0 ? 1 : 0);
-    }
-    ptx::wgmma_commit();
-    return n0;
-  };
-  // O += P_j·V_j; V's rows are the reduction dimension (MN-major B).
-  auto issue_product = [&](int j) {
-    const int stage = j % kStages;
-    ptx::mbarrier_wait(v_full(stage), (j / kStages) & 1);
-    const uint32_t v_tile = sV + stage * Cfg::kKVBytes;
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t db = ptx::wgmma_desc_mn_major(v_tile + kk * kSlice16Bytes, Cfg::kKVPanelBytes);
-      ptx::wgmma_rs<kHeadDim, Element>(acc_o, pa[kk], db, 1);
-    }
-    ptx::wgmma_commit();
-  };
-  // Step j's scores, done: K_j's buffer goes back; the mask on boundary steps (the sm80 kernel's
-  // test: visible_keys per element, as two 32-bit differences against uniform bounds) and the
-  // online softmax for the thread's two rows, into `correction` the factor O waits for.
-  auto softmax = [&](int j, int n0, float (&correction)[2]) {
-    ptx::fence_operands(s);
-    ptx::mbarrier_arrive(k_empty(j % kStages));
-    if (n0 < last.lo || n0 + kBlockN > first.hi) {
-      const int col_room = len_k - n0 - 2 * t;
-      const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
-      const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
-      const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
-#pragma unroll
-      for (int jj = 0; jj < kBlockN / 8; ++jj)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = jj * 8 + (i & 1);
-          const int rel = rel0 + col - (i >> 1) * 8;
-          if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * jj + i] = -INFINITY;
-        }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int jj = 0; jj < kBlockN / 8; ++jj)
-        mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_old = row_max[half];
-      const float m_new = fmaxf(m_old, mx * p.scale_log2);
-      const float sub = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-      correction[half] = ptx::exp2_approx(m_old - sub);
-      row_max[half] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int jj = 0; jj < kBlockN / 8; ++jj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * jj + 2 * half + e];
-          x = ptx::exp2_approx(fmaf(x, p.scale_log2, -sub));
-          sum += x;
-        }
-      row_sum[half] = row_sum[half] * correction[half] + sum;
-    }
-  };
-  auto product_done = [&](int j) {
-    ptx::wgmma_wait<0>();
-    ptx::fence_operands(acc_o);
-    ptx::mbarrier_arrive(v_empty(j % kStages));
-  };
-  auto rescale_o = [&](const float (&correction)[2]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-      for (int jj = 0; jj < kHeadDim / 8; ++jj) {
-        acc_o[4 * jj + 2 * half] *= correction[half];
-        acc_o[4 * jj + 2 * half + 1] *= correction[half];
-      }
-  };
-  auto round_p = [&] {
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      pa[kk][0] = ptx::pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = ptx::pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = ptx::pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = ptx::pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-  };
-
-  if constexpr (Cfg::kOverlapSteps) {
-    if (steps > 0) {  // step 0: nothing to overlap with, and O is still 0
-      ptx::wgmma_fence();
-      const int n0 = issue_scores(0);
-      ptx::wgmma_wait<0>();
-      float correction[2];
-      softmax(0, n0, correction);
-      round_p();
-    }
-    for (int j = 1; j < steps; ++j) {
-      ptx::fence_operands(acc_o);
-      ptx::wgmma_fence();
-      const int n0 = issue_scores(j);
-      issue_product(j - 1);
-      ptx::wgmma_wait<1>();  // S_j done; the product may still run
-      float correction[2];
-      softmax(j, n0, correction);
-      product_done(j - 1);
-      rescale_o(correction);
-      round_p();
-    }
-    if (steps > 0) {
-      ptx::fence_operands(acc_o);
-      ptx::wgmma_fence();
-      issue_product(steps - 1);
-      product_done(steps - 1);
-    }
-  } else {
-    for (int j = 0; j < steps; ++j) {
-      ptx::wgmma_fence();
-      const int n0 = issue_scores(j);
-      ptx::wgmma_wait<0>();
-      float correction[2];
-      softmax(j, n0, correction);
-      rescale_o(correction);
-      round_p();
-      ptx::fence_operands(acc_o);
-      ptx::wgmma_fence();
-      issue_product(j);
-      product_done(j);
-    }
-  }
-
-  // Epilogue: normalise, write LSE, stage O (rounded) in this warp's own rows of the Q tile, in
-  // the same swizzle (eight rows of one chunk column hit eight bank quads), then 16-byte stores.
-  // Non-finite inputs (cuda/nonfinite_fixup.cuh): as in the sm80 kernel, a row with no positive
-  // sum that sees every key (no window) is NaN, and under a window a row whose O comes out
-  // non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
-  float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
-  const FinishedRow finish(p, len_k);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float l = row_sum[half];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = finish.scale(l, 1.0f);
-    const int r = r0 + half * 8;
-    float probe = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const float o0 = acc_o[4 * j + 2 * half] * inv, o1 = acc_o[4 * j + 2 * half + 1] * inv;
-      probe = nonfinite_probe(nonfinite_probe(probe, o0), o1);
-      *reinterpret_cast<uint32_t*>(smem + swizzled(r, j, Cfg::kQPanelBytes) + 4 * t) =
-          ptx::pack2<Element>(o0, o1);
-    }
-    probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
-    probe += __shfl_xor_sync(0xffffffffu, probe, 2);
-    if (t == 0 && r < rows_q)
-      lse_row[r] = finish.lse(l, row_max[half], probe);
-  }
-  __syncwarp();
-
-  Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride + int64_t{m0} * p.o_row_stride +
-                h * p.o_head_stride;
-  store_rows<kHeadDim / 8>(gO, p.o_row_stride, smem, Cfg::kQPanelBytes, c * 64 + warp * 16, 0,
-                           rows_q, p.head_dim, lane);
+  attend_steps<Cfg>(
+      acc_o, row_max, row_sum, p, ring, 0, steps, sQ + c * 64 * 128,
+      [&](int stage, int j) {
+        return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + j;
+      },
+      last.lo, first.hi, m0, r0, t);
+  write_tile<Cfg>(acc_o, row_max, row_sum, p, smem, b, h, m0, rows_q, r0, t, c, warp, lane);
 #else
   (void)p;
   (void)tm_q;
@@ -649,20 +531,17 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
 
   extern __shared__ unsigned char smem_raw[];
   constexpr int kQBuffers = Cfg::kQBuffers;
-  // q_full[], q_empty[], k_full[], v_full[], empty[]
-  __shared__ __align__(8) uint64_t bars[2 * kQBuffers + 3 * kStages];
+  // q_full[], q_empty[], the ring's
+  __shared__ __align__(8) uint64_t bars[2 * kQBuffers + KvRing<Cfg>::kBarriers];
   const uint32_t raw = ptx::smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* const smem = smem_raw + (base - raw);
   const uint32_t sQ = base;
   const uint32_t sK = sQ + kQBuffers * Cfg::kQBytes;
-  const uint32_t sV = sK + kStages * Cfg::kKVBytes;
   const uint32_t bar0 = ptx::smem_addr(bars);
   auto q_full = [&](int qb) { return bar0 + 8u * qb; };
   auto q_empty = [&](int qb) { return bar0 + 8u * (kQBuffers + qb); };
-  auto k_full = [&](int s) { return bar0 + 8u * (2 * kQBuffers + s); };
-  auto v_full = [&](int s) { return bar0 + 8u * (2 * kQBuffers + kStages + s); };
-  auto empty = [&](int s) { return bar0 + 8u * (2 * kQBuffers + 2 * kStages + s); };
+  const KvRing<Cfg> ring{sK, sK + kStages * Cfg::kKVBytes, bar0 + 8u * (2 * kQBuffers)};
 
   const int tid = threadIdx.x;
   const ForwardTiles<kBlockM, kBlockN> tiles(p);
@@ -681,7 +560,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
       ptx::mbarrier_init(q_full(qb), 1);
       ptx::mbarrier_init(q_empty(qb), 128 * Cfg::kConsumers);
     }
-    init_kv_ring<Cfg>(k_full, v_full, empty);
+    ring.init();
     ptx::mbarrier_init_fence();
   }
   __syncthreads();
@@ -736,25 +615,22 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
                              pnl * 64, w.m0, w.h, w.b);
         };
         // With one Q buffer, the tile's first K/V loads go out before its Q, which waits for
-        // the previous tile's epilogue.
-        const int q_after = kQBuffers == 1 ? min(steps, kStages) : 0;
+        // the previous tile's epilogue: those of step 0 and K_1 (K_2 needs S_0 done, hence Q).
+        const int q_after = kQBuffers == 1 ? min(steps, kStages - 1) : 0;
         if (q_after == 0) load_q();
-        const int hk = w.h / p.head_group;
         auto next_on = [&](int n) {
           return sparse() ? next_key_tile_on(p, w.b, w.h, row_block, row_block, n, w.n_end, kBlockN)
                           : n;
         };
-        for (int n = next_on(w.n_begin), step = 0; step < steps;
-             n = next_on(n + 1), ++step, ++ring_step) {
-          if (step == q_after && step > 0) load_q();
-          const int stage = ring_step % kStages, round = ring_step / kStages;
-          if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
-          if (sparse()) s_step_tile[stage] = n;
-          load_kv<Cfg>(sK + stage * Cfg::kKVBytes, sV + stage * Cfg::kKVBytes, k_full(stage),
-                       v_full(stage), &tm_k, &tm_v, n, hk, w.b);
-        }
+        load_steps<Cfg>(
+            ring, ring_step, steps, next_on(w.n_begin), next_on,
+            [&](int j) {
+              if (j == q_after && j > 0) load_q();
+            },
+            &tm_k, &tm_v, w.h / p.head_group, w.b, sparse() ? s_step_tile : nullptr);
         if (q_after == steps && steps > 0) load_q();
       }
+      ring_step += steps;
       tile = __shfl_sync(0xffffffffu, next, 0);
     }
     return;
@@ -785,20 +661,13 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
     const int steps =
         sparse() ? *static_cast<volatile int*>(&s_tile_steps[qb]) : w.n_end - w.n_begin;
 
-    for (int step = 0; step < steps; ++step) {
-      const int stage = ring_step % kStages;
-      const uint32_t parity = (ring_step / kStages) & 1;
-      const uint32_t k_tile = sK + stage * Cfg::kKVBytes, v_tile = sV + stage * Cfg::kKVBytes;
-
-      attend_step<Cfg>(
-          acc_o, row_max, row_sum, p, q_rows, k_tile, v_tile, k_full(stage), v_full(stage), parity,
-          [&] {
-            return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : w.n_begin + step;
-          },
-          w.last_lo, w.first_hi, w.m0, r0, t);
-      ptx::mbarrier_arrive(empty(stage));
-      ++ring_step;
-    }
+    attend_steps<Cfg>(
+        acc_o, row_max, row_sum, p, ring, ring_step, steps, q_rows,
+        [&](int stage, int j) {
+          return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : w.n_begin + j;
+        },
+        w.last_lo, w.first_hi, w.m0, r0, t);
+    ring_step += steps;
 
     write_tile<Cfg>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes, w.b, w.h, w.m0, w.rows_q,
                     r0, t, c, warp, lane);

@@ -35,12 +35,12 @@ struct Fwd90Tile {
   // d 64 and 128 1.03-1.20x faster up to s 2048, even at 4096, up to 8% slower at s 8k-16k causal;
   // d 256 (one Q buffer) 2-21% slower from s 1024.
   int persistent_max_keys;
-  // The one-CTA kernel overlaps a step's softmax with the previous step's P·V inside each
-  // warpgroup (fwd_kernel.cuh). A/B of every bucket overlapping against the steps one after
-  // another on an H200, standard grid, where that kernel runs (s >= 4096 at d 64/128;
-  // bench/results/2026-11-28-h200x2-eadc8a9/fwd90-overlap-ab.txt): d 128 1.07-1.10x faster;
-  // d 64 1-6% slower (three consumer warpgroups at 160 registers, whose drift already hides the
-  // softmax); d 256 even but for 5% slower at s 16k.
+  // Both kernels overlap a step's softmax with the previous step's P·V inside each warpgroup
+  // (fwd_kernel.cuh, attend_steps). A/B of the one-CTA kernel with every bucket overlapping
+  // against the steps one after another on an H200, standard grid, where that kernel runs
+  // (s >= 4096 at d 64/128; bench/results/2026-11-28-h200x2-eadc8a9/fwd90-overlap-ab.txt): d 128
+  // 1.07-1.10x faster; d 64 1-6% slower (three consumer warpgroups at 160 registers, whose drift
+  // already hides the softmax); d 256 even but for 5% slower at s 16k.
   bool overlap_steps;
 };
 
