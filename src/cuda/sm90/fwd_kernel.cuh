@@ -156,7 +156,10 @@ struct KvRing {
   __device__ uint32_t v_tile(int stage) const { return v + stage * Cfg::kKVBytes; }
   __device__ uint32_t k_full(int stage) const { return bars + 8u * stage; }
   __device__ uint32_t v_full(int stage) const { return bars + 8u * (kStages + stage); }
-  __device__ uint32_t k_empty(int stage) const { return bars + 8u * (2 * kStages + stage); }
+  // Serial buckets release K with V, after P_j·V_j, on V's barrier: one arrival per step.
+  __device__ uint32_t k_empty(int stage) const {
+    return Cfg::kOverlapSteps ? bars + 8u * (2 * kStages + stage) : v_empty(stage);
+  }
   __device__ uint32_t v_empty(int stage) const { return bars + 8u * (3 * kStages + stage); }
 
   // By one thread before the CTA's first barrier.
@@ -164,7 +167,7 @@ struct KvRing {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(k_full(s), 1);
       ptx::mbarrier_init(v_full(s), 1);
-      ptx::mbarrier_init(k_empty(s), 128 * Cfg::kConsumers);
+      if (Cfg::kOverlapSteps) ptx::mbarrier_init(k_empty(s), 128 * Cfg::kConsumers);
       ptx::mbarrier_init(v_empty(s), 128 * Cfg::kConsumers);
     }
   }
@@ -282,7 +285,7 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2],
   // softmax for the thread's two rows, with `correction` the factor O waits for.
   auto softmax = [&](int j, int n0, float (&correction)[2]) {
     ptx::fence_operands(s);
-    ptx::mbarrier_arrive(ring.k_empty((r_first + j) % kStages));
+    if constexpr (Cfg::kOverlapSteps) ptx::mbarrier_arrive(ring.k_empty((r_first + j) % kStages));
     if (n0 < last_lo || n0 + kBlockN > first_hi) {
       const int col_room = len_k - n0 - 2 * t;
       const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
