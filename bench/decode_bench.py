@@ -5,7 +5,8 @@ Each cell is one decoding step, s_q = 1 over a cache of s_cache tokens per seque
 place; the peer is torch.nn.functional.scaled_dot_product_attention over the same contiguous
 cache (enable_gqa for h_kv < h; the backend torch picks, named in the row). Decoding is bound by
 memory bandwidth, so each row also gives the K/V bytes read per second and that rate as a fraction
-of the card's peak (--peak-tbps, H100 SXM 3.35 TB/s).
+of the card's peak (--peak-tbps; by default from the card's name: H100 SXM 3.35 TB/s, H100 PCIe
+2.0, H200 4.8).
 
   python3 bench/decode_bench.py --json out.json [--quick]
 """
@@ -16,6 +17,9 @@ import math
 from bench_common import QUEUED_METHOD, import_torch_and_flare, queued_times_ms, result_header
 
 # (batch, s_cache): from one long sequence to many short ones; the cache stays under ~9 GiB.
+# Memory bandwidth (TB/s) by a substring of the card's name, the first that matches.
+PEAK_TBPS = (("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8))
+
 CELLS = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 8192), (32, 4096), (64, 2048),
          (128, 1024), (16, 32768)]
 QUICK = [(1, 8192), (32, 4096)]
@@ -93,9 +97,16 @@ def main():
     ap.add_argument("--json", required=True)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="two cells (CI-sized smoke run)")
-    ap.add_argument("--peak-tbps", type=float, default=3.35, help="the card's memory bandwidth")
+    ap.add_argument("--peak-tbps", type=float, default=None,
+                    help="the card's memory bandwidth (default: by its name, PEAK_TBPS)")
     args = ap.parse_args()
     torch, flare = import_torch_and_flare("decode_bench.py", 0)
+    if args.peak_tbps is None:
+        name = torch.cuda.get_device_name()
+        known = [tbps for key, tbps in PEAK_TBPS if key in name]
+        if not known:
+            ap.error(f"--peak-tbps: no bandwidth known for '{name}'; give the card's in TB/s")
+        args.peak_tbps = known[0]
     spin = 200_000_000  # ~0.1 s of GPU spin: the host queues every call behind it
     rows = []
     for b, s_cache in (QUICK if args.quick else CELLS):

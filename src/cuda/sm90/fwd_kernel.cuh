@@ -144,9 +144,11 @@ struct ForwardTiles {
 
 // The K/V ring in shared memory: kStages buffers of K and of V (k, v: the first of each), each
 // announced on a `full` barrier by the producer's one arrival (with the bytes its copy brings) and
-// released on an `empty` barrier of its own once every consumer thread has arrived: K's when S_j
-// is done, V's when P_j·V_j is. `bars` is the first of the ring's kBarriers barriers. Ring step r
-// (the r-th key step the CTA runs, over all its tiles) uses stage r % kStages.
+// released on an `empty` barrier once every consumer thread has arrived: V's when P_j·V_j is
+// done; K's on a barrier of its own when S_j is where the steps overlap (K_{j+1} is wanted before
+// P_j·V_j), else with V's (one arrival per step: split, d 64 ran 1% slower on an H200). `bars` is
+// the first of the ring's kBarriers barriers. Ring step r (the r-th key step the CTA runs, over
+// all its tiles) uses stage r % kStages.
 template <class Cfg>
 struct KvRing {
   static constexpr int kStages = Cfg::kStages, kBarriers = 4 * kStages;
@@ -156,7 +158,6 @@ struct KvRing {
   __device__ uint32_t v_tile(int stage) const { return v + stage * Cfg::kKVBytes; }
   __device__ uint32_t k_full(int stage) const { return bars + 8u * stage; }
   __device__ uint32_t v_full(int stage) const { return bars + 8u * (kStages + stage); }
-  // Serial buckets release K with V, after P_j·V_j, on V's barrier: one arrival per step.
   __device__ uint32_t k_empty(int stage) const {
     return Cfg::kOverlapSteps ? bars + 8u * (2 * kStages + stage) : v_empty(stage);
   }
@@ -192,11 +193,11 @@ struct KvRing {
 
 // Producer: a tile's `steps` key steps from ring step r_first on, in the order the consumers use
 // them (attend_steps): where the bucket overlaps its steps, K one step ahead of V (K_0, K_1, V_0,
-// K_2, V_1, …), else K_j, V_j. Loaded ahead where the consumers are not, V_j would wait for
-// K_{j+1-kStages} to be released, a step later than it needs: with two stages at d 64, 2-8%
-// slower on an H200. n_first is the first step's key tile and next_on(n) the first key tile from
-// n on that the tile runs; before_step(j) runs before step j's loads (the persistent kernel's Q
-// load, where it waits).
+// K_2, V_1, …), else K_j, V_j. Serial steps with K loaded ahead made V_j wait for
+// K_{j+1-kStages}'s release, a step later than V's buffer is free: d 64 (two stages) up to 5%
+// slower on an H200 (sm90/notes.md). n_first is the first step's key tile and next_on(n) the
+// first key tile from n on that the tile runs; before_step(j) runs before step j's loads (the
+// persistent kernel's Q load, where it waits).
 template <class Cfg, typename NextOn, typename BeforeStep>
 __device__ __forceinline__ void load_steps(const KvRing<Cfg>& ring, int r_first, int steps,
                                            int n_first, NextOn next_on, BeforeStep before_step,

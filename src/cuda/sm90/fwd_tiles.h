@@ -36,11 +36,12 @@ struct Fwd90Tile {
   // d 256 (one Q buffer) 2-21% slower from s 1024.
   int persistent_max_keys;
   // Both kernels overlap a step's softmax with the previous step's P·V inside each warpgroup
-  // (fwd_kernel.cuh, attend_steps). A/B of the one-CTA kernel with every bucket overlapping
-  // against the steps one after another on an H200, standard grid, where that kernel runs
-  // (s >= 4096 at d 64/128; bench/results/2026-11-28-h200x2-eadc8a9/fwd90-overlap-ab.txt): d 128
-  // 1.07-1.10x faster; d 64 1-6% slower (three consumer warpgroups at 160 registers, whose drift
-  // already hides the softmax); d 256 even but for 5% slower at s 16k.
+  // (fwd_kernel.cuh, attend_steps). Measured on an H200, standard grid: d 128 overlapped
+  // 1.06-1.13x faster than its steps one after another
+  // (bench/results/2026-11-28-h200x2-431abf7/fwd90-steps-ab.txt); with every bucket overlapped
+  // (bench/results/2026-11-28-h200x2-eadc8a9/fwd90-overlap-ab.txt) d 64 1-6% slower (three
+  // consumer warpgroups at 160 registers, whose drift already hides the softmax) and d 256 even
+  // but for 5% slower at s 16k.
   bool overlap_steps;
 };
 
