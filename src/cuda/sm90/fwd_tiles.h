@@ -37,7 +37,7 @@ struct Fwd90Tile {
   int persistent_max_keys;
   // Both kernels overlap a step's softmax with the previous step's P·V inside each warpgroup
   // (fwd_kernel.cuh, attend_steps). Measured on an H200, standard grid: d 128 overlapped
-  // 1.06-1.13x faster than its steps one after another
+  // 1.05-1.13x faster than its steps one after another
   // (bench/results/2026-11-28-h200x2-431abf7/fwd90-steps-ab.txt); with every bucket overlapped
   // (bench/results/2026-11-28-h200x2-eadc8a9/fwd90-overlap-ab.txt) d 64 1-6% slower (three
   // consumer warpgroups at 160 registers, whose drift already hides the softmax) and d 256 even
