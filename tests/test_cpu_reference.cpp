@@ -9,6 +9,7 @@
 #include <functional>
 #include <random>
 
+#include "core/score_mod.h"
 #include "test_util.h"
 
 namespace flare::test {
@@ -227,6 +228,28 @@ TEST(Reference, LowPrecisionErrorOrdering) {
   EXPECT_LT(err[0], 1e-5);
   EXPECT_GT(err[0], 0.0);
   EXPECT_LT(err[1], err[2]);
+}
+
+// ElementMask (the GPU kernels' per-element mask) against visible_keys, the one definition: every
+// (fragment start, element offset) over small shapes and every window kind, keys past len_k
+// included.
+TEST(ElementMask, AgreesWithVisibleKeys) {
+  for (int len_q : {1, 2, 5, 9})
+    for (int len_k : {1, 3, 6, 11})
+      for (int left : {-1, 0, 1, 3})
+        for (int right : {-1, 0, 2})
+          for (int row0 = 0; row0 < len_q; ++row0)
+            for (int key0 = 0; key0 < len_k + 2; ++key0) {
+              const ElementMask mask(key0 - key0 / 2, key0 / 2, row0, len_q, len_k, left, right);
+              for (int dr = 0; row0 + dr < len_q; ++dr)
+                for (int dk = 0; dk < 12; ++dk) {
+                  const KeyRange keys = visible_keys(row0 + dr, len_q, len_k, left, right);
+                  const int key = key0 + dk;
+                  EXPECT_EQ(mask.masked(dk, dr), !(key >= keys.lo && key < keys.hi))
+                      << "len_q " << len_q << " len_k " << len_k << " window (" << left << ", "
+                      << right << ") row " << row0 + dr << " key " << key;
+                }
+            }
 }
 
 }  // namespace

@@ -30,6 +30,30 @@ FLARE_HD KeyRange visible_keys(int row, int len_q, int len_k, int window_left, i
   return {static_cast<int>(lo), static_cast<int>(hi)};
 }
 
+// visible_keys per element, as the GPU kernels test their score fragments on boundary steps. A
+// thread's fragment starts at key key0 = block_key + lane_key (the step's first key and the
+// thread's offset from it) and query row row0; an element at compile-time offsets
+// (key0 + dk, row0 + dr) is masked iff dk ≥ room (the key is past len_k) or rel0 + dk − dr lies
+// outside [lo, hi] (rel = key − the row's aligned key position; a side is INT_MIN / INT_MAX where
+// unbounded). Two registers per thread for the whole mask and one compare per bound
+// per element. 32-bit: the library caps sequence lengths at 2^30, so the differences stay within
+// ±2^31.
+struct ElementMask {
+  int room, rel0, lo, hi;
+
+  FLARE_HD ElementMask(int block_key, int lane_key, int row0, int len_q, int len_k,
+                       int window_left, int window_right)
+      : room(len_k - block_key - lane_key),
+        rel0(block_key + lane_key - (row0 + len_k - len_q)),
+        lo(window_left >= 0 ? -window_left : INT32_MIN),
+        hi(window_right >= 0 ? window_right : INT32_MAX) {}
+
+  FLARE_HD bool masked(int dk, int dr) const {
+    const int rel = rel0 + dk - dr;
+    return dk >= room || rel < lo || rel > hi;
+  }
+};
+
 // The ALiBi bias for (row, col): −slope · |row + len_k − len_q − col|.
 FLARE_HD float alibi_bias(float slope, int row, int col, int len_q, int len_k) {
   const int64_t dist = static_cast<int64_t>(row) + len_k - len_q - col;

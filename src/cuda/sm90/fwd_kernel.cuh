@@ -281,25 +281,20 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2],
     }
     ptx::wgmma_commit();
   };
-  // S_j is done: K_j's buffer goes back; the mask on boundary steps (the sm80 kernel's test:
-  // visible_keys per element, as two 32-bit differences against uniform bounds) and the online
-  // softmax for the thread's two rows, with `correction` the factor O waits for.
+  // S_j is done: K_j's buffer goes back; the mask on boundary steps (ElementMask,
+  // core/score_mod.h) and the online softmax for the thread's two rows, with `correction` the
+  // factor O waits for.
   auto softmax = [&](int j, int n0, float (&correction)[2]) {
     ptx::fence_operands(s);
     if constexpr (Cfg::kOverlapSteps) ptx::mbarrier_arrive(ring.k_empty((r_first + j) % kStages));
     if (n0 < last_lo || n0 + kBlockN > first_hi) {
-      const int col_room = len_k - n0 - 2 * t;
-      const int rel0 = n0 + 2 * t - (m0 + r0 + len_k - len_q);
-      const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
-      const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
+      // Element 4jj + i: key n0 + 2t + 8jj + i % 2, row r0 + 8·(i / 2) of the tile.
+      const ElementMask mask(n0, 2 * t, m0 + r0, len_q, len_k, p.window_left, p.window_right);
 #pragma unroll
       for (int jj = 0; jj < kBlockN / 8; ++jj)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = jj * 8 + (i & 1);
-          const int rel = rel0 + col - (i >> 1) * 8;
-          if (col >= col_room || rel < rel_lo || rel > rel_hi) s[4 * jj + i] = -INFINITY;
-        }
+        for (int i = 0; i < 4; ++i)
+          if (mask.masked(jj * 8 + (i & 1), (i >> 1) * 8)) s[4 * jj + i] = -INFINITY;
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
