@@ -106,6 +106,25 @@ struct TileWork {
   int last_lo, first_hi;  // keys every row of the tile sees: a step inside needs no mask
 };
 
+// The work of the query tile at rows m0.. of head h of sequence b.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ TileWork tile_work(const AttentionParams& p, int b, int h, int m0) {
+  TileWork w;
+  w.b = b;
+  w.h = h;
+  w.m0 = m0;
+  w.rows_q = min(kBlockM, p.seqlen_q - m0);
+  const int len_q = p.seqlen_q, len_k = p.seqlen_k;
+  const KeyRange first = visible_keys(m0, len_q, len_k, p.window_left, p.window_right);
+  const KeyRange last =
+      visible_keys(m0 + w.rows_q - 1, len_q, len_k, p.window_left, p.window_right);
+  w.n_begin = first.lo / kBlockN;
+  w.n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : w.n_begin;
+  w.last_lo = last.lo;
+  w.first_hi = first.hi;
+  return w;
+}
+
 // The query tiles of one call, numbered in the order a grid of one CTA per tile would start them:
 // tile t is (b, h, x), x fastest, so the tiles at work at one time share a few heads' K/V in L2,
 // and x counts query blocks from the last, so under a causal mask a head's heaviest tile goes
@@ -122,21 +141,9 @@ struct ForwardTiles {
       : m_blocks((p.seqlen_q + kBlockM - 1) / kBlockM), count(m_blocks * p.heads_q * p.batch) {}
 
   __device__ TileWork work(const AttentionParams& p, int tile) const {
-    TileWork w;
     const int x = tile % m_blocks, bh = tile / m_blocks;
-    w.h = bh % p.heads_q;
-    w.b = bh / p.heads_q;
-    w.m0 = (m_blocks - 1 - x) * kBlockM;
-    w.rows_q = min(kBlockM, p.seqlen_q - w.m0);
-    const int len_q = p.seqlen_q, len_k = p.seqlen_k;
-    const KeyRange first = visible_keys(w.m0, len_q, len_k, p.window_left, p.window_right);
-    const KeyRange last =
-        visible_keys(w.m0 + w.rows_q - 1, len_q, len_k, p.window_left, p.window_right);
-    w.n_begin = first.lo / kBlockN;
-    w.n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : w.n_begin;
-    w.last_lo = last.lo;
-    w.first_hi = first.hi;
-    return w;
+    return tile_work<kBlockM, kBlockN>(p, bh / p.heads_q, bh % p.heads_q,
+                                       (m_blocks - 1 - x) * kBlockM);
   }
 };
 
@@ -467,13 +474,8 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   const int tid = threadIdx.x;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
   const int h = blockIdx.y, b = blockIdx.z;
-  const int len_q = p.seqlen_q, len_k = p.seqlen_k;
-  const int m0 = m_block * kBlockM;
-  const int rows_q = min(kBlockM, len_q - m0);
-  const KeyRange first = visible_keys(m0, len_q, len_k, p.window_left, p.window_right);
-  const KeyRange last = visible_keys(m0 + rows_q - 1, len_q, len_k, p.window_left, p.window_right);
-  const int n_begin = first.lo / kBlockN;
-  const int n_end = last.hi > first.lo ? (last.hi + kBlockN - 1) / kBlockN : n_begin;
+  const TileWork w = tile_work<kBlockM, kBlockN>(p, b, h, m_block * kBlockM);
+  const int m0 = w.m0, rows_q = w.rows_q, n_begin = w.n_begin, n_end = w.n_end;
   // Block-sparse (core/block_mask.h; kernels whose tile lies in one mask row block): the steps
   // are the key tiles whose block is on. The CTA counts them first; the producer walks the mask
   // and writes each step's tile beside its K buffer (published by the K load's barrier), so the
@@ -532,7 +534,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
       [&](int stage, int j) {
         return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + j;
       },
-      last.lo, first.hi, m0, r0, t);
+      w.last_lo, w.first_hi, m0, r0, t);
   write_tile<Cfg>(acc_o, row_max, row_sum, p, smem, b, h, m0, rows_q, r0, t, c, warp, lane);
 #else
   (void)p;
