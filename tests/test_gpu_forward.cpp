@@ -436,7 +436,7 @@ TEST(GpuForwardSm90, RaggedShapesSmall) {
   FLARE_SKIP_WITHOUT_CUDA();
   for (int ctas : {0, 2}) {
     ForceForwardCtas cap(ctas);
-    for (int d : {64, 128, 256}) {
+    for (int d : {64, 80, 96, 128, 256}) {
       ProblemSpec one = base_spec(DType::kBFloat16, d, 80);
       one.batch = 1;
       check_forward(causal_shape(one, 97, 300));
@@ -445,7 +445,7 @@ TEST(GpuForwardSm90, RaggedShapesSmall) {
   }
 }
 
-// The persistent kernel (sm90/fwd_kernel.cuh; d 64 and 128, fwd_tiles.h) with its grid capped at
+// The persistent kernel (sm90/fwd_kernel.cuh; d 64 to 128, fwd_tiles.h) with its grid capped at
 // 1, 3 and 7 CTAs, so that each walks many tiles through its two Q buffers and the K/V ring (one
 // CTA draws every tile from the counter; several draw them in an order that differs run to
 // run): causal masks whose tiles differ in work, rows that see no key, a window, GQA and ragged
@@ -454,7 +454,7 @@ TEST(GpuForwardSm90, PersistentCtasWalkManyTiles) {
   FLARE_SKIP_WITHOUT_CUDA();
   for (int ctas : {1, 3, 7}) {
     ForceForwardCtas cap(ctas);
-    for (int d : {64, 128}) {
+    for (int d : {64, 80, 128}) {
       SCOPED_TRACE("ctas " + std::to_string(ctas) + ", d " + std::to_string(d));
       ProblemSpec causal = causal_shape(base_spec(DType::kBFloat16, d, 90), 333, 333);
       causal.heads_q = causal.heads_kv = 3;

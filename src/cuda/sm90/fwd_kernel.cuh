@@ -26,7 +26,9 @@
 // has few steps to hide its start behind.
 // Shared memory holds every tile in the 128-byte swizzle TMA writes and wgmma reads (panels of 64
 // columns, see ptx/wgmma.cuh). Rows past a sequence end and columns past head_dim are zero-filled
-// by TMA; the mask keeps the former out of the softmax.
+// by TMA; the mask keeps the former out of the softmax. The products run at the bucket's width
+// (fwd_tiles.h): at d 80 and 96, S = Q·Kᵀ reads the last panel's first 16 or 32 columns and
+// P·V is m64n80 or m64n96 (V's second panel partly read).
 #pragma once
 
 #include <cuda.h>
@@ -74,7 +76,8 @@ struct Fwd90Config {
   static constexpr bool kBlockSparse = fwd90_takes_block_mask(kHeadDim);  // fwd_tiles.h
   static constexpr bool kOverlapSteps = kTile.overlap_steps;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kPanels = kHeadDim / 64;  // 64-column panels of a tile
+  // 64-column panels of a tile; at d 80 and 96 the last is partly used (TMA zero-fills it).
+  static constexpr int kPanels = (kHeadDim + 63) / 64;
   static constexpr uint32_t kQPanelBytes = kBlockM * 128;
   static constexpr uint32_t kQBytes = kPanels * kQPanelBytes;
   static constexpr uint32_t kKVPanelBytes = kBlockN * 128;
@@ -95,7 +98,7 @@ struct Fwd90Config {
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <=
                     launch_regs(kThreads) * kThreads,
                 "setmaxnreg split exceeds the CTA's registers");
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockM == 64 * kConsumers,
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0 && kBlockM == 64 * kConsumers,
                 "tile shape");
 };
 

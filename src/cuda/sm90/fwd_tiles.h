@@ -6,6 +6,7 @@
 // loads), and the K/V pipeline depth. O costs d/2 fp32 registers per consumer thread and S
 // kBlockN/2, under the 240 (two consumers) or 160 (three) that setmaxnreg gives them.
 //   d 64:  192×128, 3 consumers: O 32 + S 64 registers.
+//   d 80, 96: 128×128, 2 consumers: O 40 / 48 + S 64 (d 128's tile, with fewer products).
 //   d 128: 128×128, 2 consumers: O 64 + S 64.
 //   d 256: 128×64,  2 consumers: O 128 + S 32.
 // Block masks (core/block_mask.h) are taken where the tile's rows lie in one mask row block
@@ -45,8 +46,11 @@ struct Fwd90Tile {
   bool overlap_steps;
 };
 
+// Rows in increasing head_dim (fwd90_bucket takes the first that holds a head dim).
 inline constexpr Fwd90Tile kFwd90Tiles[] = {
     {64, 192, 128, 3, 2, 2048, false},
+    {80, 128, 128, 2, 2, 2048, true},
+    {96, 128, 128, 2, 2, 2048, true},
     {128, 128, 128, 2, 2, 2048, true},
     {256, 128, 64, 2, 2, 0, false},
 };
@@ -62,16 +66,15 @@ constexpr bool fwd90_takes_block_mask(int bucket) {
   return kMaskTileMultiple % fwd90_tile(bucket).block_m == 0;
 }
 
-// The sm90 bucket of a head_dim: the smallest of 64, 128, 256 that holds it, else 0 (the sm80
-// kernel runs). Head dims below the bucket are zero-filled by TMA past head_dim and computed at
-// the bucket's width: d 80 and 96 (GPT-3 2.7B, …) and 192 pay up to 60% more tensor-core work
-// than the sm80 buckets of their width and still run 1.3-2× faster than those on an H100
-// (sm90/notes.md). Head dims up to 32 stay on sm80, whose 32-wide bucket wastes nothing. The
-// backward's buckets: bwd_tiles.h.
+// The sm90 bucket of a head_dim: the narrowest kFwd90Tiles row that holds it, else 0 (the sm80
+// kernel runs). Columns past head_dim are zero-filled by TMA and computed at the bucket's width
+// (d 72 at 80, d 104 at 128, d 192 at 256: up to a third more tensor-core work than needed).
+// Head dims up to 32 stay on sm80, whose 32-wide bucket wastes nothing. The backward's buckets:
+// bwd_tiles.h.
 constexpr int fwd90_bucket(int head_dim) {
-  if (head_dim > 32 && head_dim <= 64) return 64;
-  if (head_dim > 64 && head_dim <= 128) return 128;
-  if (head_dim > 128 && head_dim <= 256) return 256;
+  if (head_dim <= 32) return 0;
+  for (const Fwd90Tile& t : kFwd90Tiles)
+    if (head_dim <= t.head_dim) return t.head_dim;
   return 0;
 }
 
