@@ -128,11 +128,13 @@ TEST(FwdTiles, ShortWalkTileForMasksWithShortKeyWalks) {
   EXPECT_FALSE(cuda::sm80::has_short_fwd_tile(128));
 }
 
-// The sm90 forward's persistent kernel runs d 64/128-bucket calls of at most 2048 keys (the
-// lengths where it measured faster), never the d 256 bucket; it counts query tiles in int, so
-// calls with more than INT_MAX / 2 tiles stay off sm90.
-TEST(Fwd90Tiles, PersistentKernelForShortCallsOfItsBuckets) {
-  using cuda::sm90::fwd90_persistent;
+// The sm90 forward's persistent kernel runs calls of at most 2048 keys in the buckets up to 128
+// (the lengths where it measured faster), never the d 256 bucket; d 80 and 96 take a 128-row
+// tile there and a 192-row tile beyond, where block masks go to sm80; the tests' hook forces the
+// persistent row where there is one. It counts query tiles in int, so calls with more than
+// INT_MAX / 2 tiles stay off sm90.
+TEST(Fwd90Tiles, RowPerKernelOfEachBucket) {
+  using cuda::sm90::fwd90_row;
   auto problem = [](int d, int s_q, int s_k) {
     AttentionParams p;
     p.dtype = DType::kBFloat16;
@@ -141,14 +143,34 @@ TEST(Fwd90Tiles, PersistentKernelForShortCallsOfItsBuckets) {
     p.seqlen_k = s_k;
     return p;
   };
-  for (int d : {40, 64, 80, 128}) {
-    EXPECT_TRUE(fwd90_persistent(problem(d, 512, 512))) << d;
-    EXPECT_TRUE(fwd90_persistent(problem(d, 4096, 2048))) << d;
-    EXPECT_FALSE(fwd90_persistent(problem(d, 2048, 2049))) << d;
-    EXPECT_FALSE(fwd90_persistent(problem(d, 16384, 16384))) << d;
+  for (int d : {40, 64, 72, 80, 96, 128}) {
+    EXPECT_TRUE(fwd90_row(problem(d, 512, 512)).persistent) << d;
+    EXPECT_TRUE(fwd90_row(problem(d, 4096, 2048)).persistent) << d;
+    EXPECT_FALSE(fwd90_row(problem(d, 2048, 2049)).persistent) << d;
+    EXPECT_FALSE(fwd90_row(problem(d, 16384, 16384)).persistent) << d;
+    EXPECT_TRUE(fwd90_row(problem(d, 16384, 16384), true).persistent) << d;
   }
-  EXPECT_FALSE(fwd90_persistent(problem(192, 512, 512)));
-  EXPECT_FALSE(fwd90_persistent(problem(256, 512, 512)));
+  EXPECT_FALSE(fwd90_row(problem(192, 512, 512)).persistent);
+  EXPECT_FALSE(fwd90_row(problem(256, 512, 512), true).persistent);
+  EXPECT_EQ(fwd90_row(problem(88, 512, 512)).head_dim, 96);
+  EXPECT_EQ(fwd90_row(problem(80, 1024, 1024)).block_m, 128);
+  EXPECT_EQ(fwd90_row(problem(80, 4096, 4096)).block_m, 192);
+  EXPECT_EQ(fwd90_row(problem(32, 512, 512)).head_dim, 0);
+  EXPECT_EQ(fwd90_row(problem(264, 512, 512)).head_dim, 0);
+
+  // A block-sparse call the sm90 forward would take but for its tile (only the pointers'
+  // alignment and the strides are read).
+  alignas(16) static unsigned char tensor[16] = {1};
+  AttentionParams sparse = problem(80, 1024, 1024);
+  sparse.q = sparse.k = sparse.v = sparse.o = tensor;
+  sparse.heads_q = sparse.heads_kv = sparse.batch = 1;
+  sparse.q_row_stride = sparse.k_row_stride = sparse.v_row_stride = sparse.o_row_stride = 80;
+  sparse.block_mask = tensor;
+  sparse.block_m = sparse.block_n = 128;
+  EXPECT_TRUE(cuda::sm90::forward_supported(sparse));
+  sparse.seqlen_q = sparse.seqlen_k = 4096;
+  EXPECT_FALSE(cuda::sm90::forward_supported(sparse));
+  EXPECT_TRUE(cuda::sm90::forward_supported(sparse, true));
 
   AttentionParams p = problem(128, 1024, 1024);
   p.heads_q = 32;

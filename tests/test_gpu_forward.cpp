@@ -370,11 +370,11 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
 // variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
 //
 // The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
-// keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, and 1025 tokens
-// of magnitude 1e3 (causal at the bucket's own head dim).
-const char* const kSm90Shapes[] = {"s197",         "causal_97x300", "causal_300x97",
-                                   "window_gqa",   "mqa_padded",    "one_token",
-                                   "large_1025"};
+// keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, 1025 tokens
+// of magnitude 1e3 (causal at the bucket's own head dim), and 200 queries over 2500 keys (past the
+// persistent kernel's lengths: the one-CTA kernel's tile, sm90/fwd_tiles.h).
+const char* const kSm90Shapes[] = {"s197",       "causal_97x300", "causal_300x97", "window_gqa",
+                                   "mqa_padded", "one_token",     "large_1025",    "causal_200x2500"};
 
 ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
   const ProblemSpec base = base_spec(c.dtype, c.head_dim, 60 + static_cast<uint64_t>(c.shape));
@@ -403,6 +403,7 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
       large.options.causal = c.head_dim == c.bucket;
       return large;
     }
+    case 7: return causal_shape(base, 200, 2500);
     default: return base;
   }
 }
@@ -429,8 +430,8 @@ INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuForwardSm90Cases,
                          ::testing::ValuesIn(every_sm90_case()), sm90_suite_case_name);
 
 // A few ragged shapes through the sm90 kernels of every bucket, as the automatic choice runs them
-// and with the persistent kernel's grid capped at two CTAs (each walking several tiles through its
-// Q buffers): the compute-sanitizer subset of scripts/gpu-check.sh (memcheck and racecheck over
+// (one past the persistent kernel's lengths) and with the persistent kernel's grid capped at two
+// CTAs (each walking several tiles through its Q buffers): the compute-sanitizer subset of scripts/gpu-check.sh (memcheck and racecheck over
 // the TMA, mbarrier and wgmma paths).
 TEST(GpuForwardSm90, RaggedShapesSmall) {
   FLARE_SKIP_WITHOUT_CUDA();
@@ -441,6 +442,7 @@ TEST(GpuForwardSm90, RaggedShapesSmall) {
       one.batch = 1;
       check_forward(causal_shape(one, 97, 300));
       check_forward(window_gqa(one, 130, 140, 40, 3));
+      if (ctas == 0) check_forward(causal_shape(one, 200, 2500));  // the one-CTA kernel
     }
   }
 }

@@ -60,7 +60,9 @@ int forward_bucket(DType dtype, int head_dim) {
 
 // Whether the sm90 kernel of p's bucket runs p on the current device.
 bool sm90_runs(const AttentionParams& p) {
-  if (testing::forced_arch() == 80 || !sm90::forward_supported(p)) return false;
+  if (testing::forced_arch() == 80 ||
+      !sm90::forward_supported(p, testing::forced_forward_ctas() > 0))
+    return false;
   switch (variant_key(p.dtype, sm90::fwd90_bucket(p.head_dim))) {
 #define FLARE_CUDA_FWD90_VARIANT(DT, HD) \
   case variant_key(DType::DT, HD):       \

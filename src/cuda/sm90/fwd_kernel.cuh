@@ -22,7 +22,7 @@
 // walking tiles (ForwardTiles) one after another, so that a tile's start (its Q load, its first
 // K/V loads) overlaps the previous tile's last steps and epilogue instead of waiting for a CTA to
 // retire and the next to start; the K/V ring runs on across tiles and Q has two buffers. It runs
-// where that was measured faster (fwd90_persistent, fwd_tiles.h): short sequences, where a tile
+// where that was measured faster (fwd90_row, fwd_tiles.h): short sequences, where a tile
 // has few steps to hide its start behind.
 // Shared memory holds every tile in the 128-byte swizzle TMA writes and wgmma reads (panels of 64
 // columns, see ptx/wgmma.cuh). Rows past a sequence end and columns past head_dim are zero-filled
@@ -67,13 +67,13 @@ template <DType kDType, int kBucket, bool kPersistent>
 struct Fwd90Config {
   using Element = ElementOf<kDType>;
   static constexpr int kHeadDim = kBucket;
-  static constexpr Fwd90Tile kTile = fwd90_tile(kHeadDim);
+  static constexpr Fwd90Tile kTile = fwd90_tile(kHeadDim, kPersistent);
   static_assert(kTile.head_dim == kHeadDim, "head-dim bucket missing from kFwd90Tiles");
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kConsumers = kTile.consumers;
   static constexpr int kStages = kTile.stages;
-  static constexpr bool kBlockSparse = fwd90_takes_block_mask(kHeadDim);  // fwd_tiles.h
+  static constexpr bool kBlockSparse = fwd90_takes_block_mask(kTile);  // fwd_tiles.h
   static constexpr bool kOverlapSteps = kTile.overlap_steps;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   // 64-column panels of a tile; at d 80 and 96 the last is partly used (TMA zero-fills it).
@@ -751,25 +751,25 @@ Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, cons
 
 template <DType kDType, int kHeadDim>
 Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  constexpr Fwd90Tile kTile = fwd90_tile(kHeadDim);
-  const int64_t tiles = fwd90_tile_count(p, kTile.block_m);
+  const Fwd90Tile row = fwd90_row(p, testing::forced_forward_ctas() > 0);  // fwd_tiles.h
+  const int64_t tiles = fwd90_tile_count(p, row.block_m);
   if (tiles == 0) return {};
   CUtensorMap tm_q, tm_k, tm_v;
   Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-                         p.q_row_stride, p.q_head_stride, p.q_batch_stride, kTile.block_m, "q");
+                         p.q_row_stride, p.q_head_stride, p.q_batch_stride, row.block_m, "q");
   if (!st.ok()) return st;
   st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride,
-                  p.k_head_stride, p.k_batch_stride, kTile.block_n, "k");
+                  p.k_head_stride, p.k_batch_stride, row.block_n, "k");
   if (!st.ok()) return st;
   st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride,
-                  p.v_head_stride, p.v_batch_stride, kTile.block_n, "v");
+                  p.v_head_stride, p.v_batch_stride, row.block_n, "v");
   if (!st.ok()) return st;
-  if constexpr (kTile.persistent_max_keys > 0) {
-    if (fwd90_persistent(p) || testing::forced_forward_ctas() > 0)
+  if constexpr (fwd90_tile(kHeadDim, true).head_dim != 0) {
+    if (row.persistent)
       return launch_persistent<kDType, kHeadDim>(p, tm_q, tm_k, tm_v, tiles, stream);
   }
   using Cfg = Fwd90Config<kDType, kHeadDim, false>;
-  const int64_t m_blocks = (int64_t{p.seqlen_q} + kTile.block_m - 1) / kTile.block_m;
+  const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
                   static_cast<unsigned>(p.batch));
   return launch(attention_forward_sm90_kernel<kDType, kHeadDim>, "forward", kHeadDim, grid,

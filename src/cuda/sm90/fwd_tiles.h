@@ -1,18 +1,21 @@
-// fwd_tiles.h — tiles of the sm90 (Hopper) forward kernel and which problems it takes.
+// fwd_tiles.h — tiles of the sm90 (Hopper) forward kernels and which problems they take.
 //
-// Host code without CUDA: the dispatch and the tests ask forward_supported() before choosing it.
-// One row per head-dim bucket: kBlockM = 64 query rows per consumer warpgroup, kBlockN keys per
-// step, the number of consumer warpgroups (one producer warpgroup beside them issues the TMA
-// loads), and the K/V pipeline depth. O costs d/2 fp32 registers per consumer thread and S
-// kBlockN/2, under the 240 (two consumers) or 160 (three) that setmaxnreg gives them.
-//   d 64:  192×128, 3 consumers: O 32 + S 64 registers.
-//   d 80, 96: 128×128, 2 consumers: O 40 / 48 + S 64 (d 128's tile, with fewer products).
-//   d 128: 128×128, 2 consumers: O 64 + S 64.
-//   d 256: 128×64,  2 consumers: O 128 + S 32.
+// Host code without CUDA: the dispatch and the tests ask forward_supported() before choosing them.
+// A head-dim bucket has a row for each kernel that runs it (fwd_kernel.cuh): the persistent
+// kernel for calls of at most max_keys keys, one CTA per query tile beyond. A row gives
+// kBlockM = 64 query rows per consumer warpgroup, kBlockN keys per step, the number of consumer
+// warpgroups (one producer warpgroup beside them issues the TMA loads) and the K/V pipeline depth.
+// O costs d/2 fp32 registers per consumer thread and S kBlockN/2, under the 240 (two consumers)
+// or 160 (three) that setmaxnreg gives them.
+//   d 64:        192×128, 3 consumers: O 32 + S 64 registers.
+//   d 80 and 96: 128×128, 2 consumers (O 40 / 48 + S 64) in the persistent kernel; 192×128,
+//                3 consumers beyond.
+//   d 128:       128×128, 2 consumers: O 64 + S 64.
+//   d 256:       128×64,  2 consumers: O 128 + S 32.
 // Block masks (core/block_mask.h) are taken where the tile's rows lie in one mask row block
-// (kMaskTileMultiple = 128 rows): d 128 and d 256. The d 64 tile's 192 rows can span two, and
-// the code to skip a step for one consumer warpgroup only cost the dense d 64 forward 12-18% on
-// an H100 (A/B in one call), so block-sparse d 64 runs the sm80 kernel.
+// (kMaskTileMultiple = 128 rows). A 192-row tile can span two, and the code to skip a step for
+// one consumer warpgroup only cost the dense d 64 forward 12-18% on an H100 (A/B in one call), so
+// block-sparse calls that would run a 192-row tile run the sm80 kernel.
 #pragma once
 
 #include <climits>
@@ -26,47 +29,53 @@ namespace flare::cuda::sm90 {
 
 struct Fwd90Tile {
   int head_dim;  // bucket
+  // The row runs calls of at most this many keys; a bucket's rows go in increasing max_keys, the
+  // last INT_MAX. Persistent kernel against one CTA per tile, A/B on an H200, standard grid
+  // (bench/results/2026-11-28-h200-f10d319/fwd90-persistent-ab.txt): d 64 and 128 1.03-1.20x
+  // faster up to s 2048, even at 4096, up to 8% slower at s 8k-16k causal; d 256 (one Q buffer)
+  // 2-21% slower from s 1024.
+  int max_keys;
+  bool persistent;  // the persistent kernel's row, else one CTA per query tile
   int block_m;
   int block_n;
   int consumers;  // warpgroups of 64 query rows
   int stages;     // K/V buffers
-  // The persistent kernel runs calls of at most this many keys (0: never). A/B against one CTA
-  // per tile on an H200, standard grid
-  // (bench/results/2026-11-28-h200-f10d319/fwd90-persistent-ab.txt):
-  // d 64 and 128 1.03-1.20x faster up to s 2048, even at 4096, up to 8% slower at s 8k-16k causal;
-  // d 256 (one Q buffer) 2-21% slower from s 1024.
-  int persistent_max_keys;
-  // Both kernels overlap a step's softmax with the previous step's P·V inside each warpgroup
-  // (fwd_kernel.cuh, attend_steps). Measured on an H200, standard grid: d 128 overlapped
-  // 1.05-1.13x faster than its steps one after another
-  // (bench/results/2026-11-28-h200x2-431abf7/fwd90-steps-ab.txt); with every bucket overlapped
-  // (bench/results/2026-11-28-h200x2-eadc8a9/fwd90-overlap-ab.txt) d 64 1-6% slower (three
-  // consumer warpgroups at 160 registers, whose drift already hides the softmax) and d 256 even
-  // but for 5% slower at s 16k.
+  // A step's softmax overlaps the previous step's P·V inside each warpgroup (fwd_kernel.cuh,
+  // attend_steps). Measured on an H200, standard grid: d 128 overlapped 1.05-1.13x faster than
+  // its steps one after another (bench/results/2026-11-28-h200x2-431abf7/fwd90-steps-ab.txt);
+  // with every bucket overlapped (bench/results/2026-11-28-h200x2-eadc8a9/fwd90-overlap-ab.txt)
+  // d 64 1-6% slower (three consumer warpgroups at 160 registers, whose drift already hides the
+  // softmax) and d 256 even but for 5% slower at s 16k.
   bool overlap_steps;
 };
 
-// Rows in increasing head_dim (fwd90_bucket takes the first that holds a head dim).
+// Rows in increasing head_dim (fwd90_bucket takes the first bucket that holds a head dim). d 80
+// and 96: 192×128 with three consumers against 128×128 with two, A/B on an H200
+// (bench/results/2026-11-28-h200x2-49e5679/fwd90-d80-ab.txt): 1.07-1.18x faster from s 4096,
+// 0.84-0.87x at s 512-1024 causal, where 192-row tiles leave more of the diagonal masked and
+// fewer tiles to balance.
 inline constexpr Fwd90Tile kFwd90Tiles[] = {
-    {64, 192, 128, 3, 2, 2048, false},
-    {80, 128, 128, 2, 2, 2048, true},
-    {96, 128, 128, 2, 2, 2048, true},
-    {128, 128, 128, 2, 2, 2048, true},
-    {256, 128, 64, 2, 2, 0, false},
+    {64, 2048, true, 192, 128, 3, 2, false},    {64, INT_MAX, false, 192, 128, 3, 2, false},
+    {80, 2048, true, 128, 128, 2, 2, true},     {80, INT_MAX, false, 192, 128, 3, 2, false},
+    {96, 2048, true, 128, 128, 2, 2, true},     {96, INT_MAX, false, 192, 128, 3, 2, false},
+    {128, 2048, true, 128, 128, 2, 2, true},    {128, INT_MAX, false, 128, 128, 2, 2, true},
+    {256, INT_MAX, false, 128, 64, 2, 2, false},
 };
 
-constexpr Fwd90Tile fwd90_tile(int bucket) {
+// The row of a bucket's persistent kernel (`persistent`) or of its one-CTA kernel; a zero row
+// where the bucket has none.
+constexpr Fwd90Tile fwd90_tile(int bucket, bool persistent) {
   for (const Fwd90Tile& t : kFwd90Tiles)
-    if (t.head_dim == bucket) return t;
-  return {0, 0, 0, 0, 0, 0, false};
+    if (t.head_dim == bucket && t.persistent == persistent) return t;
+  return {0, 0, false, 0, 0, 0, 0, false};
 }
 
-// Whether the kernel of a bucket takes block masks: its tile in one mask row block.
-constexpr bool fwd90_takes_block_mask(int bucket) {
-  return kMaskTileMultiple % fwd90_tile(bucket).block_m == 0;
+// Whether a row takes block masks: its tile in one mask row block.
+constexpr bool fwd90_takes_block_mask(const Fwd90Tile& tile) {
+  return kMaskTileMultiple % tile.block_m == 0;
 }
 
-// The sm90 bucket of a head_dim: the narrowest kFwd90Tiles row that holds it, else 0 (the sm80
+// The sm90 bucket of a head_dim: the narrowest in kFwd90Tiles that holds it, else 0 (the sm80
 // kernel runs). Columns past head_dim are zero-filled by TMA and computed at the bucket's width
 // (d 72 at 80, d 104 at 128, d 192 at 256: up to a third more tensor-core work than needed).
 // Head dims up to 32 stay on sm80, whose 32-wide bucket wastes nothing. The backward's buckets:
@@ -78,33 +87,39 @@ constexpr int fwd90_bucket(int head_dim) {
   return 0;
 }
 
+// The row that runs p: the first of its bucket that takes p's key count, or with
+// `force_persistent` (the tests' hook, cuda/testing.h) the persistent kernel's where the bucket
+// has one. A zero row for a head_dim no bucket holds.
+inline Fwd90Tile fwd90_row(const AttentionParams& p, bool force_persistent = false) {
+  const int bucket = fwd90_bucket(p.head_dim);
+  if (force_persistent && fwd90_tile(bucket, true).head_dim != 0) return fwd90_tile(bucket, true);
+  for (const Fwd90Tile& t : kFwd90Tiles)
+    if (t.head_dim == bucket && p.seqlen_k <= t.max_keys) return t;
+  return {0, 0, false, 0, 0, 0, 0, false};
+}
+
 // Query tiles of a call (the persistent kernel's work, fwd_kernel.cuh's ForwardTiles): block_m
 // rows of one head of one sequence each.
 inline int64_t fwd90_tile_count(const AttentionParams& p, int block_m) {
   return (int64_t{p.seqlen_q} + block_m - 1) / block_m * p.heads_q * p.batch;
 }
 
-// Whether the sm90 forward runs p with its persistent kernel (Fwd90Tile::persistent_max_keys).
-inline bool fwd90_persistent(const AttentionParams& p) {
-  return p.seqlen_k <= fwd90_tile(fwd90_bucket(p.head_dim)).persistent_max_keys;
-}
-
 // Whether the sm90 forward takes a problem (before asking the device): fixed-length batches with
 // any causal or sliding-window mask, GQA/MQA and seqlen_q != seqlen_k; no dropout, softcap or
 // ALiBi, no packed variable-length batches. TMA needs 16-byte aligned tensors and row, head and
 // batch strides in whole 16-byte units; the output is written in 16-byte chunks (head_dim a
-// multiple of 8). Everything else runs the sm80 kernels.
-inline bool forward_supported(const AttentionParams& p) {
+// multiple of 8). Everything else runs the sm80 kernels. The tile is fwd90_row's.
+inline bool forward_supported(const AttentionParams& p, bool force_persistent = false) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
   if (fwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
+  const Fwd90Tile tile = fwd90_row(p, force_persistent);
   if (p.is_varlen() || p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr)
     return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   // The persistent kernel numbers its tiles in int, and its counter runs a grid's width past the
   // last.
-  if (fwd90_tile_count(p, fwd90_tile(fwd90_bucket(p.head_dim)).block_m) > INT_MAX / 2)
-    return false;
-  if (p.block_mask != nullptr && !fwd90_takes_block_mask(fwd90_bucket(p.head_dim))) return false;
+  if (fwd90_tile_count(p, tile.block_m) > INT_MAX / 2) return false;
+  if (p.block_mask != nullptr && !fwd90_takes_block_mask(tile)) return false;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o)) return false;
   return strides_fit_tma({{p.q_row_stride, p.seqlen_q},  {p.q_head_stride, p.heads_q},
                           {p.q_batch_stride, p.batch},   {p.k_row_stride, p.seqlen_k},
