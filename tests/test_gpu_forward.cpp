@@ -437,7 +437,7 @@ TEST(GpuForwardSm90, RaggedShapesSmall) {
   FLARE_SKIP_WITHOUT_CUDA();
   for (int ctas : {0, 2}) {
     ForceForwardCtas cap(ctas);
-    for (int d : {64, 80, 96, 128, 256}) {
+    for (int d : {64, 80, 96, 128, 192, 256}) {
       ProblemSpec one = base_spec(DType::kBFloat16, d, 80);
       one.batch = 1;
       check_forward(causal_shape(one, 97, 300));

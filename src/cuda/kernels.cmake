@@ -64,7 +64,7 @@ flare_cuda_variants(fwd ${FLARE_CUDA_FWD_HEAD_DIMS})
 # never reach).
 # The buckets must be kFwd90Tiles' and kBwd90Tiles': static_asserts check both ways (Fwd90Config /
 # Bwd90Config for a unit without a row, cuda_backend.cpp / backward.cpp for a row without a unit).
-set(FLARE_CUDA_FWD90_HEAD_DIMS 64 80 96 128 256)
+set(FLARE_CUDA_FWD90_HEAD_DIMS 64 80 96 128 192 256)
 set(FLARE_CUDA_BWD90_HEAD_DIMS 64 128 256)
 function(flare_cuda90_variants pass)
   string(TOUPPER ${pass} PASS)

@@ -11,6 +11,7 @@
 //   d 80 and 96: 128×128, 2 consumers (O 40 / 48 + S 64) in the persistent kernel; 192×128,
 //                3 consumers beyond.
 //   d 128:       128×128, 2 consumers: O 64 + S 64.
+//   d 192:       128×64,  2 consumers: O 96 + S 32.
 //   d 256:       128×64,  2 consumers: O 128 + S 32.
 // Block masks (core/block_mask.h) are taken where the tile's rows lie in one mask row block
 // (kMaskTileMultiple = 128 rows). A 192-row tile can span two, and the code to skip a step for
@@ -59,6 +60,7 @@ inline constexpr Fwd90Tile kFwd90Tiles[] = {
     {80, 2048, true, 128, 128, 2, 2, true},     {80, INT_MAX, false, 192, 128, 3, 2, false},
     {96, 2048, true, 128, 128, 2, 2, true},     {96, INT_MAX, false, 192, 128, 3, 2, false},
     {128, 2048, true, 128, 128, 2, 2, true},    {128, INT_MAX, false, 128, 128, 2, 2, true},
+    {192, INT_MAX, false, 128, 64, 2, 2, false},
     {256, INT_MAX, false, 128, 64, 2, 2, false},
 };
 
@@ -77,7 +79,7 @@ constexpr bool fwd90_takes_block_mask(const Fwd90Tile& tile) {
 
 // The sm90 bucket of a head_dim: the narrowest in kFwd90Tiles that holds it, else 0 (the sm80
 // kernel runs). Columns past head_dim are zero-filled by TMA and computed at the bucket's width
-// (d 72 at 80, d 104 at 128, d 192 at 256: up to a third more tensor-core work than needed).
+// (d 72 at 80, d 104 at 128, d 200 at 256: up to a quarter more tensor-core work than needed).
 // Head dims up to 32 stay on sm80, whose 32-wide bucket wastes nothing. The backward's buckets:
 // bwd_tiles.h.
 constexpr int fwd90_bucket(int head_dim) {
