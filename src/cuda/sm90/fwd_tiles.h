@@ -50,11 +50,16 @@ struct Fwd90Tile {
   bool overlap_steps;
 };
 
-// Rows in increasing head_dim (fwd90_bucket takes the first bucket that holds a head dim). d 80
-// and 96: 192×128 with three consumers against 128×128 with two, A/B on an H200
-// (bench/results/2026-11-28-h200x2-49e5679/fwd90-d80-ab.txt): 1.07-1.18x faster from s 4096,
-// 0.84-0.87x at s 512-1024 causal, where 192-row tiles leave more of the diagonal masked and
-// fewer tiles to balance.
+// Rows in increasing head_dim (fwd90_bucket takes the first bucket that holds a head dim). A/Bs
+// on an H200 (sm90/notes.md, "Buckets 80, 96 and 192"):
+//   d 80/96: 192×128 with three consumers against 128×128 with two
+//     (bench/results/2026-11-28-h200x2-49e5679/fwd90-d80-ab.txt): 1.07-1.18x faster from s 4096,
+//     0.84-0.87x at s 512-1024 causal, where 192-row tiles leave more of the diagonal masked and
+//     fewer tiles to balance.
+//   d 192: 128×64 ran 1.15-1.23x the 256 bucket
+//     (bench/results/2026-11-28-h200-85e1344/fwd90-d192-ab.txt).
+//   d 64: a persistent 128×128 row, overlapped, ran 0.84-0.89x non-causal
+//     (bench/results/2026-11-28-h200x2-f493527/fwd90-d64-persistent-128-ab.txt).
 inline constexpr Fwd90Tile kFwd90Tiles[] = {
     {64, 2048, true, 192, 128, 3, 2, false},    {64, INT_MAX, false, 192, 128, 3, 2, false},
     {80, 2048, true, 128, 128, 2, 2, true},     {80, INT_MAX, false, 192, 128, 3, 2, false},
