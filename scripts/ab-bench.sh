@@ -6,9 +6,11 @@
 #
 # The base is the working tree as it is. A variant is a folder of files at their repository
 # paths (e.g. OVERLAY_DIR/src/cuda/sm80/bwd_kernel.cuh) that replace the tree's for that variant's
-# build only; the originals are put back afterwards, also on failure or interruption. Every
-# variant is built in one build folder (build-ab; only what the overlay touches recompiles) and
-# its `flare` binary kept. Then `flare bench --device cuda` runs the standard grid for each
+# build only. Everything is built from a copy of the tree (build-ab/src, made afresh each run),
+# never from the tree itself, so builds and tests running beside the A/B (on another GPU of the
+# host) see only the tree's own files: laid over the tree, the variants had ended up in such
+# builds. Every variant is built in one build folder (build-ab/obj; only what the overlay
+# touches recompiles) and its `flare` binary kept. Then `flare bench --device cuda` runs the standard grid for each
 # (pass, head dim), alternating base and variants run by run so slow drift of clocks and
 # temperature spreads over all of them. DIR receives each run's JSON, the build logs, and
 # ab.txt: per cell the base's TFLOP/s and each variant's, with the ratio of their means, and per
@@ -36,10 +38,23 @@ if [[ -z "$out" || ${#variants[@]} -eq 0 ]]; then
   exit 2
 fi
 cd "$(dirname "$0")/.." || exit 1
+root=$PWD
 mkdir -p "$out/json" "$out/bin"
 out=$(cd "$out" && pwd)
-build=build-ab
+for i in "${!variants[@]}"; do  # overlay folders as absolute paths
+  dir=${variants[$i]#*=}
+  [[ -d "$dir" ]] || { echo "ab-bench.sh: $dir is not a folder" >&2; exit 2; }
+  variants[$i]="${variants[$i]%%=*}=$(cd "$dir" && pwd)"
+done
+build=$root/build-ab/obj
+src=$root/build-ab/src
 jobs=$(nproc)
+# The copy: tracked and untracked files, not the build folders or .git; fresh modification
+# times, so that the base rebuilds whatever an earlier run's variant left compiled.
+rm -rf "$src" && mkdir -p "$src" &&
+  tar -C "$root" --exclude='./build*' --exclude='./.git' -cf - . | tar -C "$src" -xmf - ||
+  { echo "ab-bench.sh: cannot copy the tree to $src" >&2; exit 1; }
+cd "$src" || exit 1
 
 saved=$(mktemp -d)
 overlaid=()
@@ -66,7 +81,6 @@ build_one() {  # name
 build_one base
 for v in "${variants[@]}"; do
   name=${v%%=*} dir=${v#*=}
-  [[ -d "$dir" ]] || { echo "ab-bench.sh: $dir is not a folder" >&2; exit 2; }
   while IFS= read -r f; do
     f=${f#./}
     [[ -f "$f" ]] || { echo "ab-bench.sh: $dir/$f replaces no file of the tree" >&2; exit 2; }
