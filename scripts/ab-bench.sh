@@ -10,8 +10,8 @@
 # never from the tree itself, so builds and tests running beside the A/B (on another GPU of the
 # host) see only the tree's own files: laid over the tree, the variants had ended up in such
 # builds. Every variant is built in one build folder (build-ab/obj; only what the overlay
-# touches recompiles) and its `flare` binary kept. Then `flare bench --device cuda` runs the standard grid for each
-# (pass, head dim), alternating base and variants run by run so slow drift of clocks and
+# touches recompiles) and its `flare` binary kept. Then `flare bench --device cuda` runs the
+# standard grid for each (pass, head dim), alternating base and variants run by run so slow drift of clocks and
 # temperature spreads over all of them. DIR receives each run's JSON, the build logs, and
 # ab.txt: per cell the base's TFLOP/s and each variant's, with the ratio of their means, and per
 # variant the median, minimum and maximum ratio over the cells.

@@ -14,12 +14,15 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/sm80/fwd_tiles.h"
+#include "cuda/sm90/fwd_tiles.h"
 #include "cuda/testing.h"
 #include "gpu_util.h"
 #include "problem_cases.h"
@@ -408,14 +411,29 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
   }
 }
 
-std::vector<Sm90SuiteCase> every_sm90_case() {
-  return sm90_suite_cases(
-      {
+// The compiled sm90 forward variants (dtype, bucket): the generated table that instantiates the
+// kernels.
+std::vector<std::pair<DType, int>> sm90_forward_variants() {
+  return {
 #define FLARE_CUDA_FWD90_VARIANT(DT, HD) {DType::DT, HD},
 #include "flare/cuda_fwd90_variants.inc"
 #undef FLARE_CUDA_FWD90_VARIANT
-      },
-      sm90_forward_test_head_dims, kSm90Shapes);
+  };
+}
+
+// Their buckets, each once, in the table's order; with `persistent`, those whose bucket has a
+// persistent-kernel row (sm90/fwd_tiles.h).
+std::vector<int> sm90_forward_buckets(bool persistent = false) {
+  std::vector<int> buckets;
+  for (const auto& [dtype, bucket] : sm90_forward_variants())
+    if (std::find(buckets.begin(), buckets.end(), bucket) == buckets.end() &&
+        (!persistent || cuda::sm90::fwd90_tile(bucket, true).head_dim != 0))
+      buckets.push_back(bucket);
+  return buckets;
+}
+
+std::vector<Sm90SuiteCase> every_sm90_case() {
+  return sm90_suite_cases(sm90_forward_variants(), sm90_forward_test_head_dims, kSm90Shapes);
 }
 
 class GpuForwardSm90Cases : public GpuTestWithParam<Sm90SuiteCase> {};
@@ -431,13 +449,13 @@ INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuForwardSm90Cases,
 
 // A few ragged shapes through the sm90 kernels of every bucket, as the automatic choice runs them
 // (one past the persistent kernel's lengths) and with the persistent kernel's grid capped at two
-// CTAs (each walking several tiles through its Q buffers): the compute-sanitizer subset of scripts/gpu-check.sh (memcheck and racecheck over
-// the TMA, mbarrier and wgmma paths).
+// CTAs (each walking several tiles through its Q buffers): the compute-sanitizer subset of
+// scripts/gpu-check.sh (memcheck and racecheck over the TMA, mbarrier and wgmma paths).
 TEST(GpuForwardSm90, RaggedShapesSmall) {
   FLARE_SKIP_WITHOUT_CUDA();
   for (int ctas : {0, 2}) {
     ForceForwardCtas cap(ctas);
-    for (int d : {64, 80, 96, 128, 192, 256}) {
+    for (int d : sm90_forward_buckets()) {
       ProblemSpec one = base_spec(DType::kBFloat16, d, 80);
       one.batch = 1;
       check_forward(causal_shape(one, 97, 300));
@@ -447,16 +465,16 @@ TEST(GpuForwardSm90, RaggedShapesSmall) {
   }
 }
 
-// The persistent kernel (sm90/fwd_kernel.cuh; d 64 to 128, fwd_tiles.h) with its grid capped at
-// 1, 3 and 7 CTAs, so that each walks many tiles through its two Q buffers and the K/V ring (one
-// CTA draws every tile from the counter; several draw them in an order that differs run to
-// run): causal masks whose tiles differ in work, rows that see no key, a window, GQA and ragged
+// The persistent kernel (sm90/fwd_kernel.cuh; the buckets that have it, fwd_tiles.h) with its grid
+// capped at 1, 3 and 7 CTAs, so that each walks many tiles through its two Q buffers and the K/V
+// ring (one CTA draws every tile from the counter; several draw them in an order that differs run
+// to run): causal masks whose tiles differ in work, rows that see no key, a window, GQA and ragged
 // lengths, against the reference. Lengths past the automatic choice's limit run it too.
 TEST(GpuForwardSm90, PersistentCtasWalkManyTiles) {
   FLARE_SKIP_WITHOUT_CUDA();
   for (int ctas : {1, 3, 7}) {
     ForceForwardCtas cap(ctas);
-    for (int d : {64, 80, 128}) {
+    for (int d : sm90_forward_buckets(true)) {
       SCOPED_TRACE("ctas " + std::to_string(ctas) + ", d " + std::to_string(d));
       ProblemSpec causal = causal_shape(base_spec(DType::kBFloat16, d, 90), 333, 333);
       causal.heads_q = causal.heads_kv = 3;
