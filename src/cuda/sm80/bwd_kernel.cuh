@@ -596,29 +596,23 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                 acc_s[mt][nt][r] = ptx::exp2_approx(acc_s[mt][nt][r] * p.scale_log2 - lse2[r & 1]);
           }
           if (!full_tile) {
-            // Key j is visible from query i iff diag − left ≤ j − i ≤ diag + right (each side
-            // where bounded) and j < len_k. With j − i = e0 + c and j = j_1 + cj, where c and cj
-            // are compile-time per element, each test is one compare against an immediate.
+            // ElementMask (core/score_mod.h) over the lane's elements: key key0 + cj of query
+            // i0 + q0 + 2t + nt·8 + (r & 1), cj = mt·16 + (r >> 1)·8, both offsets compile-time.
             // kLeanKeyLoop takes the lane's key row from a volatile thread index, so that ptxas
             // does not hold these per-key-block values from the kernel's start (it spills).
             const int tid_m = Cfg::kLeanKeyLoop ? ptx::thread_index_volatile() : tid;
             const int key0 =
                 j0 + ((tid_m >> 5) % Cfg::kSKeyGroups) * kSMt * 16 + ((tid_m & 31) >> 2);
-            const int e0 = key0 - (i0 + q0 + 2 * t);
-            const int c_lo = p.window_left < 0 ? INT_MIN / 2 : diag - p.window_left - e0;
-            const int c_hi = p.window_right < 0 ? INT_MAX / 2 : diag + p.window_right - e0;
-            const int cj_hi = seq.len_k - 1 - key0;
+            const ElementMask mask(j0, key0 - j0, i0 + q0 + 2 * t, seq.len_q, seq.len_k,
+                                   p.window_left, p.window_right);
 #pragma unroll
             for (int nt = 0; nt < kPass / 8; ++nt)
 #pragma unroll
               for (int mt = 0; mt < kSMt; ++mt)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                  const int cj = mt * 16 + (r >> 1) * 8;
-                  const int c = cj - nt * 8 - (r & 1);
-                  const bool visible = c >= c_lo && c <= c_hi && cj <= cj_hi;
-                  acc_s[mt][nt][r] = visible ? acc_s[mt][nt][r] : 0.0f;
-                }
+                for (int r = 0; r < 4; ++r)
+                  if (mask.masked(mt * 16 + (r >> 1) * 8, nt * 8 + (r & 1)))
+                    acc_s[mt][nt][r] = 0.0f;
           }
           if constexpr (!Cfg::kFusedS)
             s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(
@@ -661,13 +655,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                   if (p.alibi_slopes != nullptr) x += alibi_bias(slope, i, j, seq.len_q, seq.len_k);
                   prob = ptx::exp2_approx(x * kLog2e - lse2[r & 1]);
                 }
-                if (!full_tile) {
-                  const int pos = i + diag;
-                  const bool visible = j < seq.len_k &&
-                                       (p.window_left < 0 || j >= pos - p.window_left) &&
-                                       (p.window_right < 0 || j <= pos + p.window_right);
-                  if (!visible) prob = 0.0f;
-                }
+                if (!full_tile && ElementMask(j, 0, i, seq.len_q, seq.len_k, p.window_left,
+                                              p.window_right)
+                                      .masked(0, 0))
+                  prob = 0.0f;
                 float dp = acc_dp[mt][nt][r];
                 float prob_dropped = prob;
                 if (has_dropout) {

@@ -417,15 +417,10 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
     const int full_lo = kBoundsInSmem ? *static_cast<volatile int*>(&s_full_keys[0]) : last.lo;
     const int full_hi = kBoundsInSmem ? *static_cast<volatile int*>(&s_full_keys[1]) : first.hi;
     if (n0 < full_lo || n0 + kBlockN > full_hi) {
-      // Boundary step. visible_keys(row) = [lo, hi) is, per column, 0 ≤ col < len_k and
-      // −window_left ≤ col − (row + len_k − len_q) ≤ window_right (an unbounded side never
-      // binds; an empty range fails one test). Both differences are this thread's base plus a
-      // compile-time offset per element, so the whole mask costs two registers. 32-bit: the
-      // library caps sequence lengths at 2^30, so the differences stay within ±2^31.
-      const int col_room = seq.len_k - n0 - 2 * t;  // element (nf, j) in range: nf·8 + j < this
-      const int rel0 = n0 + 2 * t - (where().m0 + warp_row0 + g + seq.len_k - seq.len_q);
-      const int rel_lo = p.window_left >= 0 ? -p.window_left : INT_MIN;
-      const int rel_hi = p.window_right >= 0 ? p.window_right : INT_MAX;
+      // Boundary step: ElementMask (core/score_mod.h) for the thread's elements, key
+      // n0 + 2t + nf·8 + j of row m0 + warp_row0 + g + mf·16 + half·8.
+      const ElementMask mask(n0, 2 * t, where().m0 + warp_row0 + g, seq.len_q, seq.len_k,
+                             p.window_left, p.window_right);
 #pragma unroll
       for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
@@ -433,11 +428,8 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
 #pragma unroll
           for (int nf = 0; nf < kNFrags; ++nf)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int rel = rel0 + nf * 8 + j - mf * 16 - half * 8;
-              if (nf * 8 + j >= col_room || rel < rel_lo || rel > rel_hi)
-                s[mf][nf][2 * half + j] = -INFINITY;
-            }
+            for (int j = 0; j < 2; ++j)
+              if (mask.masked(nf * 8 + j, mf * 16 + half * 8)) s[mf][nf][2 * half + j] = -INFINITY;
     }
   };
 
