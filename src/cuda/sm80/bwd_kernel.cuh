@@ -611,8 +611,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
               for (int mt = 0; mt < kSMt; ++mt)
 #pragma unroll
                 for (int r = 0; r < 4; ++r)
-                  if (mask.masked(mt * 16 + (r >> 1) * 8, nt * 8 + (r & 1)))
-                    acc_s[mt][nt][r] = 0.0f;
+                  acc_s[mt][nt][r] =
+                      mask.masked(mt * 16 + (r >> 1) * 8, nt * 8 + (r & 1)) ? 0.0f : acc_s[mt][nt][r];
           }
           if constexpr (!Cfg::kFusedS)
             s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(
@@ -655,10 +655,11 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                   if (p.alibi_slopes != nullptr) x += alibi_bias(slope, i, j, seq.len_q, seq.len_k);
                   prob = ptx::exp2_approx(x * kLog2e - lse2[r & 1]);
                 }
-                if (!full_tile && ElementMask(j, 0, i, seq.len_q, seq.len_k, p.window_left,
-                                              p.window_right)
-                                      .masked(0, 0))
-                  prob = 0.0f;
+                if (!full_tile) {
+                  const ElementMask mask(j, 0, i, seq.len_q, seq.len_k, p.window_left,
+                                         p.window_right);
+                  if (mask.masked(0, 0)) prob = 0.0f;
+                }
                 float dp = acc_dp[mt][nt][r];
                 float prob_dropped = prob;
                 if (has_dropout) {

@@ -241,9 +241,6 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 
   const uint32_t k_rows = sK + (Cfg::kSplitD ? 0 : c * 64 * 128);
   const uint32_t v_rows = sV + (Cfg::kSplitD ? 0 : c * 64 * 128);
-  // The mask of this thread's Sᵀ elements (core/score_mod.h), its rows counted from the step's
-  // first query: element 4j + e is key key0 + 8·(e / 2), query i0 + q_off + 2t + 8j + e % 2.
-  const ElementMask mask(n0, key0, q_off + 2 * t, len_q, len_k, p.window_left, p.window_right);
   ptx::mbarrier_wait(kv_full, 0);  // also when there are no steps: the epilogue reuses K and V
 
   const volatile int& step_count = s_step_count;
@@ -318,6 +315,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     const KeyRange last =
         visible_keys(min(i0 + kBlockM, len_q) - 1, len_q, len_k, p.window_left, p.window_right);
     const bool boundary = n0 < last.lo || n0 + kBlockN > first.hi;
+    // Element 4j + e: key key0 + 8·(e / 2), query i0 + q_off + 2t + 8j + e % 2.
+    const ElementMask mask(n0, key0, i0 + q_off + 2 * t, len_q, len_k, p.window_left,
+                           p.window_right);
     const float* lse2 = s_lse[stage] + q_off;
     const float* dsum = s_dsum[stage] + q_off;
     // Rounded as they are formed (the fp32 values die block by block, which keeps d 64's 128
@@ -335,7 +335,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pr = ptx::exp2_approx(fmaf(s[4 * j + e], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
-        if (boundary && mask.masked(8 * (e / 2), i0 + 8 * j + (e % 2))) pr = 0.0f;
+        if (boundary) {
+          if (mask.masked(8 * (e / 2), 8 * j + (e % 2))) pr = 0.0f;
+        }
         s[4 * j + e] = pr;
         dp[4 * j + e] = pr * (dp[4 * j + e] - (e % 2 ? dd.y : dd.x));
       }
