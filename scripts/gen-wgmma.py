@@ -8,7 +8,7 @@ are generated rather than typed. Run from the repository root after changing SHA
 import pathlib
 
 # n of m64nNk16, per form, as the kernels use them (no unused wrappers)
-SS_SHAPES = (32, 64, 128)  # both K-major: S = Q·Kᵀ (forward), Sᵀ and dPᵀ (backward)
+SS_SHAPES = (32, 64, 96, 128)  # both K-major: S = Q·Kᵀ (forward), Sᵀ and dPᵀ (backward)
 RS_SHAPES = (64, 80, 96, 128, 192, 256)  # A in registers: O += P·V, dV and dK at d <= 128
 MN_SHAPES = (64, 128)  # n of the both-MN-major form (dQ = dS·K in the backward)
 BMN_SHAPES = (128,)  # n of the K-major A, MN-major B form (dV, dK at d 256)

@@ -129,7 +129,7 @@ TEST(FwdTiles, ShortWalkTileForMasksWithShortKeyWalks) {
 }
 
 // The sm90 forward's persistent kernel runs calls of at most 2048 keys in the buckets up to 128
-// (the lengths where it measured faster), never the d 256 bucket; d 80 and 96 take a 128-row
+// and 1024 at d 192 (the lengths where it measured faster), never the d 256 bucket; d 80 and 96 take a 128-row
 // tile there and a 192-row tile beyond, where block masks go to sm80; the tests' hook forces the
 // persistent row where there is one. It counts query tiles in int, so calls with more than
 // INT_MAX / 2 tiles stay off sm90.
@@ -150,7 +150,9 @@ TEST(Fwd90Tiles, RowPerKernelOfEachBucket) {
     EXPECT_FALSE(fwd90_row(problem(d, 16384, 16384)).persistent) << d;
     EXPECT_TRUE(fwd90_row(problem(d, 16384, 16384), true).persistent) << d;
   }
-  EXPECT_FALSE(fwd90_row(problem(192, 512, 512)).persistent);
+  EXPECT_TRUE(fwd90_row(problem(192, 512, 1024)).persistent);
+  EXPECT_FALSE(fwd90_row(problem(192, 512, 1025)).persistent);
+  EXPECT_EQ(fwd90_row(problem(192, 4096, 4096)).block_n, 96);
   EXPECT_FALSE(fwd90_row(problem(256, 512, 512), true).persistent);
   EXPECT_EQ(fwd90_row(problem(88, 512, 512)).head_dim, 96);
   EXPECT_EQ(fwd90_row(problem(80, 1024, 1024)).block_m, 128);

@@ -11,7 +11,8 @@
 //   d 80 and 96: 128×128, 2 consumers (O 40 / 48 + S 64) in the persistent kernel; 192×128,
 //                3 consumers beyond.
 //   d 128:       128×128, 2 consumers: O 64 + S 64.
-//   d 192:       128×64,  2 consumers: O 96 + S 32.
+//   d 192:       128×64,  2 consumers (O 96 + S 32) in the persistent kernel; 128×96, 2 consumers,
+//                overlapped (O 96 + S 48) beyond.
 //   d 256:       128×64,  2 consumers: O 128 + S 32.
 // Block masks (core/block_mask.h) are taken where the tile's rows lie in one mask row block
 // (kMaskTileMultiple = 128 rows). A 192-row tile can span two, and the code to skip a step for
@@ -56,8 +57,9 @@ struct Fwd90Tile {
 //     (bench/results/2026-11-28-h200x2-49e5679/fwd90-d80-ab.txt): 1.07-1.18x faster from s 4096,
 //     0.84-0.87x at s 512-1024 causal, where 192-row tiles leave more of the diagonal masked and
 //     fewer tiles to balance.
-//   d 192: 128×64 ran 1.15-1.23x the 256 bucket
-//     (bench/results/2026-11-28-h200-85e1344/fwd90-d192-ab.txt).
+//   d 192: 128×64 ran 1.15-1.23x the 256 bucket; the same tile in the persistent kernel
+//     1.01-1.10x faster to s 1024 (0.96x at 2048 causal), 128×96 overlapped 1.04-1.09x from
+//     s 4096 and even at 2048 (bench/results/2026-11-28-h200-85e1344/fwd90-d192-ab.txt).
 //   d 64: a persistent 128×128 row, overlapped, ran 0.84-0.89x non-causal
 //     (bench/results/2026-11-28-h200x2-f493527/fwd90-d64-persistent-128-ab.txt).
 inline constexpr Fwd90Tile kFwd90Tiles[] = {
@@ -65,7 +67,7 @@ inline constexpr Fwd90Tile kFwd90Tiles[] = {
     {80, 2048, true, 128, 128, 2, 2, true},     {80, INT_MAX, false, 192, 128, 3, 2, false},
     {96, 2048, true, 128, 128, 2, 2, true},     {96, INT_MAX, false, 192, 128, 3, 2, false},
     {128, 2048, true, 128, 128, 2, 2, true},    {128, INT_MAX, false, 128, 128, 2, 2, true},
-    {192, INT_MAX, false, 128, 64, 2, 2, false},
+    {192, 1024, true, 128, 64, 2, 2, false},    {192, INT_MAX, false, 128, 96, 2, 2, true},
     {256, INT_MAX, false, 128, 64, 2, 2, false},
 };
 
