@@ -7,7 +7,9 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
+#include <string>
 
 #include "core/score_mod.h"
 #include "test_util.h"
@@ -34,7 +36,8 @@ void check_gradient(Problem& pr, HostTensor& t, const std::vector<double>& grad,
   if (v.ndim == 3) {
     for (int64_t r = 0; r < v.shape[0]; ++r)
       for (int64_t h = 0; h < v.shape[1]; ++h)
-        for (int64_t c = 0; c < v.shape[2]; ++c) offsets.push_back(r * v.stride[0] + h * v.stride[1] + c);
+        for (int64_t c = 0; c < v.shape[2]; ++c)
+          offsets.push_back(r * v.stride[0] + h * v.stride[1] + c);
   } else {
     for (int64_t b = 0; b < v.shape[0]; ++b)
       for (int64_t r = 0; r < v.shape[1]; ++r)
@@ -97,17 +100,46 @@ TEST_P(ReferenceGradient, MatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(
     Features, ReferenceGradient,
-    ::testing::Values(
-        GradCase{"plain", [](ProblemSpec&) {}},
-        GradCase{"causal", [](ProblemSpec& s) { s.options.causal = true; }},
-        GradCase{"causal_sq_gt_sk", [](ProblemSpec& s) { s.seqlen_q = 7; s.seqlen_k = 4; s.options.causal = true; }},
-        GradCase{"window", [](ProblemSpec& s) { s.options.window_left = 2; s.options.window_right = 1; }},
-        GradCase{"softcap", [](ProblemSpec& s) { s.options.softcap = 1.5f; s.magnitude = 2.0f; }},
-        GradCase{"alibi", [](ProblemSpec& s) { s.alibi = true; s.alibi_per_batch = true; }},
-        GradCase{"dropout", [](ProblemSpec& s) { s.options.dropout_p = 0.3f; s.options.dropout_seed = 7; }},
-        GradCase{"scale", [](ProblemSpec& s) { s.options.softmax_scale = 0.9f; }},
-        GradCase{"varlen", [](ProblemSpec& s) { s.varlen_q = {3, 0, 4}; s.varlen_k = {2, 5, 3}; s.options.causal = true; }},
-        GradCase{"padded", [](ProblemSpec& s) { s.pad = 3; s.heads_kv = 2; }}),
+    ::testing::Values(GradCase{"plain", [](ProblemSpec&) {}},
+                      GradCase{"causal", [](ProblemSpec& s) { s.options.causal = true; }},
+                      GradCase{"causal_sq_gt_sk",
+                               [](ProblemSpec& s) {
+                                 s.seqlen_q = 7;
+                                 s.seqlen_k = 4;
+                                 s.options.causal = true;
+                               }},
+                      GradCase{"window",
+                               [](ProblemSpec& s) {
+                                 s.options.window_left = 2;
+                                 s.options.window_right = 1;
+                               }},
+                      GradCase{"softcap",
+                               [](ProblemSpec& s) {
+                                 s.options.softcap = 1.5f;
+                                 s.magnitude = 2.0f;
+                               }},
+                      GradCase{"alibi",
+                               [](ProblemSpec& s) {
+                                 s.alibi = true;
+                                 s.alibi_per_batch = true;
+                               }},
+                      GradCase{"dropout",
+                               [](ProblemSpec& s) {
+                                 s.options.dropout_p = 0.3f;
+                                 s.options.dropout_seed = 7;
+                               }},
+                      GradCase{"scale", [](ProblemSpec& s) { s.options.softmax_scale = 0.9f; }},
+                      GradCase{"varlen",
+                               [](ProblemSpec& s) {
+                                 s.varlen_q = {3, 0, 4};
+                                 s.varlen_k = {2, 5, 3};
+                                 s.options.causal = true;
+                               }},
+                      GradCase{"padded",
+                               [](ProblemSpec& s) {
+                                 s.pad = 3;
+                                 s.heads_kv = 2;
+                               }}),
     [](const ::testing::TestParamInfo<GradCase>& c) { return std::string(c.param.name); });
 
 // Predicate written independently of score_mod.h: bottom-right aligned causal / window.
@@ -140,7 +172,8 @@ TEST_P(ReferenceMask, ZeroQueriesAverageVisibleValues) {
   spec.seed = test_seed();
   Problem pr = make_problem(spec);
   std::fill(pr.q.bytes.begin(), pr.q.bytes.end(), 0);
-  const cpu::RefForward f = cpu::reference_forward(pr.forward_params(), cpu::RefPrecision::kFloat64);
+  const cpu::RefForward f =
+      cpu::reference_forward(pr.forward_params(), cpu::RefPrecision::kFloat64);
   for (int i = 0; i < mc.sq; ++i) {
     int n = 0;
     double mean[4] = {0, 0, 0, 0};
@@ -167,19 +200,20 @@ AttentionOptions opts(bool causal, int left, int right) {
   return o;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Masks, ReferenceMask,
-    ::testing::Values(MaskCase{"full", 7, 9, opts(false, -1, -1)},
-                      MaskCase{"causal_square", 8, 8, opts(true, -1, -1)},
-                      MaskCase{"causal_sq_lt_sk", 4, 9, opts(true, -1, -1)},
-                      MaskCase{"causal_sq_gt_sk", 9, 4, opts(true, -1, -1)},
-                      MaskCase{"window_left", 9, 9, opts(false, 2, -1)},
-                      MaskCase{"window_right", 9, 9, opts(false, -1, 1)},
-                      MaskCase{"window_both", 6, 11, opts(false, 1, 2)},
-                      MaskCase{"window_zero", 5, 5, opts(false, 0, 0)},
-                      MaskCase{"causal_window", 10, 7, opts(true, 3, -1)},
-                      MaskCase{"window_outside", 3, 12, opts(false, 0, -1)}),
-    [](const ::testing::TestParamInfo<MaskCase>& c) { return std::string(c.param.name); });
+INSTANTIATE_TEST_SUITE_P(Masks, ReferenceMask,
+                         ::testing::Values(MaskCase{"full", 7, 9, opts(false, -1, -1)},
+                                           MaskCase{"causal_square", 8, 8, opts(true, -1, -1)},
+                                           MaskCase{"causal_sq_lt_sk", 4, 9, opts(true, -1, -1)},
+                                           MaskCase{"causal_sq_gt_sk", 9, 4, opts(true, -1, -1)},
+                                           MaskCase{"window_left", 9, 9, opts(false, 2, -1)},
+                                           MaskCase{"window_right", 9, 9, opts(false, -1, 1)},
+                                           MaskCase{"window_both", 6, 11, opts(false, 1, 2)},
+                                           MaskCase{"window_zero", 5, 5, opts(false, 0, 0)},
+                                           MaskCase{"causal_window", 10, 7, opts(true, 3, -1)},
+                                           MaskCase{"window_outside", 3, 12, opts(false, 0, -1)}),
+                         [](const ::testing::TestParamInfo<MaskCase>& c) {
+                           return std::string(c.param.name);
+                         });
 
 // A single visible key: O = z·v, LSE = that key's (modified) score.
 TEST(Reference, SingleKeyClosedForm) {
@@ -203,7 +237,8 @@ TEST(Reference, SingleKeyClosedForm) {
       t *= p.scale;
       const double s = 2.0 * std::tanh(t / 2.0) - slope * std::abs(i + 1 - 3 - 0);
       EXPECT_NEAR(f.lse[h * 3 + i], s, 1e-6);
-      for (int c = 0; c < 5; ++c) EXPECT_NEAR(f.o[(i * 2 + h) * 5 + c], pr.v.get({0, 0, 0, c}), 1e-12);
+      for (int c = 0; c < 5; ++c)
+        EXPECT_NEAR(f.o[(i * 2 + h) * 5 + c], pr.v.get({0, 0, 0, c}), 1e-12);
     }
   }
 }
@@ -248,6 +283,44 @@ TEST(ElementMask, AgreesWithVisibleKeys) {
                   EXPECT_EQ(mask.masked(dk, dr), !(key >= keys.lo && key < keys.hi))
                       << "len_q " << len_q << " len_k " << len_k << " window (" << left << ", "
                       << right << ") row " << row0 + dr << " key " << key;
+                }
+            }
+}
+
+// rows_seeing and tile_sees_all (the backward kernels' walk and boundary tests) against
+// visible_keys row by row, windows up to INT_MAX included (the bounds' sums pass 2^31 there).
+TEST(TileMask, RowsSeeingAgreeWithVisibleKeys) {
+  constexpr int kHuge = std::numeric_limits<int>::max();
+  for (int len_q : {1, 2, 5, 9})
+    for (int len_k : {1, 3, 6, 11})
+      for (int left : {-1, 0, 1, 3, kHuge - 1, kHuge})
+        for (int right : {-1, 0, 2, kHuge})
+          for (int key0 = 0; key0 < len_k; ++key0)
+            for (int key_end = key0 + 1; key_end <= len_k + 2; ++key_end) {
+              const auto sees = [&](int row, int key) {
+                const KeyRange keys = visible_keys(row, len_q, len_k, left, right);
+                return key >= keys.lo && key < keys.hi;
+              };
+              const std::string at = "len_q " + std::to_string(len_q) + " len_k " +
+                                     std::to_string(len_k) + " window (" + std::to_string(left) +
+                                     ", " + std::to_string(right) + ") keys [" +
+                                     std::to_string(key0) + ", " + std::to_string(key_end) + ")";
+              if (key_end <= len_k) {
+                const RowRange rows = rows_seeing(key0, key_end, len_q, len_k, left, right);
+                for (int row = 0; row < len_q; ++row) {
+                  bool any = false;
+                  for (int key = key0; key < key_end; ++key) any = any || sees(row, key);
+                  EXPECT_EQ(row >= rows.lo && row < rows.hi, any) << at << " row " << row;
+                }
+              }
+              for (int row0 = 0; row0 < len_q; ++row0)
+                for (int row_end = row0 + 1; row_end <= len_q; ++row_end) {
+                  bool every = true;
+                  for (int row = row0; row < row_end; ++row)
+                    for (int key = key0; key < key_end; ++key) every = every && sees(row, key);
+                  EXPECT_EQ(tile_sees_all(row0, row_end, key0, key_end, len_q, len_k, left, right),
+                            every)
+                      << at << " rows [" << row0 << ", " << row_end << ")";
                 }
             }
 }

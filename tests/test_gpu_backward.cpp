@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -273,15 +274,19 @@ TEST_F(GpuBackward, GroupedQueryHeads) {
   }
 }
 
+// Windows of every kind, the widest ones included (their bounds' sums pass 32 bits unless capped),
+// at d 64 (the sm90 kernel on Hopper) and d 160 (sm80's).
 TEST_F(GpuBackward, SlidingWindow) {
-  const int windows[][2] = {{20, 5}, {-1, 3}, {0, 0}, {40, -1}};
+  constexpr int kWidest = std::numeric_limits<int>::max();
+  const int windows[][2] = {{20, 5}, {-1, 3}, {0, 0}, {40, -1}, {kWidest, 0}, {kWidest, kWidest}};
   for (DType dt : kDtypes)
-    for (const auto& w : windows) {
-      ProblemSpec s = with_run_seed(fixed(2, 97, 150, 2, 2, 64, dt));
-      s.options.window_left = w[0];
-      s.options.window_right = w[1];
-      check_backward(s);
-    }
+    for (int d : {64, 160})
+      for (const auto& w : windows) {
+        ProblemSpec s = with_run_seed(fixed(2, 97, 150, 2, 2, d, dt));
+        s.options.window_left = w[0];
+        s.options.window_right = w[1];
+        check_backward(s);
+      }
 }
 
 TEST_F(GpuBackward, Softcap) {

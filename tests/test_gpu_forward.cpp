@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -164,7 +165,9 @@ TEST_P(GpuForwardFeature, CausalQueriesMoreThanKeysMasksWholeRows) {
 
 TEST_P(GpuForwardFeature, SlidingWindows) {
   FLARE_SKIP_WITHOUT_CUDA();
-  const int windows[][2] = {{32, 16}, {64, -1}, {-1, 8}, {0, 0}, {200, 0}};
+  constexpr int kWidest = std::numeric_limits<int>::max();  // bounds' sums pass 32 bits
+  const int windows[][2] = {{32, 16}, {64, -1}, {-1, 8}, {0, 0}, {200, 0}, {kWidest, 0},
+                            {kWidest, kWidest}};
   for (const auto& w : windows) {
     ProblemSpec s = spec(128, 12);
     s.seqlen_q = 300;

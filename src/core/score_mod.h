@@ -30,6 +30,53 @@ FLARE_HD KeyRange visible_keys(int row, int len_q, int len_k, int window_left, i
   return {static_cast<int>(lo), static_cast<int>(hi)};
 }
 
+// Query rows as ranges [lo, hi), empty when hi ≤ lo.
+struct RowRange {
+  int lo;
+  int hi;
+};
+
+// The rows whose window reaches key `right_key` on its right side and key `left_key` on its left:
+// i + len_k − len_q + right ≥ right_key and i + len_k − len_q − left ≤ left_key, each side only
+// where bounded (visible_keys' two sides, solved for the row); both keys in [0, len_k). A side
+// wider than the other sequence bounds nothing more, so it is capped there: with lengths at most
+// 2^30 the sums stay within 32 bits for any window, and no 64-bit registers are needed.
+FLARE_HD RowRange rows_reaching(int right_key, int left_key, int len_q, int len_k, int window_left,
+                                int window_right) {
+  const int diag = len_k - len_q;
+  int lo = 0, hi = len_q;
+  if (window_right >= 0) {
+    const int first = right_key - diag - (window_right < len_q ? window_right : len_q - 1);
+    lo = first > 0 ? first : 0;
+  }
+  if (window_left >= 0) {
+    const int end = left_key + 1 - diag + (window_left < len_k ? window_left : len_k - 1);
+    hi = end < len_q ? end : len_q;
+  }
+  return {lo, hi > lo ? hi : lo};
+}
+
+// Query rows that see at least one key of [key0, key_end) (key_end ≤ len_k): the rows a backward
+// key block walks.
+FLARE_HD RowRange rows_seeing(int key0, int key_end, int len_q, int len_k, int window_left,
+                              int window_right) {
+  return rows_reaching(key0, key_end - 1, len_q, len_k, window_left, window_right);
+}
+
+// Whether every row of [row0, row_end) sees every key of [key0, key_end): the tiles that need no
+// per-element mask. Per step in the backward kernels, so 32-bit and from the arguments alone (a
+// range held across their loops costs registers there); the windows are capped as in
+// rows_reaching.
+FLARE_HD bool tile_sees_all(int row0, int row_end, int key0, int key_end, int len_q, int len_k,
+                            int window_left, int window_right) {
+  const int diag = len_k - len_q;
+  return key_end <= len_k &&
+         (window_left < 0 ||
+          key0 >= row_end - 1 + diag - (window_left < len_k ? window_left : len_k - 1)) &&
+         (window_right < 0 ||
+          key_end - 1 <= row0 + diag + (window_right < len_q ? window_right : len_q - 1));
+}
+
 // visible_keys per element, as the GPU kernels test their score fragments on boundary steps. A
 // thread's fragment starts at key key0 = block_key + lane_key (the step's first key and the
 // thread's offset from it) and query row row0; an element at compile-time offsets
@@ -41,8 +88,8 @@ FLARE_HD KeyRange visible_keys(int row, int len_q, int len_k, int window_left, i
 struct ElementMask {
   int room, rel0, lo, hi;
 
-  FLARE_HD ElementMask(int block_key, int lane_key, int row0, int len_q, int len_k,
-                       int window_left, int window_right)
+  FLARE_HD ElementMask(int block_key, int lane_key, int row0, int len_q, int len_k, int window_left,
+                       int window_right)
       : room(len_k - block_key - lane_key),
         rel0(block_key + lane_key - (row0 + len_k - len_q)),
         lo(window_left >= 0 ? -window_left : INT32_MIN),

@@ -429,7 +429,6 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   const int kg = warp % Cfg::kSKeyGroups;  // Sᵀ: key group (kSMt·16 keys)
   const int cs = warp / Cfg::kSKeyGroups;  //     query slice
   const int d = p.head_dim;
-  const int diag = seq.len_k - seq.len_q;  // key position of query row 0 (bottom-right aligned)
   const int64_t q_packed0 = packed_q_row0(p, b, seq);
   float* const dq_accum = w.dq_accum + slot.rank * w.dq_split_stride;
   const bool has_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
@@ -467,13 +466,10 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
     const int tid_kv = Cfg::kLeanKeyLoop ? ptx::thread_index_volatile() : tid;
     const int j0 = jb * kBlockN;
     const int rows_k = min(kBlockN, seq.len_k - j0);
-    // Query rows that see a key of [j0, j0 + rows_k): key j is visible from row i iff j − right ≤ i
-    // + diag ≤ j + left (each side only when bounded).
-    int i_lo = 0, i_hi = seq.len_q;
-    if (p.window_right >= 0) i_lo = max(0, j0 - p.window_right - diag);
-    if (p.window_left >= 0) i_hi = min(seq.len_q, j0 + rows_k + p.window_left - diag);
-    const int m_begin = i_lo / kBlockM;
-    const int m_count = i_hi > i_lo ? (i_hi + kBlockM - 1) / kBlockM - m_begin : 0;
+    const RowRange rows =
+        rows_seeing(j0, j0 + rows_k, seq.len_q, seq.len_k, p.window_left, p.window_right);
+    const int m_begin = rows.lo / kBlockM;
+    const int m_count = rows.hi > rows.lo ? (rows.hi + kBlockM - 1) / kBlockM - m_begin : 0;
     const int h0 = hk * p.head_group;
     const int m_end = m_begin + m_count;
     // Block-sparse: only the steps whose mask block is on (cuda/block_walk.cuh), the walk kept in
@@ -552,9 +548,8 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
       const float* const sDsums = sDsum + stage * kBlockM;
 
       // A tile needs the mask only where it straddles the ragged key end or a window edge.
-      const bool full_tile = j0 + kBlockN <= seq.len_k &&
-                             (p.window_left < 0 || j0 >= i0 + kBlockM - 1 + diag - p.window_left) &&
-                             (p.window_right < 0 || j0 + kBlockN - 1 <= i0 + diag + p.window_right);
+      const bool full_tile = tile_sees_all(i0, min(i0 + kBlockM, seq.len_q), j0, j0 + kBlockN,
+                                           seq.len_q, seq.len_k, p.window_left, p.window_right);
       // One pass: the warp's Sᵀ/dPᵀ over queries q0 + [0, kPass), q0 = cs·kSCols + q_rel, through P
       // and dS into shared memory; keys kg·kSMt·16 + [0, kSMt·16). Each B fragment (Q, dO) feeds
       // kSMt row tiles. Without score modifier or dropout (kPlain, masked by a select where the
@@ -611,8 +606,9 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
               for (int mt = 0; mt < kSMt; ++mt)
 #pragma unroll
                 for (int r = 0; r < 4; ++r)
-                  acc_s[mt][nt][r] =
-                      mask.masked(mt * 16 + (r >> 1) * 8, nt * 8 + (r & 1)) ? 0.0f : acc_s[mt][nt][r];
+                  acc_s[mt][nt][r] = mask.masked(mt * 16 + (r >> 1) * 8, nt * 8 + (r & 1))
+                                         ? 0.0f
+                                         : acc_s[mt][nt][r];
           }
           if constexpr (!Cfg::kFusedS)
             s_product<Element, kHeadDim, kSMt, kPass, false, Cfg::kSUnroll>(
@@ -1034,9 +1030,10 @@ Status launch_backward_main(const AttentionParams& p, const BwdWorkspace& w, int
       // The skewed steps exist only in sm_90 device code: a device that runs code built for an
       // earlier architecture (whatever its shared memory) takes the fallback.
       int ptx = 0;
-      if (const Status s = kernel_ptx_version(
-              reinterpret_cast<const void*>(attention_backward_kernel<kDType, kHeadDim, kTile.stages>),
-              &ptx);
+      if (const Status s =
+              kernel_ptx_version(reinterpret_cast<const void*>(
+                                     attention_backward_kernel<kDType, kHeadDim, kTile.stages>),
+                                 &ptx);
           !s.ok())
         return Status::device_error("backward: " + s.message());
       if (ptx < 90)

@@ -1,22 +1,25 @@
 // bwd_kernel.cuh — the Hopper backward main kernel (sm_90a: wgmma, TMA, warp specialisation), fp16
 // and bf16, and its launcher. The preprocess (D = rowsum(dO∘O), dQ accumulator zeroed) and convert
-// (dq = scale · accumulator) kernels are the sm80 ones (sm80/bwd_prepost.cu), on the same workspace.
+// (dq = scale · accumulator) kernels are the sm80 ones (sm80/bwd_prepost.cu), on the same
+// workspace.
 //
 // One CTA owns kBlockN = 128 keys of one (kv head, batch): K and V are loaded once, dK and dV live
 // in registers and are written once, and the CTA walks every query block of every query head of
 // the kv head's group that sees one of its keys (as the sm80 kernel does). Warpgroup 0 is the
 // producer: one thread issues the TMA loads (K and V once; Q_i and dO_i into a ring of kStages
-// buffers, beside each its step's query block and head). The consumers copy each step's LSE (base 2, +inf for rows that see nothing) and D into
-// shared memory beside them one step ahead, and arrive on the same `full` barrier as the TMA
-// loads. Warpgroups 1 and 2 each own 64 of the keys and per step run
+// buffers, beside each its step's query block and head). The consumers copy each step's LSE (base
+// 2, +inf for rows that see nothing) and D into shared memory beside them one step ahead, and
+// arrive on the same `full` barrier as the TMA loads. Warpgroups 1 and 2 each own 64 of the keys
+// and per step run
 //   Sᵀ  = K·Q_iᵀ, dPᵀ = V·dO_iᵀ        wgmma, both operands K-major in shared memory
 //   Pᵀ  = 2^(Sᵀ·scale·log2e − LSE₂)      masked on boundary steps
 //   dSᵀ = Pᵀ∘(dPᵀ − D)
 //   dV += Pᵀ·dO_i, dK += dSᵀ·Q_i          wgmma with Pᵀ, dSᵀ in registers (the accumulator layout
 //                                         rounded in place is the A fragment), B MN-major
 //   dSᵀ → shared memory; the two warpgroups meet at a named barrier
-//   dQ_i += dS·K                          one 64×64 tile of dQ per warpgroup (both operands MN-major:
-//                                         dSᵀ's rows and K's rows are the reduction dimension),
+//   dQ_i += dS·K                          one 64×64 tile of dQ per warpgroup (both operands
+//                                         MN-major: dSᵀ's rows and K's rows are the reduction
+//                                         dimension),
 //                                         staged in shared memory (d <= 128: a buffer of the
 //                                         warpgroup's own) and added to the fp32 accumulator by
 //                                         TMA reductions
@@ -48,8 +51,8 @@
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm90/bwd_launch.h"
-#include "cuda/sm90/common.cuh"
 #include "cuda/sm90/bwd_tiles.h"
+#include "cuda/sm90/common.cuh"
 #include "cuda/sm90/tensor_map.h"
 
 namespace flare::cuda::sm90 {
@@ -107,7 +110,6 @@ struct Bwd90Config {
                 "setmaxnreg split exceeds the CTA's registers");
 };
 
-
 // The consumers' named barriers (0 is __syncthreads).
 enum Bwd90Barrier : int {
   kBothConsumersStep = 1,  // both warpgroups' dSᵀ (and Pᵀ) of the step are in shared memory
@@ -153,16 +155,11 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   const int tid = threadIdx.x;
   const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int len_q = p.seqlen_q, len_k = p.seqlen_k;
-  const int diag = len_k - len_q;
   const int n0 = n_block * kBlockN;
   const int rows_k = min(kBlockN, len_k - n0);
-  // Query rows that see a key of [n0, n0 + rows_k): key j is visible from row i iff
-  // j − right ≤ i + diag ≤ j + left (each side only when bounded).
-  int i_lo = 0, i_hi = len_q;
-  if (p.window_right >= 0) i_lo = max(0, n0 - p.window_right - diag);
-  if (p.window_left >= 0) i_hi = min(len_q, n0 + rows_k + p.window_left - diag);
-  const int m_begin = i_lo / kBlockM;
-  const int m_count = i_hi > i_lo ? (i_hi + kBlockM - 1) / kBlockM - m_begin : 0;
+  const RowRange rows = rows_seeing(n0, n0 + rows_k, len_q, len_k, p.window_left, p.window_right);
+  const int m_begin = rows.lo / kBlockM;
+  const int m_count = rows.hi > rows.lo ? (rows.hi + kBlockM - 1) / kBlockM - m_begin : 0;
   const int h0 = hk * p.head_group;
   // The steps are the walk's (cuda/block_walk.cuh): dense, query blocks m_begin.. of head h0, then
   // of h0 + 1, ...; block-sparse, only those whose mask block is on, counted here by the whole CTA.
@@ -253,7 +250,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // LSE and D of a step: consumer thread ct (0–255) copies row ct % 128 of the step's query block,
   // of LSE if ct < 128 and of D otherwise (where the row is inside the block), fetched one step
   // ahead and published after the step's named barrier, which proves every consumer done with the
-  // buffer's previous step. Each consumer thread arrives on the step's `full` barrier after its copy.
+  // buffer's previous step. Each consumer thread arrives on the step's `full` barrier after its
+  // copy.
   const int ct = tid - 128, copy_row = ct % 128;
   const bool copy_lse = ct < 128;
   auto fetch = [&](int step) -> float {
@@ -311,10 +309,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     // Pᵀ and dSᵀ. Element 4j + e: key row key0 + 8·(e / 2), query column q_off + 8j + 2t + e % 2.
     // Boundary steps (some row of the query block does not see every key of the block) mask
     // with ElementMask (visible_keys per element).
-    const KeyRange first = visible_keys(i0, len_q, len_k, p.window_left, p.window_right);
-    const KeyRange last =
-        visible_keys(min(i0 + kBlockM, len_q) - 1, len_q, len_k, p.window_left, p.window_right);
-    const bool boundary = n0 < last.lo || n0 + kBlockN > first.hi;
+    const bool boundary = !tile_sees_all(i0, min(i0 + kBlockM, len_q), n0, n0 + kBlockN, len_q,
+                                         len_k, p.window_left, p.window_right);
     // Element 4j + e: key key0 + 8·(e / 2), query i0 + q_off + 2t + 8j + e % 2.
     const ElementMask mask(n0, key0, i0 + q_off + 2 * t, len_q, len_k, p.window_left,
                            p.window_right);
@@ -365,11 +361,13 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk)
         ptx::wgmma_rs<kHeadDim, Element>(
-            acc_dv, pa[kk], ptx::wgmma_desc_mn_major(do_tile + kk * kSlice16Bytes, Cfg::kQPanelBytes), 1);
+            acc_dv, pa[kk],
+            ptx::wgmma_desc_mn_major(do_tile + kk * kSlice16Bytes, Cfg::kQPanelBytes), 1);
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk)
         ptx::wgmma_rs<kHeadDim, Element>(
-            acc_dk, da[kk], ptx::wgmma_desc_mn_major(q_tile + kk * kSlice16Bytes, Cfg::kQPanelBytes), 1);
+            acc_dk, da[kk],
+            ptx::wgmma_desc_mn_major(q_tile + kk * kSlice16Bytes, Cfg::kQPanelBytes), 1);
       ptx::wgmma_commit();
       ptx::named_barrier_sync(kBothConsumersStep, 128 * Cfg::kConsumers);
       if (more) publish(it + 1, next_copy);
@@ -428,8 +426,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         return (cb < 2 ? q_tile : do_tile) + (2 * c + cb % 2) * Cfg::kQPanelBytes +
                rb * Cfg::kDqBoxBytes;
       else
-        return base + Cfg::kOffDqStage + c * Cfg::kDqStageBytes +
-               (cb * 2 + rb) * Cfg::kDqBoxBytes;
+        return base + Cfg::kOffDqStage + c * Cfg::kDqStageBytes + (cb * 2 + rb) * Cfg::kDqBoxBytes;
     };
     if constexpr (!Cfg::kSplitD) {
       ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
@@ -527,7 +524,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 
 template <DType kDType, int kHeadDim>
 bool backward_runs_on_device() {
-  return runs_sm90a_code(reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim>));
+  return runs_sm90a_code(
+      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim>));
 }
 
 template <DType kDType, int kHeadDim>
@@ -543,13 +541,12 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
     st = encode_map(&tm_do, kDType, p.dout, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
                     p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM, "dout");
   if (st.ok())
-    st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                    p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBlockN, "k");
+    st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride,
+                    p.k_head_stride, p.k_batch_stride, Cfg::kBlockN, "k");
   if (st.ok())
-    st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                    p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
-  if (st.ok())
-    st = encode_accum_map(&tm_dq, w.dq_accum, w.bucket, int64_t{p.heads_q} * p.total_q);
+    st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride,
+                    p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
+  if (st.ok()) st = encode_accum_map(&tm_dq, w.dq_accum, w.bucket, int64_t{p.heads_q} * p.total_q);
   if (!st.ok()) return st;
   const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.heads_kv),
                   static_cast<unsigned>(p.batch));
