@@ -59,7 +59,9 @@ struct Fwd90Tile {
 //     fewer tiles to balance.
 //   d 192: 128×64 ran 1.15-1.23x the 256 bucket; the same tile in the persistent kernel
 //     1.01-1.10x faster to s 1024 (0.96x at 2048 causal), 128×96 overlapped 1.04-1.09x from
-//     s 4096 and even at 2048 (bench/results/2026-11-28-h200-85e1344/fwd90-d192-ab.txt).
+//     s 4096 and even at 2048 (bench/results/2026-11-28-h200-85e1344/fwd90-d192-ab.txt); the two
+//     rows together 1.01-1.11x the one 128×64 row, every cell
+//     (bench/results/2026-11-29-h200-985d7e8/fwd90-d192-rows-ab.txt).
 //   d 64: a persistent 128×128 row, overlapped, ran 0.84-0.89x non-causal
 //     (bench/results/2026-11-28-h200x2-f493527/fwd90-d64-persistent-128-ab.txt).
 inline constexpr Fwd90Tile kFwd90Tiles[] = {
