@@ -87,7 +87,7 @@ struct AttentionParams {
   int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
-  bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  FLARE_HD bool has_window() const { return window_left >= 0 || window_right >= 0; }
 };
 
 // Where one sequence of the batch lives: row offsets into the packed token dimension (0 for fixed

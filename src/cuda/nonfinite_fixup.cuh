@@ -67,7 +67,7 @@ struct FinishedRow {
   bool windowed, every_key_visible;
 
   __device__ FinishedRow(const AttentionParams& p, int len_k)
-      : windowed(p.window_left >= 0 || p.window_right >= 0),
+      : windowed(p.has_window()),
         every_key_visible(!windowed && p.block_mask == nullptr && len_k > 0) {}
 
   __device__ float scale(float l, float numerator) const {
