@@ -36,21 +36,27 @@ struct RowRange {
   int hi;
 };
 
+// A window side capped at other_len − 1: wider bounds nothing more (the sequence it reaches across
+// is other_len long), and capped, the sums below stay within 32 bits for any window with lengths
+// at most 2^30.
+FLARE_HD int capped_window(int window, int other_len) {
+  return window < other_len ? window : other_len - 1;
+}
+
 // The rows whose window reaches key `right_key` on its right side and key `left_key` on its left:
 // i + len_k − len_q + right ≥ right_key and i + len_k − len_q − left ≤ left_key, each side only
-// where bounded (visible_keys' two sides, solved for the row); both keys in [0, len_k). A side
-// wider than the other sequence bounds nothing more, so it is capped there: with lengths at most
-// 2^30 the sums stay within 32 bits for any window, and no 64-bit registers are needed.
+// where bounded (visible_keys' two sides, solved for the row); both keys in [0, len_k). 32-bit,
+// with capped windows: no 64-bit registers are needed.
 FLARE_HD RowRange rows_reaching(int right_key, int left_key, int len_q, int len_k, int window_left,
                                 int window_right) {
   const int diag = len_k - len_q;
   int lo = 0, hi = len_q;
   if (window_right >= 0) {
-    const int first = right_key - diag - (window_right < len_q ? window_right : len_q - 1);
+    const int first = right_key - diag - capped_window(window_right, len_q);
     lo = first > 0 ? first : 0;
   }
   if (window_left >= 0) {
-    const int end = left_key + 1 - diag + (window_left < len_k ? window_left : len_k - 1);
+    const int end = left_key + 1 - diag + capped_window(window_left, len_k);
     hi = end < len_q ? end : len_q;
   }
   return {lo, hi > lo ? hi : lo};
@@ -65,16 +71,13 @@ FLARE_HD RowRange rows_seeing(int key0, int key_end, int len_q, int len_k, int w
 
 // Whether every row of [row0, row_end) sees every key of [key0, key_end): the tiles that need no
 // per-element mask. Per step in the backward kernels, so 32-bit and from the arguments alone (a
-// range held across their loops costs registers there); the windows are capped as in
-// rows_reaching.
+// range held across their loops costs registers there); windows capped as in rows_reaching.
 FLARE_HD bool tile_sees_all(int row0, int row_end, int key0, int key_end, int len_q, int len_k,
                             int window_left, int window_right) {
   const int diag = len_k - len_q;
   return key_end <= len_k &&
-         (window_left < 0 ||
-          key0 >= row_end - 1 + diag - (window_left < len_k ? window_left : len_k - 1)) &&
-         (window_right < 0 ||
-          key_end - 1 <= row0 + diag + (window_right < len_q ? window_right : len_q - 1));
+         (window_left < 0 || key0 >= row_end - 1 + diag - capped_window(window_left, len_k)) &&
+         (window_right < 0 || key_end - 1 <= row0 + diag + capped_window(window_right, len_q));
 }
 
 // visible_keys per element, as the GPU kernels test their score fragments on boundary steps. A
