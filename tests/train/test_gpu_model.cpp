@@ -170,6 +170,11 @@ StepInputs step_inputs(const ModelConfig& c, int64_t B, int64_t T) {
   return in;
 }
 
+// How the step's backward leaves its gradients: added into zeroed buffers (zero_grads, then
+// accumulate), or written over buffers poisoned with NaN (a step's first micro-batch: every
+// gradient must be written, none read).
+enum class Gradients { kAccumulated, kWritten };
+
 // One forward + backward of the GPU model: loss, logits (float) and gradients (host).
 struct GpuResult {
   double loss = 0.0;
@@ -182,7 +187,8 @@ struct GpuResult {
 // loss its rows add to the mean over all B·T tokens, and its rows' logits; *positions gets them.
 void run_gpu(const ModelConfig& c, const std::vector<uint16_t>& weights, const Batch& batch, int64_t B,
              int64_t T, bool recompute, GpuResult* out, dist::Communicator* cp = nullptr,
-             int device = 0, std::vector<int64_t>* positions = nullptr) {
+             int device = 0, std::vector<int64_t>* positions = nullptr,
+             Gradients gradients = Gradients::kAccumulated) {
   cudaStream_t stream = nullptr;
   ASSERT_CUDA(cudaStreamCreate(&stream));
   GpuModelOptions o;
@@ -210,13 +216,19 @@ void run_gpu(const ModelConfig& c, const std::vector<uint16_t>& weights, const B
   out->logits.resize(logits.size());
   for (size_t i = 0; i < logits.size(); ++i) out->logits[i] = bf16_to_float(logits[i]);
 
-  // The step: gradients poisoned with NaN first would be wrong here (they accumulate), so they
-  // are zeroed as the backend does, and every gradient must come out finite.
-  ASSERT_OK(model->zero_grads());
+  // The step. Written gradients start as NaN in every tensor (the alignment gaps stay zero), so
+  // one the backward skips or adds into shows.
+  if (gradients == Gradients::kAccumulated) {
+    ASSERT_OK(model->zero_grads());
+  } else {
+    for (const ParamSpec& p : model->layout().params) {
+      ASSERT_CUDA(cudaMemsetAsync(model->grads() + p.offset, 0xff, static_cast<size_t>(p.numel) * 4, stream));
+    }
+  }
   ASSERT_CUDA(cudaMemsetAsync(loss.ptr, 0, sizeof(double), stream));
   const double all_tokens = static_cast<double>(B * T);  // every rank's rows together
   ASSERT_OK(model->forward(tokens.ptr, targets.ptr, static_cast<float>(1.0 / all_tokens), true, loss.ptr));
-  ASSERT_OK(model->backward(tokens.ptr));
+  ASSERT_OK(model->backward(tokens.ptr, gradients == Gradients::kAccumulated));
   double loss_sum = 0.0;
   out->grads.resize(static_cast<size_t>(n));
   ASSERT_CUDA(cudaMemcpyAsync(&loss_sum, loss.ptr, sizeof(double), cudaMemcpyDeviceToHost, stream));
@@ -296,11 +308,13 @@ TEST_P(GpuModelVsCpu, LossLogitsAndEveryGradient) {
   const std::vector<float>& weights = in.weights;
   const Batch& batch = in.batch;
 
-  GpuResult gpu;
-  run_gpu(c, bits, batch, B, T, false, &gpu);
-  if (HasFatalFailure()) return;
-
-  expect_matches_cpu_model(c, weights, batch, B, T, gpu);
+  for (const Gradients gradients : {Gradients::kAccumulated, Gradients::kWritten}) {
+    SCOPED_TRACE(gradients == Gradients::kWritten ? "gradients written" : "gradients accumulated");
+    GpuResult gpu;
+    run_gpu(c, bits, batch, B, T, false, &gpu, nullptr, 0, nullptr, gradients);
+    if (HasFatalFailure()) return;
+    expect_matches_cpu_model(c, weights, batch, B, T, gpu);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, GpuModelVsCpu, ::testing::Range(0, 4), config_name);

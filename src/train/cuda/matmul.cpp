@@ -102,7 +102,7 @@ struct Call {
   void* d;  // C = D
   int64_t ldd;
   cudaDataType_t d_type;
-  const void* bias;  // forward bias, or null
+  const void* bias;  // forward bias (read, bf16), BGRADB's bias gradient (written, fp32), or null
   const void* aux;   // pre-GELU buffer (written by GELU_AUX, read by DGELU), or null
   int64_t ld_aux;
   bool accumulate;
@@ -145,7 +145,7 @@ Status make_plan(MatmulContext::State& s, const Call& c, Plan* plan, const char*
   FLARE_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                               &c.epilogue, sizeof c.epilogue));
   if (c.bias) {
-    const cudaDataType_t bias_type = CUDA_R_16BF;
+    const cudaDataType_t bias_type = c.epilogue == CUBLASLT_EPILOGUE_BGRADB ? CUDA_R_32F : CUDA_R_16BF;
     FLARE_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                 &bias_type, sizeof bias_type));
   }
@@ -201,9 +201,14 @@ Status run(MatmulContext& ctx, const Call& c, cudaStream_t stream, const char* w
     const Status made = make_plan(*s, c, &plan, what);
     if (!made.ok()) {
       destroy(plan);
+      // No algorithm is remembered (an empty plan), so the heuristic is not asked again.
+      if (made.code() == StatusCode::kUnsupported) s->plans.emplace(key, plan);
       return made;
     }
     it = s->plans.emplace(key, plan).first;
+  } else if (it->second.desc == nullptr) {
+    return Status::unsupported(cat(what, ": cuBLASLt has no algorithm for m = ", c.m, ", n = ", c.n,
+                                   ", k = ", c.k, ", epilogue ", static_cast<int>(c.epilogue)));
   } else {
     FLARE_RETURN_IF_ERROR(set_pointers(it->second, c, what));
   }
@@ -287,16 +292,6 @@ Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x,
   FLARE_RETURN_IF_ERROR(check_pointer(what, "x", x));
   FLARE_RETURN_IF_ERROR(check_pointer(what, "dweight", dweight));
   if (ctx.state() == nullptr) return invalid(what, ": the MatmulContext is not initialised (call init())");
-  if (dbias) {
-    // The bias reduction borrows the workspace before the matmul, in stream order.
-    const int64_t need = bias_gradient_scratch_bytes(tokens, out);
-    if (need > MatmulContext::kWorkspaceBytes)
-      return Status::unsupported(cat(what, ": the bias gradient of tokens = ", tokens, ", out = ", out,
-                                     " needs ", need, " bytes of scratch, over the workspace's ",
-                                     MatmulContext::kWorkspaceBytes));
-    FLARE_RETURN_IF_ERROR(bias_gradient(dy, dbias, tokens, out, accumulate,
-                                        ctx.state()->workspace, stream));
-  }
   Call c{};
   c.pass = Pass::kBackwardWeight;
   c.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
@@ -307,6 +302,25 @@ Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x,
   c.b = dy, c.ldb = out, c.b_rows = out, c.b_cols = tokens;
   c.d = dweight, c.ldd = in, c.d_type = CUDA_R_32F;
   c.accumulate = accumulate;
+  if (dbias && !accumulate) {
+    // A written bias gradient comes from the product's epilogue (the sum of B = dyᵀ over k), which
+    // saves the column sum's read of dy; where cuBLASLt has no such plan, the column sum below.
+    Call fused = c;
+    fused.epilogue = CUBLASLT_EPILOGUE_BGRADB;
+    fused.bias = dbias;
+    const Status done = run(ctx, fused, stream, what);
+    if (done.code() != StatusCode::kUnsupported) return done;
+  }
+  if (dbias) {
+    // The bias reduction borrows the workspace before the matmul, in stream order.
+    const int64_t need = bias_gradient_scratch_bytes(tokens, out);
+    if (need > MatmulContext::kWorkspaceBytes)
+      return Status::unsupported(cat(what, ": the bias gradient of tokens = ", tokens, ", out = ", out,
+                                     " needs ", need, " bytes of scratch, over the workspace's ",
+                                     MatmulContext::kWorkspaceBytes));
+    FLARE_RETURN_IF_ERROR(bias_gradient(dy, dbias, tokens, out, accumulate,
+                                        ctx.state()->workspace, stream));
+  }
   return run(ctx, c, stream, what);
 }
 

@@ -11,10 +11,11 @@
 // cuBLASLt's GELU epilogues use the tanh approximation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))),
 // the GELU of GPT-2 and of the CPU reference (cpu/ops.h gelu_forward).
 //
-// The bias gradient is not taken from cuBLASLt's BGRADB epilogue: that epilogue overwrites the
-// bias gradient, while the trainer accumulates every parameter gradient (+=) over micro-batches,
-// so it comes from the deterministic column sum (column_reduce.cuh); the cost is one extra read of
-// dy (at GPT-3 2.7B's fc layer, tokens 4096 × out 10240 bf16: 84 MB, some 30 µs on an H100).
+// A written bias gradient (accumulate false: a step's first micro-batch) comes from cuBLASLt's
+// BGRADB epilogue, the sum over tokens of dy inside the product. That epilogue can only write, so
+// an accumulated one (+=, later micro-batches), or a shape cuBLASLt has no such plan for, comes
+// from the deterministic column sum (column_reduce.cuh), at the cost of one more read of dy (at
+// GPT-3 2.7B's fc layer, tokens 4096 × out 10240 bf16: 84 MB, some 30 µs on an H100).
 //
 // A MatmulContext owns the cuBLASLt handle, one 32 MiB workspace and a cache of plans: the
 // descriptors and the algorithm cuBLASLt's heuristic chose, per (pass, shape, epilogue, pointer

@@ -266,7 +266,6 @@ class CudaBackend final : public Backend {
 
     FLARE_RETURN_IF_ERROR(
         cuda_status(kCudaContext, "loss", cudaMemsetAsync(loss_sum, 0, sizeof(double), stream_)));
-    if (!shard_gradients_) FLARE_RETURN_IF_ERROR(model_->zero_grads());
     // The first forward waits for the weights the last step's all-gather brings, stage by stage.
     cuda::GpuModel::StageHook gathered;
     if (dp_) gathered = [this](int64_t stage) { return dp_->wait_for_forward_stage(stage); };
@@ -283,7 +282,10 @@ class CudaBackend final : public Backend {
                                             loss_sum, dloss_scale_device, gathered));
       FLARE_RETURN_IF_ERROR(timer_.record(stream_, &bwd_begin));
       if (shard_gradients_) FLARE_RETURN_IF_ERROR(dp_->begin_backward(i > 0));
-      FLARE_RETURN_IF_ERROR(model_->backward(tokens_ + i * tokens, reduce));
+      // The first micro-batch writes the whole gradient, later ones add to it; sharded gradients
+      // are added into the stage buffers the data-parallel plan zeroes.
+      const bool accumulate = shard_gradients_ || i > 0;
+      FLARE_RETURN_IF_ERROR(model_->backward(tokens_ + i * tokens, accumulate, reduce));
       FLARE_RETURN_IF_ERROR(timer_.record(stream_, &bwd_end));
       timer_.span(EventTimer::kForward, fwd_begin, bwd_begin);
       timer_.span(EventTimer::kBackward, bwd_begin, bwd_end);
@@ -369,9 +371,8 @@ class CudaBackend final : public Backend {
     const float dloss_scale = valid > 0 ? static_cast<float>(1.0 / static_cast<double>(valid)) : 0.0f;
     FLARE_RETURN_IF_ERROR(
         cuda_status(kCudaContext, "loss", cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_)));
-    FLARE_RETURN_IF_ERROR(model_->zero_grads());
     FLARE_RETURN_IF_ERROR(model_->forward(tokens_, targets_, dloss_scale, true, loss_sum_));
-    FLARE_RETURN_IF_ERROR(model_->backward(tokens_));
+    FLARE_RETURN_IF_ERROR(model_->backward(tokens_, /*accumulate=*/false));
     FLARE_RETURN_IF_ERROR(
         cuda_status(kCudaContext, "loss readback",
                     cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),

@@ -354,6 +354,7 @@ struct Step {
   const GradientPlacement* placement;
   int64_t B, T, N;
   cudaStream_t s;
+  bool accumulate = true;  // backward: add into the gradients, or write them (the step's first)
 
   const bf16* W(int64_t offset) const { return offset < 0 ? nullptr : w + offset; }
   float* G(int64_t offset) const {
@@ -403,16 +404,17 @@ Status residual_norm_forward(const Step& st, const NormOffsets& n, const bf16* r
                                   d, st.eps(), st.s);
 }
 
-// dx = dresidual + ∂L/∂x (dresidual may be null); the norm's parameter gradients accumulate.
+// dx = dresidual + ∂L/∂x (dresidual may be null); the norm's parameter gradients are added or
+// written (st.accumulate).
 Status norm_backward(const Step& st, const NormOffsets& n, const bf16* dout, const bf16* x,
                      const float* mean, const float* rstd, const bf16* dresidual, bf16* dx) {
   const int64_t d = st.c.d_model;
   if (st.gpt()) {
     return layernorm_backward(dout, x, st.W(n.weight), mean, rstd, dresidual, dx, st.G(n.weight),
-                              st.G(n.bias), st.N, d, true, st.m.norm_scratch, st.s);
+                              st.G(n.bias), st.N, d, st.accumulate, st.m.norm_scratch, st.s);
   }
   return rmsnorm_backward(dout, x, st.W(n.weight), rstd, dresidual, dx, st.G(n.weight), st.N, d,
-                          true, st.m.norm_scratch, st.s);
+                          st.accumulate, st.m.norm_scratch, st.s);
 }
 
 // a.attn_norm (N, d) → a.mid = input + out(attention(rope(qkv(attn_norm)))) and a.mlp_norm.
@@ -485,23 +487,23 @@ Status mlp_block_backward(const Step& st, const LayerOffsets& w, const LayerActi
     FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_resid, st.W(w.down_weight), a.mlp_in,
                                                 m.d_mlp_in, st.N, ffn, d, st.s));
     FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_resid, a.mlp_act, st.G(w.down_weight),
-                                                 st.G(w.down_bias), st.N, ffn, d, true, st.s));
+                                                 st.G(w.down_bias), st.N, ffn, d, st.accumulate, st.s));
     // fc: (N, ffn) → (N, d)
     FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_mlp_in, st.W(w.up_weight), nullptr,
                                                 m.d_norm, st.N, d, ffn, st.s));
     FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_mlp_in, a.mlp_norm, st.G(w.up_weight),
-                                                 st.G(w.up_bias), st.N, d, ffn, true, st.s));
+                                                 st.G(w.up_bias), st.N, d, ffn, st.accumulate, st.s));
   } else {
     // down: (N, d) → (N, ffn); SwiGLU: (N, ffn) → (N, 2·ffn); gate_up: (N, 2·ffn) → (N, d)
     FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_resid, st.W(w.down_weight), nullptr,
                                                 m.d_mlp_act, st.N, ffn, d, st.s));
     FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_resid, a.mlp_act, st.G(w.down_weight),
-                                                 nullptr, st.N, ffn, d, true, st.s));
+                                                 nullptr, st.N, ffn, d, st.accumulate, st.s));
     FLARE_RETURN_IF_ERROR(swiglu_backward(m.d_mlp_act, a.mlp_in, m.d_mlp_in, st.N, ffn, st.s));
     FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_mlp_in, st.W(w.up_weight), nullptr,
                                                 m.d_norm, st.N, d, 2 * ffn, st.s));
     FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_mlp_in, a.mlp_norm, st.G(w.up_weight),
-                                                 nullptr, st.N, d, 2 * ffn, true, st.s));
+                                                 nullptr, st.N, d, 2 * ffn, st.accumulate, st.s));
   }
   // The skip path passes d_resid through; the norm adds the branch's share in place.
   return norm_backward(st, w.mlp_norm, m.d_norm, a.mid, a.mlp_mean, a.mlp_rstd, m.d_resid, m.d_resid);
@@ -518,7 +520,7 @@ Status attention_block_backward(const Step& st, const LayerOffsets& w, const Lay
   FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_resid, st.W(w.out_weight), nullptr,
                                               m.d_attn_out, st.N, q_w, d, st.s));
   FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_resid, a.attn_out, st.G(w.out_weight),
-                                               st.G(w.out_bias), st.N, q_w, d, true, st.s));
+                                               st.G(w.out_bias), st.N, q_w, d, st.accumulate, st.s));
   // Attention: dq, dk, dv written straight into the dqkv rows through strided views (under GQA
   // the three views have different head counts; they interleave without sharing an element).
   const int dev = m.options.device_index;
@@ -539,7 +541,7 @@ Status attention_block_backward(const Step& st, const LayerOffsets& w, const Lay
   FLARE_RETURN_IF_ERROR(matmul_backward_input(mm, m.d_qkv, st.W(w.qkv_weight), nullptr, m.d_norm,
                                               st.N, d, qkv_w, st.s));
   FLARE_RETURN_IF_ERROR(matmul_backward_weight(mm, m.d_qkv, a.attn_norm, st.G(w.qkv_weight),
-                                               st.G(w.qkv_bias), st.N, d, qkv_w, true, st.s));
+                                               st.G(w.qkv_bias), st.N, d, qkv_w, st.accumulate, st.s));
   return norm_backward(st, w.attn_norm, m.d_norm, a.input, a.attn_mean, a.attn_rstd, m.d_resid,
                        m.d_resid);
 }
@@ -614,7 +616,7 @@ Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dl
   return Status::ok_status();
 }
 
-Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
+Status GpuModel::backward(const int32_t* tokens, bool accumulate, const StageHook& after_stage) {
   Impl& m = *impl_;
   if (!m.have_dlogits) {
     return invalid("backward: needs a forward with targets and write_dlogits first");
@@ -624,7 +626,7 @@ Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
     return invalid("backward: the model holds no whole gradient and no GradientPlacement was set");
   }
   const ModelConfig& c = config_;
-  const Step st{c, m, weights_, grads_, placement_, batch_, seq_, batch_ * seq_, stream_};
+  const Step st{c, m, weights_, grads_, placement_, batch_, seq_, batch_ * seq_, stream_, accumulate};
   auto stage_done = [&](int64_t stage) { return call_hook(after_stage, stage); };
   const int64_t n_layer = static_cast<int64_t>(m.layers.size());
 
@@ -632,7 +634,7 @@ Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
   FLARE_RETURN_IF_ERROR(matmul_backward_input(m.matmul, logits_, st.W(m.head), nullptr, m.d_norm, st.N,
                                               c.d_model, c.padded_vocab, stream_));
   FLARE_RETURN_IF_ERROR(matmul_backward_weight(m.matmul, logits_, m.final_norm_out, st.G(m.head), nullptr,
-                                               st.N, c.d_model, c.padded_vocab, true, stream_));
+                                               st.N, c.d_model, c.padded_vocab, accumulate, stream_));
   FLARE_RETURN_IF_ERROR(norm_backward(st, m.final_norm, m.d_norm, m.final_in, m.final_mean,
                                       m.final_rstd, nullptr, m.d_resid));
   FLARE_RETURN_IF_ERROR(stage_done(0));
@@ -645,7 +647,18 @@ Status GpuModel::backward(const int32_t* tokens, const StageHook& after_stage) {
     FLARE_RETURN_IF_ERROR(stage_done(layer_stage_number(n_layer, i)));
   }
 
-  // d_resid is now the gradient of the embedding output.
+  // d_resid is now the gradient of the embedding output. The embedding's backward adds into the
+  // tables (rows no token touched keep their value), so a written gradient starts them at zero:
+  // all but a tied token table, which the head's gradient has just written.
+  if (!accumulate) {
+    for (const char* table : {"embed.weight", "pos_embed.weight"}) {
+      const ParamSpec* spec = m.layout.find(table);
+      if (spec == nullptr || (c.tied_embeddings && spec->offset == m.embed)) continue;
+      FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "embedding gradient",
+                                        cudaMemsetAsync(st.G(spec->offset), 0,
+                                                        static_cast<size_t>(spec->numel) * sizeof(float), stream_)));
+    }
+  }
   FLARE_RETURN_IF_ERROR(embedding_backward(m.d_resid, tokens, st.G(m.embed), st.G(m.pos_embed), st.N,
                                            seq_, c.vocab_size, c.d_model, m.embed_scratch, stream_,
                                            m.embedding_positions()));

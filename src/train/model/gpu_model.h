@@ -106,14 +106,17 @@ class GpuModel {
                  bool write_dlogits, double* loss_sum, const float* dloss_scale_device = nullptr,
                  const StageHook& before_stage = {});
 
-  // Backward of the last forward with write_dlogits, for the same tokens: accumulates (+=) every
-  // parameter's gradient into grads() (without a whole gradient: where the placement says). after_stage (may be empty) is called on the host right
+  // Backward of the last forward with write_dlogits, for the same tokens: adds (+=) every
+  // parameter's gradient into grads() (without a whole gradient: where the placement says), or
+  // with accumulate false writes it (=), so a step's first micro-batch needs no zero_grads()
+  // before it: the dW products then skip reading the old gradient and the bias gradients come
+  // from the products' epilogue (matmul.h). after_stage (may be empty) is called on the host right
   // after the backward has enqueued each stage, in order: 0 after the output head and the final
   // norm, 1 + (n_layer − 1 − i) after layer i, n_layer + 1 after the embeddings. Once the stream
   // reaches that point, the stage's gradients are final for this backward, so the hook may record
   // an event there for another stream to wait on (data parallelism reduces each gradient bucket
   // while the backward goes on).
-  Status backward(const int32_t* tokens, const StageHook& after_stage = {});
+  Status backward(const int32_t* tokens, bool accumulate = true, const StageHook& after_stage = {});
 
   // grads() = 0 (enqueued); invalid without a whole gradient.
   Status zero_grads();
