@@ -68,6 +68,7 @@
 #include "cuda/device_probe.h"
 #include "cuda/element_type.cuh"
 #include "cuda/nonfinite_fixup.cuh"
+#include "cuda/online_softmax.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/sm80/chunk_copy.cuh"
 #include "cuda/ptx/fast_math.cuh"
@@ -130,27 +131,6 @@ struct FwdConfig {
   static_assert(kBlockN * kChunksPerRow % kThreads == 0 && kBlockM * kChunksPerRow % kThreads == 0,
                 "tile copies must split evenly over the threads");
 };
-
-// A row fragment's running max after a step whose scaled scores peak at `seen` (log2 units),
-// updated in place: the base the step's exponentials subtract, the factor for O and the row sum,
-// and whether the max moved. Lazily, the max moves only when `seen` exceeds it by more than
-// kLazyRescaleLog2: below that the step's probabilities are exp2(x − max) ≤ 2^8 and O and the row
-// sum keep their scale, so O's rescale (and its vote) is skipped. Softmax does not depend on the
-// reference it subtracts as long as O, the sum and the LSE share it, so only rounding changes:
-// fp32 sums and fp16/bf16 P round relative to their magnitude, and 2^8 is far from overflow.
-inline constexpr float kLazyRescaleLog2 = 8.0f;
-struct MaxStep {
-  float base, correction;
-  bool moved;
-};
-template <bool kLazy>
-__device__ __forceinline__ MaxStep advance_row_max(float& max, float seen) {
-  const float m_old = max;
-  const float m_new = kLazy ? (seen > m_old + kLazyRescaleLog2 ? seen : m_old) : fmaxf(m_old, seen);
-  const float base = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-  max = m_new;
-  return {base, ptx::exp2_approx(m_old - base), m_new != m_old};
-}
 
 // The running softmax statistics of a thread's row fragments: base-2 row max and thread-partial
 // row sum per (m16 fragment, half). In registers, or in this thread's own column of a
@@ -464,11 +444,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
         for (int nf = 0; nf < kNFrags; ++nf)
           mx[f] = fmaxf(mx[f], fmaxf(s[f / 2][nf][2 * (f % 2)], s[f / 2][nf][2 * (f % 2) + 1]));
       }
-#pragma unroll
-      for (int lanes = 1; lanes <= 2; lanes *= 2)
-#pragma unroll
-        for (int f = 0; f < kRowFrags; ++f)
-          mx[f] = fmaxf(mx[f], __shfl_xor_sync(0xffffffffu, mx[f], lanes));
+      quad_row_max(mx);
       bool moved[kRowFrags];
 #pragma unroll
       for (int f = 0; f < kRowFrags; ++f) {
@@ -509,10 +485,8 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
 #pragma unroll
           for (int nf = 0; nf < kNFrags; ++nf)
             mx = fmaxf(mx, fmaxf(s[mf][nf][2 * half], s[mf][nf][2 * half + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const auto [base, correction, moved] =
-              advance_row_max<kLazyMax>(stats.max(mf, half), mx * p.scale_log2);
+              advance_row_max<kLazyMax>(stats.max(mf, half), quad_row_max(mx) * p.scale_log2);
           if (Cfg::kPlainD256 || __any_sync(0xffffffffu, moved)) {
 #pragma unroll
             for (int df = 0; df < kDFrags; ++df) {

@@ -49,6 +49,7 @@
 #include "core/score_mod.h"
 #include "cuda/block_walk.cuh"
 #include "cuda/nonfinite_fixup.cuh"
+#include "cuda/online_softmax.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
@@ -312,13 +313,9 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2],
 #pragma unroll
       for (int jj = 0; jj < kBlockN / 8; ++jj)
         mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_old = row_max[half];
-      const float m_new = fmaxf(m_old, mx * p.scale_log2);
-      const float sub = m_new == -INFINITY ? 0.0f : m_new;  // no −inf − −inf
-      correction[half] = ptx::exp2_approx(m_old - sub);
-      row_max[half] = m_new;
+      const MaxStep step = advance_row_max<false>(row_max[half], quad_row_max(mx) * p.scale_log2);
+      const float sub = step.base;
+      correction[half] = step.correction;
       float sum = 0.0f;
 #pragma unroll
       for (int jj = 0; jj < kBlockN / 8; ++jj)
