@@ -21,7 +21,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -37,15 +36,6 @@
 
 namespace flare {
 namespace cuda {
-namespace testing {
-namespace {
-std::atomic<int> forced_backward_stages{0};
-std::atomic<long> sm90_launches{0};
-}  // namespace
-void force_backward_stages(int stages) { forced_backward_stages.store(stages); }
-long sm90_backward_launches() { return sm90_launches.load(); }
-}  // namespace testing
-
 namespace {
 
 // The sm90 backward's compiled buckets, and every kBwd90Tiles row among them.
@@ -92,7 +82,7 @@ bool sm90_runs(const AttentionParams& p) {
 // The sm90 main kernel of w.bucket; only after sm90_runs(p).
 Status launch_main_sm90(const AttentionParams& p, const sm80::BwdWorkspace& w,
                         cudaStream_t stream) {
-  ++testing::sm90_launches;
+  testing::count_sm90_backward_launch();
   switch (variant_key(p.dtype, w.bucket)) {
 #define FLARE_CUDA_BWD90_VARIANT(DT, HD) \
   case variant_key(DType::DT, HD):       \
@@ -144,7 +134,7 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   // Double-buffered Q/dO where the device's shared memory allows, else the tile's fallback.
   w.stages =
       sm80::bwd_smem_bytes(w.bucket, tile.stages) <= smem_optin ? tile.stages : tile.min_stages;
-  const int forced = testing::forced_backward_stages.load();
+  const int forced = testing::forced_backward_stages();
   if ((forced == tile.stages || forced == tile.min_stages) &&
       sm80::bwd_smem_bytes(w.bucket, forced) <= smem_optin)
     w.stages = forced;

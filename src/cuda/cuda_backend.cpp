@@ -7,7 +7,6 @@
 // that holds it. Anything outside the table is answered kUnsupported by name, never a fallthrough.
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <string>
 
 #include "core/backends.h"
@@ -21,21 +20,6 @@
 
 namespace flare {
 namespace cuda {
-namespace testing {
-namespace {
-std::atomic<int> forced_tiles{0};
-std::atomic<int> forced_arch_value{0};
-std::atomic<long> sm90_launches{0};
-std::atomic<int> forced_ctas{0};
-}  // namespace
-void force_forward_ctas(int ctas) { forced_ctas.store(ctas); }
-int forced_forward_ctas() { return forced_ctas.load(); }
-void force_forward_tiles(int choice) { forced_tiles.store(choice); }
-int forced_forward_tiles() { return forced_tiles.load(); }
-void force_arch(int arch) { forced_arch_value.store(arch); }
-int forced_arch() { return forced_arch_value.load(); }
-}  // namespace testing
-
 namespace {
 
 // The sm90 forward's compiled buckets, and every kFwd90Tiles row among them.
@@ -82,7 +66,7 @@ Status launch_forward_kernel(const AttentionParams& p, int bucket, cudaStream_t 
     switch (variant_key(p.dtype, sm90::fwd90_bucket(p.head_dim))) {
 #define FLARE_CUDA_FWD90_VARIANT(DT, HD) \
   case variant_key(DType::DT, HD):       \
-    ++testing::sm90_launches;              \
+    testing::count_sm90_forward_launch(); \
     return sm90::launch_forward<DType::DT, HD>(p, s);
 #include "flare/cuda_fwd90_variants.inc"
 #undef FLARE_CUDA_FWD90_VARIANT
@@ -108,7 +92,6 @@ Status launch_forward_kernel(const AttentionParams& p, int bucket, cudaStream_t 
 bool testing::sm90_available() {
   return sm90::forward_runs_on_device<DType::kBFloat16, 128>();
 }
-long testing::sm90_forward_launches() { return testing::sm90_launches.load(); }
 
 Status forward(const AttentionParams& p, Stream stream) {
   if (p.dtype == DType::kFloat32)
