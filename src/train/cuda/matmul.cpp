@@ -134,6 +134,12 @@ void set_preference(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAtt
     *st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value);
 }
 
+// A call cuBLASLt's heuristic found no algorithm for (the BGRADB epilogue falls back on it).
+Status no_algorithm(const Call& c, const char* what) {
+  return Status::unsupported(cat(what, ": cuBLASLt has no algorithm for m = ", c.m, ", n = ", c.n,
+                                   ", k = ", c.k, ", epilogue ", static_cast<int>(c.epilogue)));
+}
+
 // Builds the descriptors of a call and asks the heuristic for its algorithm (first call of a
 // shape only).
 Status make_plan(MatmulContext::State& s, const Call& c, Plan* plan, const char* what) {
@@ -183,8 +189,7 @@ Status make_plan(MatmulContext::State& s, const Call& c, Plan* plan, const char*
   if (st != CUBLAS_STATUS_SUCCESS)
     return Status::device_error(cat(what, ": cuBLASLt heuristic: ", cublas_name(st)));
   if (found == 0)
-    return Status::unsupported(cat(what, ": cuBLASLt has no algorithm for m = ", c.m, ", n = ", c.n,
-                                   ", k = ", c.k, ", epilogue ", static_cast<int>(c.epilogue)));
+    return no_algorithm(c, what);
   plan->algo = result.algo;
   return Status::ok_status();
 }
@@ -207,8 +212,7 @@ Status run(MatmulContext& ctx, const Call& c, cudaStream_t stream, const char* w
     }
     it = s->plans.emplace(key, plan).first;
   } else if (it->second.desc == nullptr) {
-    return Status::unsupported(cat(what, ": cuBLASLt has no algorithm for m = ", c.m, ", n = ", c.n,
-                                   ", k = ", c.k, ", epilogue ", static_cast<int>(c.epilogue)));
+    return no_algorithm(c, what);
   } else {
     FLARE_RETURN_IF_ERROR(set_pointers(it->second, c, what));
   }
