@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "train/core/split_master.h"
 
 namespace flare::train {
 namespace {
@@ -186,6 +187,48 @@ TEST(AdamW, RejectsBadArguments) {
   s.grad_scale = INFINITY;
   EXPECT_NE(run(s).message().find("grad_scale"), std::string::npos);
   EXPECT_FALSE(adamw_step(layout, {}, nullptr, b.data(), b.data(), b.data(), nullptr).ok());
+}
+
+
+// The split master (split_master.h): the weight half is the master rounded to nearest even, and
+// the two halves give back the master bit for bit, except an exact tie, which moves one ulp
+// towards the side it rounded to and keeps its weight.
+TEST(SplitMaster, WeightIsTheRoundedMasterAndTheHalvesGiveItBack) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> any;
+  auto check = [](uint32_t bits) {
+    const float x = bits_float(bits);
+    const SplitMaster h = split_master(x);
+    const float back = join_master(h.weight, h.low);
+    if (std::isnan(x)) {
+      EXPECT_TRUE(std::isnan(back)) << std::hex << bits;
+      return;
+    }
+    EXPECT_EQ(h.weight, float_to_bf16(x)) << std::hex << bits;
+    EXPECT_NE(h.low, 0x8000u) << std::hex << bits;
+    const uint32_t got = float_bits(back);
+    if ((bits & 0xffffu) != 0x8000u) {
+      EXPECT_EQ(got, bits) << std::hex << bits;
+    } else {
+      const bool rounded_up = (bits >> 16) & 1u;  // ties go to the even top half
+      EXPECT_EQ(got, rounded_up ? bits + 1 : bits - 1) << std::hex << bits;
+      EXPECT_EQ(float_to_bf16(back), h.weight) << std::hex << bits;
+    }
+    // Stored again, the master keeps every bit (resume from a checkpoint).
+    const SplitMaster again = split_master(back);
+    EXPECT_EQ(again.weight, h.weight);
+    EXPECT_EQ(again.low, h.low);
+  };
+  for (int i = 0; i < 200000; ++i) check(any(rng));
+  // Ties on both sides of rounding and of sign, rounding into the next binade, the largest
+  // finite values (one rounds to inf), zeros, subnormals, infinities and NaNs.
+  for (uint32_t top : {0x3f80u, 0x3f81u, 0xbf80u, 0xbf81u, 0x3fffu, 0x7f7fu, 0xff7fu, 0x0000u, 0x8000u, 0x0001u})
+    for (uint32_t low : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) check(top << 16 | low);
+  for (uint32_t bits : {0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7fff8000u}) check(bits);
+  EXPECT_TRUE(std::isinf(join_master(split_master(INFINITY).weight, split_master(INFINITY).low)));
+  const SplitMaster big = split_master(bits_float(0x7f7fffffu));  // rounds up to inf in bf16
+  EXPECT_EQ(big.weight, 0x7f80u);
+  EXPECT_EQ(float_bits(join_master(big.weight, big.low)), 0x7f7fffffu);
 }
 
 }  // namespace

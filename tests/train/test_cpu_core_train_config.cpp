@@ -68,13 +68,13 @@ TEST(TrainConfig, MemoryEstimateByHand) {
 
   MemoryEstimate e = estimate_training_memory(t, m);
   EXPECT_EQ(e.weights, 2 * n);
-  EXPECT_EQ(e.master, 4 * n);
+  EXPECT_EQ(e.master, 2 * n);
   EXPECT_EQ(e.adam, 8 * n);
   EXPECT_EQ(e.grads, 4 * n);
   EXPECT_EQ(e.activations, 2 * layer + 2 * input);
   EXPECT_EQ(e.logits, tokens * 384 * 2);
   EXPECT_EQ(e.workspace, layer);
-  EXPECT_EQ(e.total, 18 * n + 3 * layer + 2 * input + tokens * 384 * 2);
+  EXPECT_EQ(e.total, 16 * n + 3 * layer + 2 * input + tokens * 384 * 2);
 
   t.recompute = true;
   MemoryEstimate r = estimate_training_memory(t, m);
@@ -82,7 +82,7 @@ TEST(TrainConfig, MemoryEstimateByHand) {
 }
 
 TEST(TrainConfig, LlamaSevenBDoesNotFitOneH100WithoutSharding) {
-  // 18 bytes per parameter of state alone: 6.74e9 · 18 ≈ 113 GiB.
+  // 16 bytes per parameter of state alone: 6.74e9 · 16 ≈ 100 GiB.
   TrainConfig t;
   t.batch = 1;
   t.seq = 4096;
@@ -95,7 +95,7 @@ TEST(TrainConfig, LlamaSevenBDoesNotFitOneH100WithoutSharding) {
   EXPECT_TRUE(check_fits(estimate_training_memory(TrainConfig{}, preset("gpt2")), int64_t{80} << 30).ok());
 }
 
-// ZeRO-1 on N ranks: master, m and v of a 1/N shard; weights and gradients whole; the shard's
+// ZeRO-1 on N ranks: the master's low halves, m and v of a 1/N shard; weights and gradients whole; the shard's
 // reduced gradient and bf16 update (6 bytes per parameter / N) and one bucket's staging added.
 TEST(TrainConfig, DataParallelShardsTheOptimizerState) {
   TrainConfig t;
@@ -108,13 +108,13 @@ TEST(TrainConfig, DataParallelShardsTheOptimizerState) {
   EXPECT_EQ(one.dp_buffers, 0);
   EXPECT_EQ(four.weights, 2 * n);
   EXPECT_EQ(four.grads, 4 * n);
-  EXPECT_EQ(four.master, 4 * shard);
+  EXPECT_EQ(four.master, 2 * shard);
   EXPECT_EQ(four.adam, 8 * shard);
   EXPECT_GT(four.dp_buffers, 6 * shard);  // and the staging
   EXPECT_EQ(four.activations, one.activations);
-  // 6 + 18/4 bytes of state per parameter: about 66 GiB for 7B, against 113 GiB alone.
-  EXPECT_LT(four.weights + four.master + four.adam + four.grads + four.dp_buffers, int64_t{67} << 30);
-  EXPECT_GT(one.weights + one.master + one.adam + one.grads, int64_t{112} << 30);
+  // 6 + 16/4 bytes of state per parameter: about 63 GiB for 7B, against 100 GiB alone.
+  EXPECT_LT(four.weights + four.master + four.adam + four.grads + four.dp_buffers, int64_t{64} << 30);
+  EXPECT_GT(one.weights + one.master + one.adam + one.grads, int64_t{99} << 30);
   EXPECT_NE(check_fits(four, 1).message().find("data-parallel buffers"), std::string::npos);
 }
 

@@ -25,6 +25,7 @@
 #include "core/numeric.h"
 #include "test_util.h"
 #include "train/core/adamw.h"
+#include "train/core/split_master.h"
 #include "train/cpu/ops.h"
 #include "train/cuda/adamw.h"
 #include "train/cuda/classifier.h"
@@ -586,28 +587,43 @@ TEST(GpuOps, GradientNormAndAdamW) {
   step.lr = 3e-4;
   step.weight_decay = 0.1;
   step.grad_scale = 0.5f;  // e.g. 1 / loss scale; times the clip scale read from the device
+  // The master as the GPU holds it: its bf16 weights and low halves (split_master.h), gaps included.
+  std::vector<uint16_t> halves_w(n), halves_low(n);
+  for (size_t i = 0; i < n; ++i) {
+    const SplitMaster h = split_master(master[i]);
+    halves_w[i] = h.weight;
+    halves_low[i] = h.low;
+  }
   std::vector<float> master_ref = master, m_ref = m, v_ref = v;
-  std::vector<uint16_t> w_ref(n, 0);
+  std::vector<uint16_t> w_ref = halves_w;  // the reference writes the tensors' elements, not the gaps
   AdamWStep cpu_step = step;
   cpu_step.grad_scale = step.grad_scale * norm1[1];
   ASSERT_OK(adamw_step(layout, cpu_step, grads.data(), master_ref.data(), m_ref.data(), v_ref.data(),
                        w_ref.data()));
-  Dev<float> gmaster(master), gm(m), gv(v);
-  Dev<uint16_t> gw(n);
-  ASSERT_CUDA(cudaMemset(gw, 0, n * sizeof(uint16_t)));  // gaps are never written
-  ASSERT_OK(cuda::adamw_update(table, step, gnorm.get_ptr() + 1, ggrads, gmaster, gm, gv, bf(gw), nullptr));
-  EXPECT_TRUE(within_tolerance("master", get_f32(gmaster), to_double(master_ref), to_double(master_ref),
+  Dev<float> gm(m), gv(v);
+  Dev<uint16_t> gw(halves_w), glow(halves_low);
+  ASSERT_OK(cuda::adamw_update(table, step, gnorm.get_ptr() + 1, ggrads, bf(gw), glow, gm, gv, nullptr));
+  const std::vector<uint16_t> w_after = gw.get(), low_after = glow.get();
+  std::vector<float> master_after(n);
+  for (size_t i = 0; i < n; ++i) master_after[i] = join_master(w_after[i], low_after[i]);
+  EXPECT_TRUE(within_tolerance("master", to_double(master_after), to_double(master_ref), to_double(master_ref),
                                DType::kFloat32, 1));
   EXPECT_TRUE(within_tolerance("m", get_f32(gm), to_double(m_ref), to_double(m_ref), DType::kFloat32, 1));
   EXPECT_TRUE(within_tolerance("v", get_f32(gv), to_double(v_ref), to_double(v_ref), DType::kFloat32, 1));
   EXPECT_TRUE(within_tolerance("weights", get_bf16(gw), bits_to_double(w_ref), bits_to_double(w_ref),
                                DType::kBFloat16, 1));
-  // The gaps between tensors keep their contents.
-  const std::vector<float> master_after = gmaster.get();
   for (const ParamSpec& p : layout.params) {
+    for (int64_t i = p.offset; i < p.offset + p.numel; ++i) {
+      // The weight is the new master rounded to nearest even, and the low half is never a tie.
+      ASSERT_EQ(w_after[i], float_to_bf16(master_after[i])) << "element " << i;
+      ASSERT_NE(low_after[i], 0x8000u) << "element " << i;
+    }
+    // The gaps between tensors keep their contents.
     const int64_t gap_end = p.offset + (p.numel + 63) / 64 * 64;
-    for (int64_t i = p.offset + p.numel; i < gap_end; ++i)
-      ASSERT_EQ(std::memcmp(&master_after[i], &master[i], 4), 0) << "gap element " << i << " written";
+    for (int64_t i = p.offset + p.numel; i < gap_end; ++i) {
+      ASSERT_EQ(w_after[i], halves_w[i]) << "gap element " << i << " written";
+      ASSERT_EQ(low_after[i], halves_low[i]) << "gap element " << i << " written";
+    }
   }
 }
 

@@ -87,7 +87,7 @@ MemoryEstimate estimate_training_memory(const TrainConfig& t, const ModelConfig&
 
   MemoryEstimate e;
   e.weights = 2 * n;
-  e.master = 4 * shard;
+  e.master = 2 * shard;  // the low halves: the bf16 weights are the top ones (split_master.h)
   e.adam = 8 * shard;
   e.grads = 4 * n;
   std::vector<int64_t> stage_begin, stage_end;

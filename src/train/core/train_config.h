@@ -48,13 +48,14 @@ inline constexpr int kGradientStagesHeld = 3;
 Status validate_train_config(const TrainConfig& train, const ModelConfig& model);
 
 // Bytes one device holds for a run, alone or as one of dp_world data-parallel ranks (ZeRO-1:
-// master weights, m and v sharded, so 12 of the 18 bytes of state per parameter shrink to
-// 12 / dp_world; weights and gradients stay whole on every rank). The state is exact up to the
+// master weights, m and v sharded, so 10 of the 16 bytes of state per parameter shrink to
+// 10 / dp_world; weights and gradients stay whole on every rank). The state is exact up to the
 // shards' 64-element rounding; activations count the tensors the backward reads, per layer, in
 // their stored precision (bf16 activations, fp32 softmax LSE and norm statistics), which is the
 // floor of what any implementation keeps.
 //   weights      bf16 copy of the flat buffer the forward reads
-//   master       fp32 master weights (of the shard: ⌈n / dp_world⌉)
+//   master       the fp32 master weights' low 16-bit halves (of the shard: ⌈n / dp_world⌉); the
+//                bf16 weights are their top halves (core/split_master.h)
 //   adam         fp32 m and v (of the shard)
 //   grads        fp32 gradients (accumulated over micro-batches in fp32); sharded: the stage
 //                buffers (kGradientStagesHeld of the largest stage but the last, and the last)

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/message.h"
+#include "train/core/split_master.h"
 #include "train/cuda/device.cuh"
 
 namespace flare::train::cuda {
@@ -16,10 +17,10 @@ constexpr int kFinishThreads = 1024;
 struct AdamWParams {
   const TensorChunk* chunks;
   const float* grads;
-  float* master;
+  uint16_t* weights;               // the master: bf16 weights and low halves (split_master.h)
+  uint16_t* low;
   float* m;
   float* v;
-  bf16* weights;                   // or null
   const float* grad_scale_device;  // or null
   float grad_scale;                // multiplies *grad_scale_device
   float lr, beta1, beta2, eps;
@@ -100,16 +101,23 @@ __device__ __forceinline__ float adamw_element(const AdamWParams& p, float scale
 
 __device__ __forceinline__ void adamw_scalar(const AdamWParams& p, float scale, float decay, int64_t i) {
   float m = p.m[i], v = p.v[i];
-  const float w = adamw_element(p, scale, decay, p.grads[i], p.master[i], &m, &v);
+  const SplitMaster w = split_master(
+      adamw_element(p, scale, decay, p.grads[i], join_master(p.weights[i], p.low[i]), &m, &v));
   p.m[i] = m;
   p.v[i] = v;
-  p.master[i] = w;
-  if (p.weights) p.weights[i] = __float2bfloat16_rn(w);
+  p.weights[i] = w.weight;
+  p.low[i] = w.low;
 }
 
-// The optimizer is a pure stream over 14–16 bytes per parameter (gradient, master, m and v in;
-// master, m, v and the bf16 weight out), so its speed is memory bandwidth: 16-byte loads and
-// stores of four elements per thread where the chunk allows (chunks begin at 64-element
+// Four 16-bit halves as one 8-byte word.
+union Halves4 {
+  uint2 word;
+  uint16_t h[4];
+};
+
+// The optimizer is a pure stream over 16 bytes per parameter in (gradient, m, v, the master's two
+// halves) and 12 out (m, v, the halves), so its speed is memory bandwidth: 16- and 8-byte loads
+// and stores of four elements per thread where the chunk allows (chunks begin at 64-element
 // offsets), single elements for a ragged end.
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWParams p) {
   const TensorChunk chunk = p.chunks[blockIdx.x];
@@ -123,18 +131,21 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWParams p) {
     const float4 g = *reinterpret_cast<const float4*>(p.grads + i);
     float4 m = *reinterpret_cast<const float4*>(p.m + i);
     float4 v = *reinterpret_cast<const float4*>(p.v + i);
-    float4 w = *reinterpret_cast<const float4*>(p.master + i);
-    w.x = adamw_element(p, scale, decay, g.x, w.x, &m.x, &v.x);
-    w.y = adamw_element(p, scale, decay, g.y, w.y, &m.y, &v.y);
-    w.z = adamw_element(p, scale, decay, g.z, w.z, &m.z, &v.z);
-    w.w = adamw_element(p, scale, decay, g.w, w.w, &m.w, &v.w);
+    Halves4 hi{*reinterpret_cast<const uint2*>(p.weights + i)}, lo{*reinterpret_cast<const uint2*>(p.low + i)};
+    const float gs[4] = {g.x, g.y, g.z, g.w};
+    float* ms[4] = {&m.x, &m.y, &m.z, &m.w};
+    float* vs[4] = {&v.x, &v.y, &v.z, &v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const SplitMaster w =
+          split_master(adamw_element(p, scale, decay, gs[e], join_master(hi.h[e], lo.h[e]), ms[e], vs[e]));
+      hi.h[e] = w.weight;
+      lo.h[e] = w.low;
+    }
     *reinterpret_cast<float4*>(p.m + i) = m;
     *reinterpret_cast<float4*>(p.v + i) = v;
-    *reinterpret_cast<float4*>(p.master + i) = w;
-    if (p.weights) {
-      __nv_bfloat162 pair[2] = {__floats2bfloat162_rn(w.x, w.y), __floats2bfloat162_rn(w.z, w.w)};
-      *reinterpret_cast<uint2*>(p.weights + i) = *reinterpret_cast<const uint2*>(pair);
-    }
+    *reinterpret_cast<uint2*>(p.weights + i) = hi.word;
+    *reinterpret_cast<uint2*>(p.low + i) = lo.word;
   }
   for (int64_t i = vec_end + threadIdx.x; i < chunk.end; i += kThreads) adamw_scalar(p, scale, decay, i);
 }
@@ -223,12 +234,12 @@ Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double 
 }
 
 Status adamw_update(const DeviceChunkTable& table, const AdamWStep& s,
-                    const float* grad_scale_device, const float* grads, float* master, float* m,
-                    float* v, bf16* weights, cudaStream_t stream) {
+                    const float* grad_scale_device, const float* grads, bf16* weights, uint16_t* low,
+                    float* m, float* v, cudaStream_t stream) {
   const char* op = "adamw_update";
   if (table.count() == 0) return invalid(op, ": the chunk table is not initialised");
-  if (grads == nullptr || master == nullptr || m == nullptr || v == nullptr)
-    return invalid(op, ": grads, master, m and v must not be null");
+  if (grads == nullptr || weights == nullptr || low == nullptr || m == nullptr || v == nullptr)
+    return invalid(op, ": grads, weights, low, m and v must not be null");
   if (s.t < 1) return invalid(op, ": t = ", s.t, " must be >= 1 (steps count from 1)");
   if (!std::isfinite(s.lr) || s.lr < 0) return invalid(op, ": lr = ", s.lr, " must be finite and >= 0");
   if (!(s.beta1 >= 0 && s.beta1 < 1)) return invalid(op, ": beta1 = ", s.beta1, " must be in [0, 1)");
@@ -241,10 +252,10 @@ Status adamw_update(const DeviceChunkTable& table, const AdamWStep& s,
   AdamWParams p{};
   p.chunks = table.chunks();
   p.grads = grads;
-  p.master = master;
+  p.weights = reinterpret_cast<uint16_t*>(weights);
+  p.low = low;
   p.m = m;
   p.v = v;
-  p.weights = weights;
   p.grad_scale_device = grad_scale_device;
   p.grad_scale = s.grad_scale;
   const double t = static_cast<double>(s.t);

@@ -1,12 +1,13 @@
 // adamw.h — the optimizer step on the GPU: the global gradient L2 norm with its clip scale, and
-// AdamW over the flat fp32 master weights, writing the bf16 weights the model reads.
+// AdamW over the flat fp32 master weights, kept as two halves: the bf16 weights the model reads
+// and the low 16 bits (core/split_master.h), so no separate fp32 copy exists.
 //
 // Gradients are fp32. A bf16 gradient (llm.c's choice) halves their memory, but micro-batch
 // accumulation in bf16 loses the small contributions (8 bits of mantissa), and the CPU reference
 // (cpu/ops.h, core/adamw.h) accumulates in fp32, so fp32 gradients keep the GPU comparable to it
 // element by element. The cost: 4 bytes per parameter instead of 2, 10.6 GB instead of 5.3 GB for
-// GPT-3 2.7B (beside 2 bytes of bf16 weights and 12 of fp32 master, m and v: 18 → 20 bytes per
-// parameter); ZeRO sharding of the gradients is where that comes back.
+// GPT-3 2.7B (beside 2 bytes of bf16 weights, 2 of the master's low halves and 8 of fp32 m and v:
+// 14 → 16 bytes per parameter); ZeRO sharding of the gradients is where that comes back.
 //
 // The element formulas are core/adamw.h's, operation for operation (torch.optim.AdamW): fp32
 // arithmetic, bias corrections and the decay factor computed in double on the host and rounded
@@ -79,10 +80,11 @@ Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double 
                       float* norm_and_scale, cudaStream_t stream);
 
 // One AdamW step. The gradient scale is step.grad_scale × *grad_scale_device (e.g. &norm_and_scale[1]
-// of gradient_norm), or step.grad_scale alone when grad_scale_device is null. master, m, v updated;
-// weights (bf16) written, or null.
+// of gradient_norm), or step.grad_scale alone when grad_scale_device is null. The fp32 master is
+// (weights, low), its two halves (core/split_master.h: the bf16 weight the model reads and the low
+// 16 bits); both are updated, and m and v.
 Status adamw_update(const DeviceChunkTable& table, const AdamWStep& step,
-                    const float* grad_scale_device, const float* grads, float* master, float* m,
-                    float* v, bf16* weights, cudaStream_t stream);
+                    const float* grad_scale_device, const float* grads, bf16* weights, uint16_t* low,
+                    float* m, float* v, cudaStream_t stream);
 
 }  // namespace flare::train::cuda

@@ -412,7 +412,7 @@ Status CudaDataParallel::all_gather_weights(__nv_bfloat16* weights) {
   return Status::ok_status();
 }
 
-Status CudaDataParallel::gather_to_rank0(const float* shard, float* full) {
+Status CudaDataParallel::gather_to_rank0(const void* shard, int64_t elem_bytes, void* full) {
   FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "device", cudaStreamSynchronize(compute_)));
   const CopyToHost copy = [this](void* dst, const void* src, int64_t bytes) {
     FLARE_RETURN_IF_ERROR(
@@ -420,7 +420,7 @@ Status CudaDataParallel::gather_to_rank0(const float* shard, float* full) {
                     cudaMemcpyAsync(dst, src, sz(bytes), cudaMemcpyDeviceToHost, stream_)));
     return cuda_status(kCudaContext, "state to host", cudaStreamSynchronize(stream_));
   };
-  return gather_shards_to_rank0(*comm_, *plan_, shard, staging_, sizeof(float), full, copy, stream_);
+  return gather_shards_to_rank0(*comm_, *plan_, shard, staging_, elem_bytes, full, copy, stream_);
 }
 
 }  // namespace flare::train::dp

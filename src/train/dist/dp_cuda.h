@@ -115,9 +115,9 @@ class CudaDataParallel final : public cuda::GradientPlacement {
   // The compute stream waits for every weight of the last all_gather_weights().
   Status wait_for_weights() { return wait_for_gathered(0); }
 
-  // Rank 0 receives every rank's shard of one fp32 state tensor into `full` (host, plan.total
-  // floats); the others send. Host-blocking, collective (checkpoints).
-  Status gather_to_rank0(const float* shard, float* full);
+  // Rank 0 receives every rank's shard of one state tensor (elements of elem_bytes) into `full`
+  // (host, plan.total elements); the others send. Host-blocking, collective (checkpoints).
+  Status gather_to_rank0(const void* shard, int64_t elem_bytes, void* full);
   // Waits for the communication stream (setup and checkpoints only).
   Status synchronize();
   // OK, or the communicator's failure (a collective that timed out or failed after it was

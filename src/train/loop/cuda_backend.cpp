@@ -1,6 +1,8 @@
 // cuda_backend.cpp — the training step on one CUDA device: the GPU model (model/gpu_model.h) for
 // forward and backward, cuda/adamw.h for the gradient norm, the clip and AdamW over fp32 master
-// weights, m and v, which live here, beside the model's bf16 weights and fp32 gradients.
+// weights, m and v, which live here, beside the model's bf16 weights and fp32 gradients. The
+// master is held as its two 16-bit halves (core/split_master.h): the bf16 weights themselves (the
+// model's, or the shard's update under data parallelism) and the low halves kept here.
 //
 // A step is enqueued on one stream with no host wait: the micro-batches' tokens go up from pinned
 // memory, the losses are summed on the device, the clip factor is read by the optimizer from
@@ -8,8 +10,8 @@
 // back to pinned memory and an event; step_end() waits on that event only, then reads the step's
 // CUDA events for its profile (StepTiming).
 //
-// Data parallel (backend.h; NCCL communicator of several ranks): ZeRO-1, so master, m and v hold
-// this rank's shard only (dp_plan.h) and the collectives run on a second stream
+// Data parallel (backend.h; NCCL communicator of several ranks): ZeRO-1, so the master's low
+// halves, m and v hold this rank's shard only (dp_plan.h) and the collectives run on a second stream
 // (train/dist/dp_cuda.h). The step, in order:
 //   1. the ranks agree on the step's valid-target count (device all-gather), which the first
 //      forward's classifier reads (1 / count) from device memory;
@@ -33,6 +35,7 @@
 #include "core/message.h"
 #include "core/numeric.h"
 #include "train/core/host_array.h"
+#include "train/core/split_master.h"
 #include "train/cuda/adamw.h"
 #include "train/cuda/event_timer.h"
 #include "train/cuda/matmul.h"
@@ -166,17 +169,19 @@ class CudaBackend final : public Backend {
       if (shard_gradients_) model_->set_gradient_placement(dp_.get());
     }
 
-    // master, m, v (fp32, the shard each); the step's tokens and targets; the loss sum and the
-    // norm pair; the norm's scratch. One allocation, 256-byte aligned pieces.
+    // The master's low halves (16-bit), m, v (fp32), the shard each; the step's tokens and
+    // targets; the loss sum and the norm pair; the norm's scratch. One allocation, 256-byte
+    // aligned pieces.
     const int64_t norm_scratch = cuda::gradient_norm_scratch_bytes(table_);
     auto piece = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-    const int64_t bytes = 3 * piece(shard * 4) + 2 * piece(tokens * 4) + piece(8) + piece(8) + piece(norm_scratch);
+    const int64_t bytes = piece(shard * 2) + 2 * piece(shard * 4) + 2 * piece(tokens * 4) + piece(8) + piece(8) +
+                          piece(norm_scratch);
     char* p = nullptr;
     FLARE_RETURN_IF_ERROR(
         cuda_status(kCudaContext, "optimizer state",
                     cudaMalloc(reinterpret_cast<void**>(&p), static_cast<size_t>(bytes))));
     state_ = p;
-    master_ = reinterpret_cast<float*>(p);          p += piece(shard * 4);
+    low_ = reinterpret_cast<uint16_t*>(p);          p += piece(shard * 2);
     m_ = reinterpret_cast<float*>(p);               p += piece(shard * 4);
     v_ = reinterpret_cast<float*>(p);               p += piece(shard * 4);
     tokens_ = reinterpret_cast<int32_t*>(p);        p += piece(tokens * 4);
@@ -201,16 +206,22 @@ class CudaBackend final : public Backend {
   Status set_state(const float* master, const float* m, const float* v) override {
     if (!master) return invalid("set_state: master must not be null");
     FLARE_RETURN_IF_ERROR(wait_idle());
-    // This rank's shard of each tensor (the whole buffer for one rank).
-    FLARE_RETURN_IF_ERROR(upload_shard(master, master_));
-    FLARE_RETURN_IF_ERROR(upload_shard(m, m_));
-    FLARE_RETURN_IF_ERROR(upload_shard(v, v_));
-    // The bf16 weights the model reads, all of them on every rank: master rounded to nearest even
-    // (as AdamW writes them).
+    // The master's halves: the bf16 weights (the master rounded to nearest even) and the low halves.
     const int64_t n = layout_.total;
-    HostArray<uint16_t> weights(n);
+    HostArray<uint16_t> weights(n), low(n);
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) weights.data()[i] = float_to_bf16(master[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      const SplitMaster h = split_master(master[i]);
+      weights.data()[i] = h.weight;
+      low.data()[i] = h.low;
+    }
+    // This rank's shard of each state tensor (the whole buffer for one rank); under data
+    // parallelism also the shard's bf16 weights, which AdamW reads as the master's top half.
+    FLARE_RETURN_IF_ERROR(upload_shard(low.data(), low_, sizeof(uint16_t)));
+    FLARE_RETURN_IF_ERROR(upload_shard(m, m_, sizeof(float)));
+    FLARE_RETURN_IF_ERROR(upload_shard(v, v_, sizeof(float)));
+    if (dp_) FLARE_RETURN_IF_ERROR(upload_shard(weights.data(), dp_->shard_weights(), sizeof(uint16_t)));
+    // The bf16 weights the model reads, all of them on every rank.
     return cuda_status(kCudaContext, "set_state weights",
                        cudaMemcpy(model_->weights(), weights.data(),
                                   static_cast<size_t>(n) * sizeof(bf16), cudaMemcpyHostToDevice));
@@ -218,23 +229,36 @@ class CudaBackend final : public Backend {
 
   Status get_state(float* master, float* m, float* v) override {
     FLARE_RETURN_IF_ERROR(wait_idle());
+    const int64_t n = layout_.total;
+    // The master's halves, joined on the host (rank 0 gathers them whether or not it is asked for
+    // the master: the gather is collective).
+    HostArray<uint16_t> weights((dp_ ? rank_ == 0 : master != nullptr) ? n : 0), low(weights.size());
     if (dp_) {
       // Collective: every rank takes part for each tensor; rank 0 gathers into a scratch buffer
       // for a null one.
       std::vector<float> unused;
-      for (auto [shard, full] : {std::pair{master_, master}, {m_, m}, {v_, v}}) {
+      for (auto [shard, full] : {std::pair{m_, m}, {v_, v}}) {
         if (!full && rank_ == 0) {
           unused.resize(sz(plan_.total));
           full = unused.data();
         }
-        FLARE_RETURN_IF_ERROR(dp_->gather_to_rank0(shard, full));
+        FLARE_RETURN_IF_ERROR(dp_->gather_to_rank0(shard, sizeof(float), full));
       }
+      FLARE_RETURN_IF_ERROR(dp_->gather_to_rank0(dp_->shard_weights(), sizeof(uint16_t), weights.data()));
+      FLARE_RETURN_IF_ERROR(dp_->gather_to_rank0(low_, sizeof(uint16_t), low.data()));
+      if (rank_ == 0 && master) join_halves(weights.data(), low.data(), master, n);
       return Status::ok_status();
     }
-    const size_t bytes = static_cast<size_t>(layout_.total) * sizeof(float);
-    if (master)
+    const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+    if (master) {
+      const size_t half_bytes = static_cast<size_t>(n) * sizeof(uint16_t);
+      FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "get_state",
+                                        cudaMemcpy(weights.data(), model_->weights(), half_bytes,
+                                                   cudaMemcpyDeviceToHost)));
       FLARE_RETURN_IF_ERROR(cuda_status(
-          kCudaContext, "get_state", cudaMemcpy(master, master_, bytes, cudaMemcpyDeviceToHost)));
+          kCudaContext, "get_state", cudaMemcpy(low.data(), low_, half_bytes, cudaMemcpyDeviceToHost)));
+      join_halves(weights.data(), low.data(), master, n);
+    }
     if (m)
       FLARE_RETURN_IF_ERROR(
           cuda_status(kCudaContext, "get_state", cudaMemcpy(m, m_, bytes, cudaMemcpyDeviceToHost)));
@@ -406,8 +430,8 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(timer_.record(stream_, &begin));
     FLARE_RETURN_IF_ERROR(cuda::gradient_norm(table_, model_->grads(), grad_clip, norm_and_scale_,
                                               norm_scratch_, stream_));
-    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, model_->grads(), master_,
-                                             m_, v_, model_->weights(), stream_));
+    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, model_->grads(),
+                                             model_->weights(), low_, m_, v_, stream_));
     FLARE_RETURN_IF_ERROR(timer_.record(stream_, &end));
     timer_.span(EventTimer::kOptimizer, begin, end);
     readback_->totals.valid = valid_;
@@ -428,8 +452,8 @@ class CudaBackend final : public Backend {
     timer_.span(EventTimer::kOptimizer, norm_begin, norm_end);
     FLARE_RETURN_IF_ERROR(dp_->agree_norm_and_loss(grad_clip, norm_and_scale_));
     FLARE_RETURN_IF_ERROR(timer_.record(stream_, &adam_begin));
-    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, dp_->shard_grads(), master_,
-                                             m_, v_, dp_->shard_weights(), stream_));
+    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, dp_->shard_grads(),
+                                             dp_->shard_weights(), low_, m_, v_, stream_));
     FLARE_RETURN_IF_ERROR(timer_.record(stream_, &adam_end));
     timer_.span(EventTimer::kOptimizer, adam_begin, adam_end);
     FLARE_RETURN_IF_ERROR(dp_->all_gather_weights(model_->weights()));
@@ -465,17 +489,23 @@ class CudaBackend final : public Backend {
   }
 
   // A full host tensor's shard (or zeros for null) into device memory.
-  Status upload_shard(const float* full, float* shard) {
+  Status upload_shard(const void* full, void* shard, int64_t elem_bytes) {
     const int64_t n = plan_.shard_size(rank_);
-    const size_t bytes = sz(n) * sizeof(float);
+    const size_t bytes = sz(n * elem_bytes);
     if (!full) return cuda_status(kCudaContext, "set_state", cudaMemset(shard, 0, bytes));
     if (plan_.world == 1)
       return cuda_status(kCudaContext, "set_state",
                          cudaMemcpy(shard, full, bytes, cudaMemcpyHostToDevice));
-    HostArray<float> host(n);  // full_to_shard writes every element
-    dp::full_to_shard(plan_, rank_, full, host.data(), sizeof(float));
+    HostArray<unsigned char> host(n * elem_bytes);  // full_to_shard writes every element
+    dp::full_to_shard(plan_, rank_, full, host.data(), elem_bytes);
     return cuda_status(kCudaContext, "set_state",
                        cudaMemcpy(shard, host.data(), bytes, cudaMemcpyHostToDevice));
+  }
+
+  // The fp32 master from its halves (split_master.h), on the host.
+  static void join_halves(const uint16_t* weights, const uint16_t* low, float* master, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) master[i] = join_master(weights[i], low[i]);
   }
 
   Status wait_idle() {
@@ -516,7 +546,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<dp::CudaDataParallel> dp_;  // several ranks only
   cuda::DeviceChunkTable table_;  // over the shard
   void* state_ = nullptr;
-  float *master_ = nullptr, *m_ = nullptr, *v_ = nullptr, *norm_and_scale_ = nullptr;
+  uint16_t* low_ = nullptr;  // the master's low halves (split_master.h), the shard
+  float *m_ = nullptr, *v_ = nullptr, *norm_and_scale_ = nullptr;
   int32_t *tokens_ = nullptr, *targets_ = nullptr;
   double* loss_sum_ = nullptr;
   void* norm_scratch_ = nullptr;
