@@ -398,6 +398,8 @@ TEST(GpuOps, Rope) {
   check_rope(97, 97, 4, 2, 64, false);
   check_rope(2 * 50, 50, 8, 1, 128, true);   // GQA 8:1, LLaMA-3 scaling, two sequences
   check_rope(1, 1, 32, 32, 80, false);       // head_dim 80
+  check_rope(33, 11, 3, 1, 20, false);       // half 10: pairs two at a time
+  check_rope(5, 5, 2, 2, 6, true);           // half 3: one pair at a time
 }
 
 // ---- SwiGLU ------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 // rope.cu — rotary position embedding on the qkv rows (rope.h).
 //
-// One thread per rotated pair (row, head among the n_head + n_kv_head rotated ones, i < D/2):
-// consecutive threads take consecutive i, so both halves of a head are read and written
-// coalesced; the table row of the position is shared by every head of the row (L1/L2 hits).
-// The backward is the same kernel with the sine negated.
+// One block per row (a token's q and k heads share its position's table row). Each thread takes
+// kVec consecutive pairs (i … i + kVec − 1 of one head, with their partners i + D/2 …): one 8-byte
+// (or 4-, or 2-byte) load and store per half of the head and one vector load per table, where the
+// head dim, the row stride and the pointers allow it. All index arithmetic is 32-bit within the
+// row: a row holds fewer than 2^31 elements. The backward is the same kernel with the sine negated.
 #include "train/cuda/rope.h"
+
+#include <cstdint>
 
 #include "core/message.h"
 #include "train/cuda/device.cuh"
@@ -23,21 +26,50 @@ struct RopeParams {
   float sin_sign;          // +1 forward, −1 backward (rotation by −angle)
 };
 
-__global__ void rope_kernel(const RopeParams p) {
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t pairs_per_row = p.rotated_heads * p.half;
-  if (idx >= p.rows * pairs_per_row) return;
-  const int64_t row = idx / pairs_per_row;
-  const int64_t head = (idx % pairs_per_row) / p.half;
-  const int64_t i = idx % p.half;
-  const int64_t pos = row % p.seq_len;
-  const float c = p.cos_table[pos * p.half + i];
-  const float s = p.sin_sign * p.sin_table[pos * p.half + i];
-  bf16* x = p.qkv + row * p.row_stride + head * 2 * p.half;
-  const float x1 = __bfloat162float(x[i]);
-  const float x2 = __bfloat162float(x[i + p.half]);
-  x[i] = __float2bfloat16_rn(x1 * c - x2 * s);
-  x[i + p.half] = __float2bfloat16_rn(x2 * c + x1 * s);
+template <int kVec>
+struct alignas(4 * kVec) FloatVec {
+  float v[kVec];
+};
+template <int kVec>
+struct alignas(2 * kVec) Bf16Vec {
+  bf16 v[kVec];
+};
+
+template <int kVec>
+__global__ void __launch_bounds__(128) rope_kernel(const RopeParams p) {
+  const int64_t row = blockIdx.x;
+  const int half = static_cast<int>(p.half), per_head = half / kVec;
+  const int per_row = static_cast<int>(p.rotated_heads) * per_head;
+  const int64_t table_row = row % p.seq_len * p.half;
+  bf16* x_row = p.qkv + row * p.row_stride;
+  for (int t = threadIdx.x; t < per_row; t += blockDim.x) {
+    const int head = t / per_head, i = t % per_head * kVec;
+    const FloatVec<kVec> c = *reinterpret_cast<const FloatVec<kVec>*>(p.cos_table + table_row + i);
+    const FloatVec<kVec> s = *reinterpret_cast<const FloatVec<kVec>*>(p.sin_table + table_row + i);
+    Bf16Vec<kVec>* lo = reinterpret_cast<Bf16Vec<kVec>*>(x_row + head * 2 * half + i);
+    Bf16Vec<kVec>* hi = reinterpret_cast<Bf16Vec<kVec>*>(x_row + head * 2 * half + half + i);
+    Bf16Vec<kVec> a = *lo, b = *hi;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float x1 = __bfloat162float(a.v[e]), x2 = __bfloat162float(b.v[e]);
+      const float sn = p.sin_sign * s.v[e];
+      a.v[e] = __float2bfloat16_rn(x1 * c.v[e] - x2 * sn);
+      b.v[e] = __float2bfloat16_rn(x2 * c.v[e] + x1 * sn);
+    }
+    *lo = a;
+    *hi = b;
+  }
+}
+
+// The widest vector (4, 2 or 1 pairs) that every access of the call is aligned to.
+int rope_vector(const RopeParams& p) {
+  auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  for (int vec : {4, 2}) {
+    if (p.half % vec == 0 && p.row_stride % vec == 0 && aligned(p.qkv, 2 * vec) &&
+        aligned(p.cos_table, 4 * vec) && aligned(p.sin_table, 4 * vec))
+      return vec;
+  }
+  return 1;
 }
 
 Status rope(const char* op, const float* cos_table, const float* sin_table, bf16* qkv,
@@ -61,8 +93,14 @@ Status rope(const char* op, const float* cos_table, const float* sin_table, bf16
   p.half = head_dim / 2;
   p.row_stride = (n_head + 2 * n_kv_head) * head_dim;
   p.sin_sign = sin_sign;
-  const int64_t threads = rows * p.rotated_heads * p.half;
-  rope_kernel<<<ceil_div(threads, 256), 256, 0, stream>>>(p);
+  if (p.rotated_heads * p.half >= (int64_t{1} << 31) || rows >= (int64_t{1} << 31))
+    return invalid(op, ": rows = ", rows, " and the row's rotated pairs must each be below 2^31");
+  const unsigned blocks = static_cast<unsigned>(rows);
+  switch (rope_vector(p)) {
+    case 4: rope_kernel<4><<<blocks, 128, 0, stream>>>(p); break;
+    case 2: rope_kernel<2><<<blocks, 128, 0, stream>>>(p); break;
+    default: rope_kernel<1><<<blocks, 128, 0, stream>>>(p); break;
+  }
   return launch_status(kCudaContext, op);
 }
 
