@@ -162,6 +162,8 @@ def parse_args(argv=None):
     p.add_argument("--val-batches", type=int, default=8, help="batches per validation pass "
                    "(at most one epoch of the validation shards, as flare-train's --eval-batches)")
     p.add_argument("--device", type=int, help="CUDA device (default 0; under torchrun LOCAL_RANK)")
+    p.add_argument("--kernel-profile", metavar="DIR", help="after each case's timed steps, profile 2 more "
+                   "with torch.profiler and write DIR/kernel-profile-<impl>-<model>.txt (GPU only)")
     p.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 "
                    "(impl torch-fsdp2-*) instead of DistributedDataParallel")
     args = p.parse_args(argv)
@@ -343,6 +345,33 @@ def attention_kernels(torch, run, tokens, targets):
     return sorted(names)[:4]
 
 
+def kernel_profile(torch, run, data, first_step, steps, path, title):
+    """Per-kernel device time of `steps` steps (torch.profiler, CUDA activity), written to `path`
+    as ms per step, calls per step and the kernel's name, largest first: the peer's side of the
+    per-kernel profiles flare-train's steps get from ncu (bench/results/*/kernel-profile-*.txt)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            run.step(*data[(first_step + i) % len(data)], first_step + i)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            rows.append((us / 1e3 / steps, e.count / steps, e.key))
+    rows.sort(key=lambda r: -r[0])
+    with open(path, "w") as f:
+        f.write(title + "\n")
+        f.write(f"torch.profiler over {steps} steps after the timed ones, per step; "
+                f"sum of kernel times per step: {sum(r[0] for r in rows):.1f} ms\n")
+        f.write(" ms/step  calls  kernel\n")
+        for ms, calls, name in rows:
+            f.write(f"{ms:8.2f} {calls:6.0f}  {name[:140]}\n")
+
+
 class StepClock:
     """Times consecutive steps. On the GPU, a CUDA event after each step and no host wait inside
     the loop (each interval is one step's device time); on the CPU, where every operation has
@@ -447,6 +476,12 @@ def bench_case(torch, tm, args, config, batch, seq, backend):
         clock.mark()
     ms = clock.elapsed_ms()
     peak, reserved, in_use = peak_memory(torch, cpu)
+    if args.kernel_profile and not cpu:
+        os.makedirs(args.kernel_profile, exist_ok=True)
+        kernel_profile(torch, run, data, args.warmup + args.steps, 2,
+                       os.path.join(args.kernel_profile, f"kernel-profile-{impl_name(args)}-{config.name}.txt"),
+                       f"{impl_name(args)} {config.name} b{batch} s{seq}, {torch.cuda.get_device_name()}, "
+                       f"torch {torch.__version__}: median step {statistics.median(ms):.1f} ms in the timed run")
     mine = RankStats(statistics.median(ms), statistics.fmean(ms), min(ms), peak, reserved, in_use,
                      all(map(lambda t: bool(torch.isfinite(t)), losses)), first_loss,
                      losses[-1].item())

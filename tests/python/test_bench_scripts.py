@@ -205,3 +205,26 @@ def test_model_shapes_table_only_ratios_and_cells_below_the_bar(tmp_path):
         return lines[i].split(" cells")[0], [x.strip() for x in listed]
     assert below("fwd") == ("fwd: 1 of 3", ["llama3-8b s=3000 non-causal 0.70x"])
     assert below("bwd") == ("bwd: 1 of 1", ["llama3-8b s=3000 causal 0.90x"])
+
+
+def test_ncu_kernel_table_groups_by_name_per_step(tmp_path):
+    # ncu's raw CSV: a header row, a units row, then one row per kernel launch (other lines are ncu's
+    # own messages); times in ns with thousands separators.
+    lines = [
+        "==PROF== Connected to process 1",
+        '"ID","Kernel Name","gpu__time_duration.sum"',
+        '"","","ns"',
+        '"0","gemm_a(int, float*)","1,000,000"',
+        '"1","norm(float const*)","250,000"',
+        '"2","gemm_a(int, float*)","3,000,000"',
+        '"3","norm(float const*)","250,000"',
+    ]
+    path = tmp_path / "run.csv"
+    path.write_text("\n".join(lines) + "\n")
+    done = run("ncu_kernel_table.py", str(path), "--steps", "2", "--title", "t")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == "t"
+    assert out[1] == "sum of kernel times per step: 2.2 ms"
+    assert out[3].split() == ["2.00", "1", "gemm_a"]
+    assert out[4].split() == ["0.25", "1", "norm"]
