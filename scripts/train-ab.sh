@@ -3,12 +3,13 @@
 #
 #   scripts/train-ab.sh --out DIR [--model gpt3-2.7b] [--batch 4] [--seq 1024] [--steps 25]
 #                       [--rounds 2] [--vocab 50257] [--device cuda] [--arch 90a]
-#                       NAME=SOURCE_DIR[,VAR=VALUE...] [NAME=SOURCE_DIR[,VAR=VALUE...] ...]
+#                       NAME=SOURCE_DIR[,VAR=VALUE|,--flag...] [NAME=SOURCE_DIR[,...] ...]
 #
 # The first NAME is the base. Each SOURCE_DIR is a whole source tree (`.` for the working tree;
 # another commit as `git archive REF | tar -x -C DIR`, made before the call, since .git does not
 # travel to the device); VAR=VALUE pairs are set in the environment of that variant's runs only,
-# so one tree can be compared with itself under other settings. Each distinct tree is built once
+# and --flag items (no spaces) are added to its flare-train command line, so one tree can be
+# compared with itself under other settings (e.g. bf16=.,--bf16-grads). Each distinct tree is built once
 # (Release, flare_train_app, in build-trainab/<n>; CUDA for --device cuda), then every variant
 # trains the same synthetic tokens (`flare-train synth-data`, ids below --vocab, which must not
 # exceed the model's vocabulary: 300 for the tiny test presets) for --steps steps, variants
@@ -49,14 +50,19 @@ cuda=ON
 [[ "$device" == cuda ]] || cuda=OFF
 
 # Variant i: its name, its tree (absolute), its environment; trees[] holds each distinct tree once.
-names=() srcs=() envs=() trees=()
+names=() srcs=() envs=() flags=() trees=()
 for v in "${variants[@]}"; do
   name=${v%%=*} rest=${v#*=}
-  dir=${rest%%,*} env=""
-  [[ "$rest" == *,* ]] && env=${rest#*,}
+  dir=${rest%%,*} env="" flag=""
+  if [[ "$rest" == *,* ]]; then
+    IFS=, read -ra items <<< "${rest#*,}"
+    for item in "${items[@]}"; do
+      if [[ "$item" == --* ]]; then flag+=" $item"; else env+=" $item"; fi
+    done
+  fi
   [[ -d "$dir" ]] || { echo "train-ab.sh: $dir is not a folder" >&2; exit 2; }
   dir=$(cd "$dir" && pwd)
-  names+=("$name") srcs+=("$dir") envs+=("${env//,/ }")
+  names+=("$name") srcs+=("$dir") envs+=("$env") flags+=("$flag")
   [[ " ${trees[*]} " == *" $dir "* ]] || trees+=("$dir")
 done
 
@@ -86,7 +92,7 @@ for r in $(seq 1 "$rounds"); do
     log=$out/logs/${names[$i]}_round$r.log
     env ${envs[$i]} "$(binary "${srcs[$i]}")" --model "$model" --device "$device" --data "$data" \
       --batch "$batch" --seq "$seq" --steps "$steps" --warmup 5 --sample 0 --no-checkpoint \
-      --nondeterministic --eval-every 0 > "$log" 2>&1 ||
+      --nondeterministic --eval-every 0 ${flags[$i]} > "$log" 2>&1 ||
       echo "train-ab.sh: ${names[$i]} failed in round $r (see $log)" >&2
   done
 done
