@@ -138,7 +138,8 @@ class CudaBackend final : public Backend {
     FLARE_RETURN_IF_ERROR(check_fits(estimate_training_memory(rows, config, world), free_now));
     const int64_t tokens = train.grad_accum * train.batch * rows.seq;
     const int64_t shard = plan_.shard_size(rank_);
-    const int64_t state_bytes = 3 * shard * int64_t{sizeof(float)} + 2 * tokens * int64_t{sizeof(int32_t)} + 256;
+    // The master's low halves (2 bytes), m and v (4 each), the step's tokens and targets.
+    const int64_t state_bytes = 10 * shard + 2 * tokens * int64_t{sizeof(int32_t)} + 256;
     const int64_t dp_bytes = world > 1 ? dp::CudaDataParallel::buffer_bytes(plan_, rank_, shard_gradients_) : 0;
     const int64_t need = cuda::GpuModel::buffer_bytes(config, train.batch, rows.seq, train.recompute,
                                                       !shard_gradients_) +
