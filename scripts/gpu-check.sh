@@ -23,7 +23,8 @@
 #    and bench/gpt_loss.py (a small GPT trained with flare's attention and with SDPA's; fails unless
 #    the loss curves agree within the spread between SDPA backends: DIR/gpt_loss-<card>-<date>
 #    .json and .png); 7. training throughput, flare-train against bench/train_torch.py
-#    (torch.compile + SDPA cuDNN) for GPT-2 124M and GPT-3 2.7B; 8. with two or more GPUs,
+#    (torch.compile + SDPA cuDNN) for GPT-2 124M, GPT-3 2.7B and LLaMA-3.2 1B (s 4096), with the
+#    peer's per-kernel step profiles and DIR/train-<card>-<date>.json; 8. with two or more GPUs,
 #    bench/ring_bench (ring, zigzag, all-to-all against one GPU; the context-parallel tests run
 #    in step 2 on every visible GPU), then `flare bench-dist` one process per GPU under mpirun
 #    (DIR/bench_dist_<N>gpu.json; with four or more, a 1M-token causal run) and once under a
@@ -230,25 +231,35 @@ fi
 # Training: flare-train against the PyTorch reference (torch.compile + SDPA cuDNN), same card,
 # same call, random tokens (bench/results/*/train*.json; docs/training.md).
 if [[ $bench -eq 1 && $native_bench -eq 1 && -x "$build/apps/train/flare-train" ]]; then
-  log "training throughput: flare-train vs bench/train_torch.py (GPT-2 124M b16, GPT-3 2.7B b4, s 1024)"
+  log "training throughput: flare-train vs bench/train_torch.py (GPT-2 124M b16, GPT-3 2.7B b4 s 1024, LLaMA-3.2 1B b4 s 4096)"
   ft="$build/apps/train/flare-train"
   "$ft" synth-data --out "$out/synth" > "$out/train_synth.log" 2>&1 || { status=1; log "synth-data FAILED"; }
-  for c in "gpt2 16 40" "gpt3-2.7b 4 30"; do
+  flare_rows=()
+  for c in "gpt2 16 1024 40" "gpt3-2.7b 4 1024 30" "llama3.2-1b 4 4096 15"; do
     set -- $c
-    if "$ft" --model "$1" --data "$out/synth" --batch "$2" --seq 1024 --steps "$3" --warmup 5 \
+    if "$ft" --model "$1" --data "$out/synth" --batch "$2" --seq "$3" --steps "$4" --warmup 5 \
          --sample 0 --no-checkpoint --nondeterministic --log "$out/train_$1.jsonl" > "$out/train_$1.log" 2>&1; then
       log "flare-train $1: $(grep '^throughput' "$out/train_$1.log")"
+      flare_rows+=(--flare "$1:$2:$3:$out/train_$1.log:$out/train_$1.jsonl")
     else
       status=1; log "flare-train $1 FAILED"; tail -5 "$out/train_$1.log" | tee -a "$out/summary.log"
     fi
   done
   rm -rf "$out/synth"
+  # The peer, and its per-kernel step profile (kernel-profile-torch-compile-<model>.txt) to lay
+  # beside flare-train's (docs/training.md: ncu or nsys).
   if PYTHONUNBUFFERED=1 python3 bench/train_torch.py --case gpt2:16:1024 --case gpt3-2.7b:4:1024 \
-       --vocab 50257 --out "$out" > "$out/train_torch.log" 2>&1; then
+       --case llama3.2-1b:4:4096 --vocab 50257 --out "$out/torch" --kernel-profile "$out" \
+       > "$out/train_torch.log" 2>&1; then
     grep -E 'tokens/s' "$out/train_torch.log" | tee -a "$out/summary.log"
   else
     status=1; log "train_torch.py FAILED"; tail -5 "$out/train_torch.log" | tee -a "$out/summary.log"
   fi
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  python3 bench/train_results.py --out "$out" "${flare_rows[@]}" \
+    $(ls "$out"/torch/train_torch-*.json 2>/dev/null | sed 's/^/--torch /') --card "$card" \
+    > "$out/train_results.log" 2>&1 || { status=1; log "train_results.py FAILED"; }
+  tail -4 "$out/train_results.log" | tee -a "$out/summary.log"
 fi
 
 # Several GPUs: the context-parallel tests ran in ctest -L gpu above (they use every visible GPU);
