@@ -99,14 +99,19 @@ __device__ __forceinline__ float adamw_element(const AdamWParams& p, float scale
   return master * decay - p.lr * (m_hat / (sqrtf(v_hat) + p.eps));
 }
 
+// The same step on a master held as its two halves (split_master.h), updated in place.
+__device__ __forceinline__ void adamw_halves(const AdamWParams& p, float scale, float decay, float grad,
+                                             uint16_t* weight, uint16_t* low, float* m, float* v) {
+  const SplitMaster w = split_master(adamw_element(p, scale, decay, grad, join_master(*weight, *low), m, v));
+  *weight = w.weight;
+  *low = w.low;
+}
+
 __device__ __forceinline__ void adamw_scalar(const AdamWParams& p, float scale, float decay, int64_t i) {
   float m = p.m[i], v = p.v[i];
-  const SplitMaster w = split_master(
-      adamw_element(p, scale, decay, p.grads[i], join_master(p.weights[i], p.low[i]), &m, &v));
+  adamw_halves(p, scale, decay, p.grads[i], &p.weights[i], &p.low[i], &m, &v);
   p.m[i] = m;
   p.v[i] = v;
-  p.weights[i] = w.weight;
-  p.low[i] = w.low;
 }
 
 // Four 16-bit halves as one 8-byte word.
@@ -136,12 +141,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWParams p) {
     float* ms[4] = {&m.x, &m.y, &m.z, &m.w};
     float* vs[4] = {&v.x, &v.y, &v.z, &v.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const SplitMaster w =
-          split_master(adamw_element(p, scale, decay, gs[e], join_master(hi.h[e], lo.h[e]), ms[e], vs[e]));
-      hi.h[e] = w.weight;
-      lo.h[e] = w.low;
-    }
+    for (int e = 0; e < 4; ++e) adamw_halves(p, scale, decay, gs[e], &hi.h[e], &lo.h[e], ms[e], vs[e]);
     *reinterpret_cast<float4*>(p.m + i) = m;
     *reinterpret_cast<float4*>(p.v + i) = v;
     *reinterpret_cast<uint2*>(p.weights + i) = hi.word;
