@@ -165,6 +165,34 @@ int main(int argc, char** argv) {
     return tc::bias_gradient(fc_out, db_fc, N, kFfn, true, norm_scratch, s);
   });
 
+  // Weight gradients written in fp32 (the trainer's) against bf16 (cuBLASLt's bf16-output kernels)
+  // at GPT-3 2.7B's and LLaMA-3.2 1B's (b4 s4096) products: tokens, in, out.
+  struct DwShape {
+    const char* name;
+    int64_t tokens, in, out;
+  };
+  const DwShape dw_shapes[] = {
+      {"gpt3 qkv", N, kD, 3 * kD},           {"gpt3 proj", N, kD, kD},
+      {"gpt3 fc", N, kD, kFfn},              {"gpt3 fc2", N, kFfn, kD},
+      {"llama1b qkv", 16384, 2048, 3072},    {"llama1b o", 16384, 2048, 2048},
+      {"llama1b gate_up", 16384, 2048, 16384}, {"llama1b down", 16384, 8192, 2048},
+  };
+  for (const DwShape& d : dw_shapes) {
+    bf16 *dy = bf_alloc(d.tokens * d.out), *xin = bf_alloc(d.tokens * d.in), *dw16 = bf_alloc(d.in * d.out);
+    float* dw32 = f_alloc(d.in * d.out);
+    const double flops = 2.0 * d.tokens * d.in * d.out;
+    time_op(std::string("dW fp32 ") + d.name, 0, flops, [&] {
+      return tc::matmul_backward_weight(ctx, dy, xin, dw32, nullptr, d.tokens, d.in, d.out, false, s);
+    });
+    time_op(std::string("dW bf16 ") + d.name, 0, flops, [&] {
+      return tc::matmul_backward_weight_bf16(ctx, dy, xin, dw16, nullptr, d.tokens, d.in, d.out, s);
+    });
+    cudaFree(dy);
+    cudaFree(xin);
+    cudaFree(dw16);
+    cudaFree(dw32);
+  }
+
   // The optimizer over one tenth of GPT-3 2.7B (265M parameters) in 4 tensors.
   flare::train::ParameterLayout layout;
   const int64_t per_tensor = 66'250'000;

@@ -26,11 +26,12 @@ enum class Pass : int { kForward, kBackwardInput, kBackwardWeight };
 struct PlanKey {
   Pass pass;
   int epilogue;  // cublasLtEpilogue_t
+  int d_type;    // cudaDataType_t of the output
   int64_t m, n, k;
   bool accumulate;
   int align_a, align_b, align_c, align_bias, align_aux;
   auto tie() const {
-    return std::tie(pass, epilogue, m, n, k, accumulate, align_a, align_b, align_c, align_bias,
+    return std::tie(pass, epilogue, d_type, m, n, k, accumulate, align_a, align_b, align_c, align_bias,
                     align_aux);
   }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
@@ -151,7 +152,8 @@ Status make_plan(MatmulContext::State& s, const Call& c, Plan* plan, const char*
   FLARE_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                               &c.epilogue, sizeof c.epilogue));
   if (c.bias) {
-    const cudaDataType_t bias_type = c.epilogue == CUBLASLT_EPILOGUE_BGRADB ? CUDA_R_32F : CUDA_R_16BF;
+    // The forward's bias is bf16; BGRADB's bias gradient has the output's type.
+    const cudaDataType_t bias_type = c.epilogue == CUBLASLT_EPILOGUE_BGRADB ? c.d_type : CUDA_R_16BF;
     FLARE_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                 &bias_type, sizeof bias_type));
   }
@@ -197,7 +199,7 @@ Status make_plan(MatmulContext::State& s, const Call& c, Plan* plan, const char*
 Status run(MatmulContext& ctx, const Call& c, cudaStream_t stream, const char* what) {
   MatmulContext::State* s = ctx.state();
   if (s == nullptr) return invalid(what, ": the MatmulContext is not initialised (call init())");
-  const PlanKey key{c.pass, static_cast<int>(c.epilogue), c.m, c.n, c.k, c.accumulate,
+  const PlanKey key{c.pass, static_cast<int>(c.epilogue), static_cast<int>(c.d_type), c.m, c.n, c.k, c.accumulate,
                     alignment(c.a), alignment(c.b), alignment(c.d),
                     c.bias ? alignment(c.bias) : 0, c.aux ? alignment(c.aux) : 0};
   auto it = s->plans.find(key);
@@ -287,10 +289,13 @@ Status matmul_backward_input(MatmulContext& ctx, const bf16* dy, const bf16* wei
   return run(ctx, c, stream, what);
 }
 
-Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, float* dweight,
-                              float* dbias, int64_t tokens, int64_t in, int64_t out,
-                              bool accumulate, cudaStream_t stream) {
-  const char* what = "matmul_backward_weight";
+namespace {
+
+// dW (+)= dyᵀ · x and db (+)= Σ_t dy into fp32 (weight_type CUDA_R_32F) or bf16 (CUDA_R_16BF,
+// written only) gradients.
+Status backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, void* dweight, void* dbias,
+                       cudaDataType_t weight_type, int64_t tokens, int64_t in, int64_t out, bool accumulate,
+                       cudaStream_t stream, const char* what) {
   FLARE_RETURN_IF_ERROR(check_sizes(what, tokens, in, out));
   FLARE_RETURN_IF_ERROR(check_pointer(what, "dy", dy));
   FLARE_RETURN_IF_ERROR(check_pointer(what, "x", x));
@@ -304,7 +309,7 @@ Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x,
   c.m = in, c.n = out, c.k = tokens;
   c.a = x, c.lda = in, c.a_rows = in, c.a_cols = tokens;
   c.b = dy, c.ldb = out, c.b_rows = out, c.b_cols = tokens;
-  c.d = dweight, c.ldd = in, c.d_type = CUDA_R_32F;
+  c.d = dweight, c.ldd = in, c.d_type = weight_type;
   c.accumulate = accumulate;
   if (dbias && !accumulate) {
     // A written bias gradient comes from the product's epilogue (the sum of B = dyᵀ over k), which
@@ -314,6 +319,7 @@ Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x,
     fused.bias = dbias;
     const Status done = run(ctx, fused, stream, what);
     if (done.code() != StatusCode::kUnsupported) return done;
+    if (weight_type != CUDA_R_32F) return done;  // the column sum writes fp32 only
   }
   if (dbias) {
     // The bias reduction borrows the workspace before the matmul, in stream order.
@@ -322,10 +328,26 @@ Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x,
       return Status::unsupported(cat(what, ": the bias gradient of tokens = ", tokens, ", out = ", out,
                                      " needs ", need, " bytes of scratch, over the workspace's ",
                                      MatmulContext::kWorkspaceBytes));
-    FLARE_RETURN_IF_ERROR(bias_gradient(dy, dbias, tokens, out, accumulate,
+    FLARE_RETURN_IF_ERROR(bias_gradient(dy, static_cast<float*>(dbias), tokens, out, accumulate,
                                         ctx.state()->workspace, stream));
   }
   return run(ctx, c, stream, what);
+}
+
+}  // namespace
+
+Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, float* dweight,
+                              float* dbias, int64_t tokens, int64_t in, int64_t out,
+                              bool accumulate, cudaStream_t stream) {
+  return backward_weight(ctx, dy, x, dweight, dbias, CUDA_R_32F, tokens, in, out, accumulate, stream,
+                         "matmul_backward_weight");
+}
+
+Status matmul_backward_weight_bf16(MatmulContext& ctx, const bf16* dy, const bf16* x, bf16* dweight,
+                                   bf16* dbias, int64_t tokens, int64_t in, int64_t out,
+                                   cudaStream_t stream) {
+  return backward_weight(ctx, dy, x, dweight, dbias, CUDA_R_16BF, tokens, in, out, false, stream,
+                         "matmul_backward_weight_bf16");
 }
 
 }  // namespace flare::train::cuda
