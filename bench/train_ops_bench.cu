@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
       return tc::matmul_backward_weight(ctx, dy, xin, dw32, nullptr, d.tokens, d.in, d.out, false, s);
     });
     time_op(std::string("dW bf16 ") + d.name, 0, flops, [&] {
-      return tc::matmul_backward_weight_bf16(ctx, dy, xin, dw16, nullptr, d.tokens, d.in, d.out, s);
+      return tc::matmul_backward_weight(ctx, dy, xin, dw16, nullptr, d.tokens, d.in, d.out, false, s);
     });
     cudaFree(dy);
     cudaFree(xin);

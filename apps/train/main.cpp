@@ -110,7 +110,7 @@ struct TrainFlags {
   std::optional<int64_t> n_layer, d_model, n_head, n_kv_head, head_dim, ffn_hidden, max_seq, vocab;
   std::optional<double> lr, min_lr, weight_decay, beta1, beta2, eps, grad_clip, peak_tflops,
       norm_eps, rope_theta;
-  bool recompute = false, nondeterministic = false, no_checkpoint = false;
+  bool recompute = false, bf16_grads = false, nondeterministic = false, no_checkpoint = false;
 
   void declare(Flags* f) {
     constexpr int64_t kBig = int64_t{1} << 40;
@@ -147,6 +147,8 @@ struct TrainFlags {
     f->add_double("grad-clip", &grad_clip, -1e30, 1e30, "global gradient-norm clip, 0 = off (default 1)");
     f->add_int("seed", &seed, 0, kBig, "initialisation and data-order seed (default 1337)");
     f->add_switch("recompute", &recompute, "recompute each layer in the backward (less memory)");
+    f->add_switch("bf16-grads", &bf16_grads,
+                  "CUDA, one rank, --grad-accum 1: gradients in bf16 (less memory and traffic)");
     f->add_switch("nondeterministic", &nondeterministic,
                   "CUDA: allow a faster, not bitwise-reproducible attention backward");
     f->add_int("eval-every", &eval_every, -kBig, kBig,
@@ -481,14 +483,15 @@ void print_run(const ft::TrainerOptions& o, const std::string& device, ft::Train
               static_cast<long long>(o.model.head_dim), static_cast<long long>(o.model.ffn_hidden),
               static_cast<long long>(o.model.vocab_size), static_cast<double>(params) / 1e6);
   std::printf("run: device %s (%s), batch %lld x seq %lld x accum %lld%s = %lld tokens/step, %lld "
-              "steps from step %lld, lr %.2e, recompute %s, estimated memory %s%s\n",
+              "steps from step %lld, lr %.2e, recompute %s, gradients %s, estimated memory %s%s\n",
               device.c_str(), trainer.backend().device_name().c_str(),
               static_cast<long long>(t.batch), static_cast<long long>(t.seq),
               static_cast<long long>(t.grad_accum),
               world > 1 ? (" x " + std::to_string(world) + " GPUs").c_str() : "",
               static_cast<long long>(t.batch * t.seq * t.grad_accum * world), static_cast<long long>(t.steps),
               static_cast<long long>(trainer.step()), t.lr, t.recompute ? "on" : "off",
-              gib(static_cast<double>(mem.total)).c_str(), world > 1 ? " per GPU" : "");
+              t.bf16_grads ? "bf16" : "fp32", gib(static_cast<double>(mem.total)).c_str(),
+              world > 1 ? " per GPU" : "");
   if (world > 1) {
     std::printf("data parallel: %d ranks (%s launch), %s, "
                 "gradient buckets of %lld MiB reduce-scattered during the backward, collectives "
@@ -576,6 +579,7 @@ int train_command(int argc, char** argv, int first) {
   t.grad_clip = f.grad_clip.value_or(1.0);
   t.seed = static_cast<uint64_t>(f.seed.value_or(1337));
   t.recompute = f.recompute;
+  t.bf16_grads = f.bf16_grads;
   t.shard_gradients = f.zero.value_or(1) == 2;
   t.eval_every = f.eval_every.value_or(have_val ? 100 : 0);
   t.ckpt_every = f.ckpt_every.value_or(0);

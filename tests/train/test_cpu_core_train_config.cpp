@@ -34,6 +34,9 @@ TEST(TrainConfig, EachRuleNamesItsField) {
   t = ok; t.seq = 1025; expect_rejected(t, m, "seq: 1025 must be in [1, max_seq = 1024]");
   t = ok; t.seq = 0; expect_rejected(t, m, "seq");
   t = ok; t.grad_accum = 0; expect_rejected(t, m, "grad_accum");
+  t = ok; t.bf16_grads = true; t.grad_accum = 2; expect_rejected(t, m, "bf16_grads: needs grad_accum = 1");
+  t = ok; t.bf16_grads = true; t.shard_gradients = true; expect_rejected(t, m, "bf16_grads: not with shard_gradients");
+  t = ok; t.bf16_grads = true; EXPECT_TRUE(validate_train_config(t, m).ok());
   t = ok; t.steps = 0; expect_rejected(t, m, "steps");
   t = ok; t.lr = 0; expect_rejected(t, m, "lr");
   t = ok; t.lr = NAN; expect_rejected(t, m, "lr");
@@ -79,6 +82,8 @@ TEST(TrainConfig, MemoryEstimateByHand) {
   t.recompute = true;
   MemoryEstimate r = estimate_training_memory(t, m);
   EXPECT_EQ(r.activations, 2 * input + layer + 2 * input);
+  t.bf16_grads = true;
+  EXPECT_EQ(estimate_training_memory(t, m).grads, 2 * n);
 }
 
 TEST(TrainConfig, LlamaSevenBDoesNotFitOneH100WithoutSharding) {

@@ -212,6 +212,7 @@ TEST(Trainer, BadConfigurationsAreRejectedNamingTheFieldAndWriteNothing) {
       {"train_data", [](TrainerOptions& o) { o.train.batch = 300; }},  // fewer windows than a batch
       {"eval_batches", [](TrainerOptions& o) { o.eval_batches = 0; }},
       {"peak_flops", [](TrainerOptions& o) { o.peak_flops = -1; }},
+      {"bf16_grads", [](TrainerOptions& o) { o.train.bf16_grads = true; }},  // a CUDA option
   };
   for (const Case& c : cases) {
     TrainerOptions o = good;

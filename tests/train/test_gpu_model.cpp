@@ -22,6 +22,9 @@
 // follows from the logits: |Δloss| ≤ 2·max|Δlogit| (a softmax-CE row moves by at most twice the
 // largest change of its logits) plus the fp32 sums, which the bound covers with room.
 //
+// With bf16 gradients (TrainConfig::bf16_grads) each parameter gradient is itself one more bf16
+// store at the end of its chain: R + 1.
+//
 // Recompute is checked bit for bit (the same kernels on the same bits, gpu_model.h), and so is
 // a rerun of the same step (deterministic attention, no float atomics anywhere in the step).
 #include <gtest/gtest.h>
@@ -172,8 +175,8 @@ StepInputs step_inputs(const ModelConfig& c, int64_t B, int64_t T) {
 
 // How the step's backward leaves its gradients: added into zeroed buffers (zero_grads, then
 // accumulate), or written over buffers poisoned with NaN (a step's first micro-batch: every
-// gradient must be written, none read).
-enum class Gradients { kAccumulated, kWritten };
+// gradient must be written, none read), in fp32 or in bf16 (GpuModelOptions::bf16_grads).
+enum class Gradients { kAccumulated, kWritten, kWrittenBf16 };
 
 // One forward + backward of the GPU model: loss, logits (float) and gradients (host).
 struct GpuResult {
@@ -195,6 +198,7 @@ void run_gpu(const ModelConfig& c, const std::vector<uint16_t>& weights, const B
   o.recompute = recompute;
   o.device_index = device;
   o.cp = cp;
+  o.bf16_grads = gradients == Gradients::kWrittenBf16;
   std::unique_ptr<GpuModel> model;
   ASSERT_OK(GpuModel::create(c, B, T, o, stream, &model));
   if (positions) *positions = model->positions();
@@ -221,8 +225,9 @@ void run_gpu(const ModelConfig& c, const std::vector<uint16_t>& weights, const B
   if (gradients == Gradients::kAccumulated) {
     ASSERT_OK(model->zero_grads());
   } else {
+    const cuda::GradientOut g = model->gradient();
     for (const ParamSpec& p : model->layout().params) {
-      ASSERT_CUDA(cudaMemsetAsync(model->grads() + p.offset, 0xff, static_cast<size_t>(p.numel) * 4, stream));
+      ASSERT_CUDA(cudaMemsetAsync((g + p.offset).data(), 0xff, static_cast<size_t>(p.numel * g.element_bytes()), stream));
     }
   }
   ASSERT_CUDA(cudaMemsetAsync(loss.ptr, 0, sizeof(double), stream));
@@ -232,8 +237,15 @@ void run_gpu(const ModelConfig& c, const std::vector<uint16_t>& weights, const B
   double loss_sum = 0.0;
   out->grads.resize(static_cast<size_t>(n));
   ASSERT_CUDA(cudaMemcpyAsync(&loss_sum, loss.ptr, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  ASSERT_CUDA(cudaMemcpyAsync(out->grads.data(), model->grads(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream));
+  std::vector<uint16_t> grad_bits(gradients == Gradients::kWrittenBf16 ? static_cast<size_t>(n) : 0);
+  if (grad_bits.empty()) {
+    ASSERT_CUDA(cudaMemcpyAsync(out->grads.data(), model->grads(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream));
+  } else {
+    ASSERT_CUDA(cudaMemcpyAsync(grad_bits.data(), model->gradient().data(), static_cast<size_t>(n) * 2,
+                                cudaMemcpyDeviceToHost, stream));
+  }
   ASSERT_CUDA(cudaStreamSynchronize(stream));
+  for (size_t i = 0; i < grad_bits.size(); ++i) out->grads[i] = bf16_to_float(grad_bits[i]);
   out->loss = loss_sum / all_tokens;
   model.reset();
   ASSERT_CUDA(cudaStreamDestroy(stream));
@@ -253,7 +265,7 @@ double relative_l2(const float* a, const float* ref, int64_t n) {
 // The GPU step `gpu` (loss, logits of every row, every gradient) against the fp32 CPU model's
 // on the same bf16 weights and batch, under the rule at the top of this file.
 void expect_matches_cpu_model(const ModelConfig& c, const std::vector<float>& weights, const Batch& batch,
-                              int64_t B, int64_t T, const GpuResult& gpu) {
+                              int64_t B, int64_t T, const GpuResult& gpu, bool bf16_grads = false) {
   std::unique_ptr<cpu::CpuModel> ref;
   ASSERT_OK(cpu::CpuModel::create(c, B, T, &ref));
   ASSERT_OK(ref->forward(weights.data(), batch.tokens.data(), nullptr, nullptr));
@@ -275,7 +287,8 @@ void expect_matches_cpu_model(const ModelConfig& c, const std::vector<float>& we
       << "loss; logits differ by up to " << max_dlogit;
 
   // Every parameter tensor's gradient.
-  const double grad_bound = static_cast<double>(gradient_stores(c)) * kBf16Unit;
+  const int64_t R = gradient_stores(c) + (bf16_grads ? 1 : 0);
+  const double grad_bound = static_cast<double>(R) * kBf16Unit;
   const ParameterLayout layout = parameter_layout(c);
   for (const ParamSpec& p : layout.params) {
     const float* g = gpu.grads.data() + p.offset;
@@ -286,7 +299,7 @@ void expect_matches_cpu_model(const ModelConfig& c, const std::vector<float>& we
     double ref_norm = 0.0;
     for (int64_t j = 0; j < p.numel; ++j) ref_norm += double(e[j]) * e[j];
     EXPECT_GT(ref_norm, 0.0) << p.name << ": the reference gradient is zero, the test would not see a bug";
-    EXPECT_LE(relative_l2(g, e, p.numel), grad_bound) << p.name << " (R = " << gradient_stores(c) << ")";
+    EXPECT_LE(relative_l2(g, e, p.numel), grad_bound) << p.name << " (R = " << R << ")";
   }
   // The alignment gaps get no gradient.
   int64_t end = 0;
@@ -308,12 +321,14 @@ TEST_P(GpuModelVsCpu, LossLogitsAndEveryGradient) {
   const std::vector<float>& weights = in.weights;
   const Batch& batch = in.batch;
 
-  for (const Gradients gradients : {Gradients::kAccumulated, Gradients::kWritten}) {
-    SCOPED_TRACE(gradients == Gradients::kWritten ? "gradients written" : "gradients accumulated");
+  for (const Gradients gradients : {Gradients::kAccumulated, Gradients::kWritten, Gradients::kWrittenBf16}) {
+    SCOPED_TRACE(gradients == Gradients::kAccumulated ? "gradients accumulated"
+                 : gradients == Gradients::kWritten   ? "gradients written"
+                                                      : "gradients written in bf16");
     GpuResult gpu;
     run_gpu(c, bits, batch, B, T, false, &gpu, nullptr, 0, nullptr, gradients);
     if (HasFatalFailure()) return;
-    expect_matches_cpu_model(c, weights, batch, B, T, gpu);
+    expect_matches_cpu_model(c, weights, batch, B, T, gpu, gradients == Gradients::kWrittenBf16);
   }
 }
 
@@ -423,16 +438,30 @@ INSTANTIATE_TEST_SUITE_P(Models, GpuModelRecompute, ::testing::Range(0, 4), conf
 
 // ---- The CUDA backend trains --------------------------------------------------------------------
 
-class GpuTrainer : public ::testing::TestWithParam<const char*> {};
+// A preset, and whether it trains with bf16 gradients (then one micro-batch per step, as
+// TrainConfig::bf16_grads requires; else two, accumulated in fp32).
+struct TrainerCase {
+  const char* preset;
+  bool bf16_grads;
+};
+std::string trainer_case_name(const ::testing::TestParamInfo<TrainerCase>& info) {
+  std::string name = std::string(info.param.preset) + (info.param.bf16_grads ? "_bf16_grads" : "");
+  for (char& ch : name)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return name;
+}
+
+class GpuTrainer : public ::testing::TestWithParam<TrainerCase> {};
 
 TEST_P(GpuTrainer, LossFallsAndResumeIsBitwise) {
   FLARE_SKIP_WITHOUT_CUDA();
   test::ScratchDir dir;
   test::write_cycle_shards(dir, 300);
-  TrainerOptions o = test::tiny_run(dir, GetParam(), 30);
+  TrainerOptions o = test::tiny_run(dir, GetParam().preset, 30);
   o.device = DeviceKind::kCuda;
   o.train.eval_every = 10;
-  o.train.grad_accum = 2;
+  o.train.bf16_grads = GetParam().bf16_grads;
+  o.train.grad_accum = GetParam().bf16_grads ? 1 : 2;
   o.train.recompute = true;
   o.train.checkpoint_dir = dir.file("ck");
   std::unique_ptr<Trainer> t;
@@ -467,7 +496,10 @@ TEST_P(GpuTrainer, LossFallsAndResumeIsBitwise) {
   EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0) << "master weights after resume";
 }
 
-INSTANTIATE_TEST_SUITE_P(Presets, GpuTrainer, ::testing::Values("gpt-tiny", "llama-tiny"));
+INSTANTIATE_TEST_SUITE_P(Presets, GpuTrainer,
+                         ::testing::Values(TrainerCase{"gpt-tiny", false}, TrainerCase{"llama-tiny", false},
+                                           TrainerCase{"gpt-tiny", true}, TrainerCase{"llama-tiny", true}),
+                         trainer_case_name);
 
 // A run that cannot fit is refused before anything is allocated, with the breakdown.
 TEST(GpuBackend, SaysItDoesNotFitBeforeAllocating) {

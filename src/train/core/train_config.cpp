@@ -51,6 +51,11 @@ Status validate_train_config(const TrainConfig& t, const ModelConfig& m) {
     return invalid("seq: ", t.seq, " must be in [1, max_seq = ", m.max_seq, "] of model '", m.name, "'");
   if (t.grad_accum < 1 || t.grad_accum > kMaxBatch)
     return invalid("grad_accum: ", t.grad_accum, " must be in [1, ", kMaxBatch, "]");
+  if (t.bf16_grads && t.grad_accum != 1)
+    return invalid("bf16_grads: needs grad_accum = 1 (a bf16 gradient is written once, never summed), got ",
+                   t.grad_accum);
+  if (t.bf16_grads && t.shard_gradients)
+    return invalid("bf16_grads: not with shard_gradients (ZeRO-2 reduces fp32 gradient buckets)");
   if (t.steps < 1 || t.steps > kMaxSteps)
     return invalid("steps: ", t.steps, " must be in [1, ", kMaxSteps, "]");
   if (!std::isfinite(t.lr) || t.lr <= 0) return invalid("lr: ", t.lr, " must be finite and > 0");
@@ -89,7 +94,7 @@ MemoryEstimate estimate_training_memory(const TrainConfig& t, const ModelConfig&
   e.weights = 2 * n;
   e.master = 2 * shard;  // the low halves: the bf16 weights are the top ones (split_master.h)
   e.adam = 8 * shard;
-  e.grads = 4 * n;
+  e.grads = (t.bf16_grads ? 2 : 4) * n;
   std::vector<int64_t> stage_begin, stage_end;
   if (t.shard_gradients && world > 1 && backward_stage_ranges(layout, m.n_layer, &stage_begin, &stage_end).ok()) {
     int64_t largest = 0;

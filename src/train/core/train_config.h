@@ -30,6 +30,12 @@ struct TrainConfig {
   // With several data-parallel ranks, ZeRO-2: no rank holds the whole gradient, only the
   // backward stages being written or reduced (kGradientStagesHeld) and its shard of the sum.
   bool shard_gradients = false;
+  // The gradient in bf16 (CUDA, one micro-batch, one rank): the weight-gradient products write
+  // bf16 (cuBLASLt's bf16-output kernels, as torch's autocast products do), the optimizer reads
+  // 2 bytes per parameter instead of 4, and the gradient takes half the memory. Each gradient
+  // element is rounded once to bf16 before the norm and AdamW read it; there is nothing to
+  // accumulate, so grad_accum must be 1.
+  bool bf16_grads = false;
   int64_t eval_every = 0;    // steps between validation passes; 0: never
   int64_t ckpt_every = 0;    // steps between checkpoints; 0: never
   std::string train_data;    // training shards (a file or pattern the data part understands)
@@ -57,7 +63,7 @@ Status validate_train_config(const TrainConfig& train, const ModelConfig& model)
 //   master       the fp32 master weights' low 16-bit halves (of the shard: ⌈n / dp_world⌉); the
 //                bf16 weights are their top halves (core/split_master.h)
 //   adam         fp32 m and v (of the shard)
-//   grads        fp32 gradients (accumulated over micro-batches in fp32); sharded: the stage
+//   grads        fp32 gradients (accumulated over micro-batches in fp32), or bf16 (bf16_grads); sharded: the stage
 //                buffers (kGradientStagesHeld of the largest stage but the last, and the last)
 //   dp_buffers   data parallel only: the shard's reduced fp32 gradient and its bf16 update, and
 //                the staging of one bucket's incoming slices ((dp_world − 1) slices of the

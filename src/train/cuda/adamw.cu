@@ -16,7 +16,7 @@ constexpr int kFinishThreads = 1024;
 
 struct AdamWParams {
   const TensorChunk* chunks;
-  const float* grads;
+  const void* grads;               // fp32 or bf16 (G of the kernel)
   uint16_t* weights;               // the master: bf16 weights and low halves (split_master.h)
   uint16_t* low;
   float* m;
@@ -40,13 +40,28 @@ __device__ __forceinline__ double block_sum_double(double x, double* shared) {
   return total;
 }
 
+// A gradient element (float or bf16) as a float; four consecutive ones (16- or 8-byte aligned).
+__device__ __forceinline__ float grad_value(float g) { return g; }
+__device__ __forceinline__ float grad_value(bf16 g) { return __bfloat162float(g); }
+__device__ __forceinline__ void load_grad4(const float* g, float out[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(g);
+  out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+}
+__device__ __forceinline__ void load_grad4(const bf16* g, float out[4]) {
+  const uint2 w = *reinterpret_cast<const uint2*>(g);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+  out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
+}
+
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    norm_partials_kernel(const TensorChunk* chunks, const float* grads, double* partials) {
+    norm_partials_kernel(const TensorChunk* chunks, const G* grads, double* partials) {
   __shared__ double shared[32];
   const TensorChunk chunk = chunks[blockIdx.x];
   double acc = 0.0;
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
-    const double g = grads[i];
+    const double g = grad_value(grads[i]);
     acc += g * g;
   }
   acc = block_sum_double(acc, shared);
@@ -107,9 +122,11 @@ __device__ __forceinline__ void adamw_halves(const AdamWParams& p, float scale, 
   *low = w.low;
 }
 
+template <typename G>
 __device__ __forceinline__ void adamw_scalar(const AdamWParams& p, float scale, float decay, int64_t i) {
   float m = p.m[i], v = p.v[i];
-  adamw_halves(p, scale, decay, p.grads[i], &p.weights[i], &p.low[i], &m, &v);
+  const float grad = grad_value(static_cast<const G*>(p.grads)[i]);
+  adamw_halves(p, scale, decay, grad, &p.weights[i], &p.low[i], &m, &v);
   p.m[i] = m;
   p.v[i] = v;
 }
@@ -124,20 +141,22 @@ union Halves4 {
 // halves) and 12 out (m, v, the halves), so its speed is memory bandwidth: 16- and 8-byte loads
 // and stores of four elements per thread where the chunk allows (chunks begin at 64-element
 // offsets), single elements for a ragged end.
+template <typename G>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWParams p) {
+  const G* grads = static_cast<const G*>(p.grads);
   const TensorChunk chunk = p.chunks[blockIdx.x];
   const float scale = p.grad_scale_device ? p.grad_scale * *p.grad_scale_device : p.grad_scale;
   const float decay = chunk.weight_decay ? p.decay : 1.0f;
   const int64_t aligned = (chunk.begin + 3) / 4 * 4;
   const int64_t vec_begin = aligned < chunk.end ? aligned : chunk.end;
   const int64_t vec_end = vec_begin + (chunk.end - vec_begin) / 4 * 4;
-  for (int64_t i = chunk.begin + threadIdx.x; i < vec_begin; i += kThreads) adamw_scalar(p, scale, decay, i);
+  for (int64_t i = chunk.begin + threadIdx.x; i < vec_begin; i += kThreads) adamw_scalar<G>(p, scale, decay, i);
   for (int64_t i = vec_begin + 4 * int64_t{threadIdx.x}; i < vec_end; i += 4 * kThreads) {
-    const float4 g = *reinterpret_cast<const float4*>(p.grads + i);
+    float gs[4];
+    load_grad4(grads + i, gs);
     float4 m = *reinterpret_cast<const float4*>(p.m + i);
     float4 v = *reinterpret_cast<const float4*>(p.v + i);
     Halves4 hi{*reinterpret_cast<const uint2*>(p.weights + i)}, lo{*reinterpret_cast<const uint2*>(p.low + i)};
-    const float gs[4] = {g.x, g.y, g.z, g.w};
     float* ms[4] = {&m.x, &m.y, &m.z, &m.w};
     float* vs[4] = {&v.x, &v.y, &v.z, &v.w};
 #pragma unroll
@@ -147,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWParams p) {
     *reinterpret_cast<uint2*>(p.weights + i) = hi.word;
     *reinterpret_cast<uint2*>(p.low + i) = lo.word;
   }
-  for (int64_t i = vec_end + threadIdx.x; i < chunk.end; i += kThreads) adamw_scalar(p, scale, decay, i);
+  for (int64_t i = vec_end + threadIdx.x; i < chunk.end; i += kThreads) adamw_scalar<G>(p, scale, decay, i);
 }
 
 }  // namespace
@@ -190,31 +209,42 @@ int64_t gradient_norm_scratch_bytes(const DeviceChunkTable& table) {
   return table.count() * static_cast<int64_t>(sizeof(double));
 }
 
-Status gradient_norm(const DeviceChunkTable& table, const float* grads, double max_norm,
+namespace {
+
+void launch_norm_partials(const DeviceChunkTable& table, GradientIn grads, double* partials,
+                          cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>(table.count());
+  if (grads.is_bf16())
+    norm_partials_kernel<<<blocks, kThreads, 0, stream>>>(table.chunks(), grads.b16(), partials);
+  else
+    norm_partials_kernel<<<blocks, kThreads, 0, stream>>>(table.chunks(), grads.f32(), partials);
+}
+
+}  // namespace
+
+Status gradient_norm(const DeviceChunkTable& table, GradientIn grads, double max_norm,
                      float* norm_and_scale, void* scratch, cudaStream_t stream) {
   const char* op = "gradient_norm";
   if (table.count() == 0) return invalid(op, ": the chunk table is not initialised");
   if (!std::isfinite(max_norm) || max_norm < 0)
     return invalid(op, ": max_norm = ", max_norm, " must be finite and >= 0");
-  if (grads == nullptr || norm_and_scale == nullptr || scratch == nullptr)
+  if (!grads || norm_and_scale == nullptr || scratch == nullptr)
     return invalid(op, ": grads, norm_and_scale and scratch must not be null");
   auto* partials = static_cast<double*>(scratch);
-  norm_partials_kernel<<<static_cast<unsigned>(table.count()), kThreads, 0, stream>>>(
-      table.chunks(), grads, partials);
+  launch_norm_partials(table, grads, partials, stream);
   norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, table.count(), max_norm,
                                                        norm_and_scale, nullptr);
   return launch_status(kCudaContext, op);
 }
 
-Status gradient_sum_of_squares(const DeviceChunkTable& table, const float* grads,
+Status gradient_sum_of_squares(const DeviceChunkTable& table, GradientIn grads,
                                double* sum_of_squares, void* scratch, cudaStream_t stream) {
   const char* op = "gradient_sum_of_squares";
   if (table.count() == 0) return invalid(op, ": the chunk table is not initialised");
-  if (grads == nullptr || sum_of_squares == nullptr || scratch == nullptr)
+  if (!grads || sum_of_squares == nullptr || scratch == nullptr)
     return invalid(op, ": grads, sum_of_squares and scratch must not be null");
   auto* partials = static_cast<double*>(scratch);
-  norm_partials_kernel<<<static_cast<unsigned>(table.count()), kThreads, 0, stream>>>(
-      table.chunks(), grads, partials);
+  launch_norm_partials(table, grads, partials, stream);
   norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, table.count(), 0.0, nullptr,
                                                        sum_of_squares);
   return launch_status(kCudaContext, op);
@@ -234,11 +264,11 @@ Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double 
 }
 
 Status adamw_update(const DeviceChunkTable& table, const AdamWStep& s,
-                    const float* grad_scale_device, const float* grads, bf16* weights, uint16_t* low,
+                    const float* grad_scale_device, GradientIn grads, bf16* weights, uint16_t* low,
                     float* m, float* v, cudaStream_t stream) {
   const char* op = "adamw_update";
   if (table.count() == 0) return invalid(op, ": the chunk table is not initialised");
-  if (grads == nullptr || weights == nullptr || low == nullptr || m == nullptr || v == nullptr)
+  if (!grads || weights == nullptr || low == nullptr || m == nullptr || v == nullptr)
     return invalid(op, ": grads, weights, low, m and v must not be null");
   if (s.t < 1) return invalid(op, ": t = ", s.t, " must be >= 1 (steps count from 1)");
   if (!std::isfinite(s.lr) || s.lr < 0) return invalid(op, ": lr = ", s.lr, " must be finite and >= 0");
@@ -251,7 +281,7 @@ Status adamw_update(const DeviceChunkTable& table, const AdamWStep& s,
     return invalid(op, ": grad_scale = ", s.grad_scale, " must be finite and >= 0");
   AdamWParams p{};
   p.chunks = table.chunks();
-  p.grads = grads;
+  p.grads = grads.is_bf16() ? static_cast<const void*>(grads.b16()) : grads.f32();
   p.weights = reinterpret_cast<uint16_t*>(weights);
   p.low = low;
   p.m = m;
@@ -266,7 +296,11 @@ Status adamw_update(const DeviceChunkTable& table, const AdamWStep& s,
   p.lr = static_cast<float>(s.lr);
   p.eps = static_cast<float>(s.eps);
   p.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
-  adamw_kernel<<<static_cast<unsigned>(table.count()), kThreads, 0, stream>>>(p);
+  const unsigned blocks = static_cast<unsigned>(table.count());
+  if (grads.is_bf16())
+    adamw_kernel<bf16><<<blocks, kThreads, 0, stream>>>(p);
+  else
+    adamw_kernel<float><<<blocks, kThreads, 0, stream>>>(p);
   return launch_status(kCudaContext, op);
 }
 

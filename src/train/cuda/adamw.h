@@ -65,7 +65,7 @@ int64_t gradient_norm_scratch_bytes(const DeviceChunkTable& table);
 
 // norm_and_scale (2 fp32, device) written: [0] = ‖grads‖₂, [1] = min(1, max_norm / (norm + 1e-6)),
 // or 1 when max_norm is 0 (clipping off), as core's clip_scale.
-Status gradient_norm(const DeviceChunkTable& table, const float* grads, double max_norm,
+Status gradient_norm(const DeviceChunkTable& table, GradientIn grads, double max_norm,
                      float* norm_and_scale, void* scratch, cudaStream_t stream);
 
 // The two halves of gradient_norm for a gradient spread over ranks (data parallel, ZeRO shards):
@@ -74,7 +74,7 @@ Status gradient_norm(const DeviceChunkTable& table, const float* grads, double m
 // `count` sums (sums[0], sums[stride], …: one per rank) into the norm and clip scale by adding them
 // in index order, so every rank holds the same bits. With one sum, norm_from_sums gives
 // gradient_norm's result exactly.
-Status gradient_sum_of_squares(const DeviceChunkTable& table, const float* grads,
+Status gradient_sum_of_squares(const DeviceChunkTable& table, GradientIn grads,
                                double* sum_of_squares, void* scratch, cudaStream_t stream);
 Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double max_norm,
                       float* norm_and_scale, cudaStream_t stream);
@@ -84,7 +84,7 @@ Status norm_from_sums(const double* sums, int64_t count, int64_t stride, double 
 // (weights, low), its two halves (core/split_master.h: the bf16 weight the model reads and the low
 // 16 bits); both are updated, and m and v.
 Status adamw_update(const DeviceChunkTable& table, const AdamWStep& step,
-                    const float* grad_scale_device, const float* grads, bf16* weights, uint16_t* low,
+                    const float* grad_scale_device, GradientIn grads, bf16* weights, uint16_t* low,
                     float* m, float* v, cudaStream_t stream);
 
 }  // namespace flare::train::cuda

@@ -10,16 +10,19 @@ int64_t bias_gradient_scratch_bytes(int64_t rows, int64_t cols) {
   return column_sum_scratch_floats(rows, cols, false) * static_cast<int64_t>(sizeof(float));
 }
 
-Status bias_gradient(const bf16* dy, float* dbias, int64_t rows, int64_t cols, bool accumulate,
+Status bias_gradient(const bf16* dy, GradientOut dbias, int64_t rows, int64_t cols, bool accumulate,
                      void* scratch, cudaStream_t stream) {
   constexpr int64_t kMaxRows = int64_t{65535} * kChunkRows;
   if (rows < 1 || rows > kMaxRows) return invalid("bias_gradient: rows = ", rows, " must be in [1, ", kMaxRows, "]");
   if (cols < 1) return invalid("bias_gradient: cols = ", cols, " must be >= 1");
-  if (dy == nullptr || dbias == nullptr || scratch == nullptr)
+  if (dy == nullptr || !dbias || scratch == nullptr)
     return invalid("bias_gradient: dy, dbias and scratch must not be null");
+  if (dbias.is_bf16() && accumulate)
+    return invalid("bias_gradient: a bf16 gradient is written, never accumulated (accumulate must be false)");
   ColumnSumParams p{};
   p.dy = dy;
-  p.out0 = dbias;
+  p.out0 = dbias.f32();
+  p.out0_bf16 = dbias.b16();
   p.rows = rows;
   p.cols = cols;
   p.accumulate = accumulate;

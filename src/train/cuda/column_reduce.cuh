@@ -32,8 +32,10 @@ struct ColumnSumParams {
   const float* rstd;        // (rows) norm rstd; null for kBias
   float* partial0;          // (chunks, cols) Σ dy (kBias) or Σ dy·x̂ (norms)
   float* partial1;          // (chunks, cols) Σ dy for kLayerNorm; null otherwise
-  float* out0;              // (cols) bias gradient or norm weight gradient
+  float* out0;              // (cols) bias gradient or norm weight gradient (fp32), or null:
   float* out1;              // (cols) LayerNorm bias gradient; null otherwise
+  __nv_bfloat16* out0_bf16; // the same written in bf16 (accumulate false) when out0 is null
+  __nv_bfloat16* out1_bf16;
   int64_t rows, cols, chunks;
   bool accumulate;  // out += sum instead of out = sum
 };
@@ -101,6 +103,11 @@ __global__ void column_sum_finish_kernel(const ColumnSumParams p) {
   for (int64_t k = 0; k < p.chunks; ++k) {
     t0 += p.partial0[k * p.cols + c];
     if constexpr (kTwo) t1 += p.partial1[k * p.cols + c];
+  }
+  if (p.out0 == nullptr) {
+    p.out0_bf16[c] = __float2bfloat16_rn(t0);
+    if constexpr (kTwo) p.out1_bf16[c] = __float2bfloat16_rn(t1);
+    return;
   }
   p.out0[c] = p.accumulate ? p.out0[c] + t0 : t0;
   if constexpr (kTwo) p.out1[c] = p.accumulate ? p.out1[c] + t1 : t1;

@@ -2,6 +2,7 @@
 #include "train/cuda/embedding.h"
 
 #include <climits>
+#include <type_traits>
 
 #include "core/message.h"
 #include "train/cuda/device.cuh"
@@ -17,8 +18,8 @@ struct EmbeddingParams {
   const bf16* position_table;  // (≥ seq_len, channels) or null
   bf16* out;                   // (rows, channels)
   const bf16* dout;            // (rows, channels), backward
-  float* dtoken_table;         // (vocab, channels), backward
-  float* dposition_table;      // (≥ seq_len, channels) or null, backward
+  void* dtoken_table;          // (vocab, channels) fp32 or bf16 (G of the kernels), backward
+  void* dposition_table;       // (≥ seq_len, channels) or null, backward
   int32_t* first;              // (vocab) scratch: first position of each token in the batch
   int32_t* count;              // (vocab) scratch: occurrences of each token
   const int64_t* positions;    // (seq_len) each row's position in the table, or null: its index
@@ -61,7 +62,19 @@ __global__ void embedding_first_kernel(const EmbeddingParams p) {
   atomicAdd(p.count + token, 1);
 }
 
+// A gradient element of type G (float or bf16) as a float and back.
+__device__ __forceinline__ float grad_value(float g) { return g; }
+__device__ __forceinline__ float grad_value(bf16 g) { return __bfloat162float(g); }
+template <typename G>
+__device__ __forceinline__ G grad_store(float v) {
+  if constexpr (std::is_same_v<G, float>)
+    return v;
+  else
+    return __float2bfloat16_rn(v);
+}
+
 // Block n owns the table row of tokens[n] when n is that token's first position.
+template <typename G>
 __global__ void __launch_bounds__(kOwnerThreads) embedding_owner_kernel(const EmbeddingParams p) {
   __shared__ int32_t list[kOwnerThreads];
   __shared__ int32_t warp_count[kOwnerThreads / 32];
@@ -70,7 +83,7 @@ __global__ void __launch_bounds__(kOwnerThreads) embedding_owner_kernel(const Em
   if (token < 0 || token >= p.vocab || p.first[token] != n0) return;
   const int32_t total = p.count[token];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  float* row = p.dtoken_table + token * p.channels;
+  G* row = static_cast<G*>(p.dtoken_table) + token * p.channels;
   int32_t found = 0;
   for (int64_t start = n0; start < p.rows && found < total; start += kOwnerThreads) {
     // Collect this step's occurrences in position order: warp by warp, lane by lane.
@@ -87,24 +100,25 @@ __global__ void __launch_bounds__(kOwnerThreads) embedding_owner_kernel(const Em
     if (match) list[offset + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int32_t>(n);
     __syncthreads();
     for (int64_t c = threadIdx.x; c < p.channels; c += kOwnerThreads) {
-      float acc = row[c];
+      float acc = grad_value(row[c]);
       for (int k = 0; k < step_total; ++k) acc += __bfloat162float(p.dout[list[k] * p.channels + c]);
-      row[c] = acc;
+      row[c] = grad_store<G>(acc);
     }
     found += step_total;
     __syncthreads();  // list and warp_count are rewritten by the next step
   }
 }
 
+template <typename G>
 __global__ void embedding_position_backward_kernel(const EmbeddingParams p) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t positions = p.rows < p.seq_len ? p.rows : p.seq_len;
   if (idx >= positions * p.channels) return;
   const int64_t pos = idx / p.channels, c = idx % p.channels;
-  float* grad = p.dposition_table + table_row(p, pos) * p.channels + c;  // rows are distinct
-  float acc = *grad;
+  G* grad = static_cast<G*>(p.dposition_table) + table_row(p, pos) * p.channels + c;  // rows are distinct
+  float acc = grad_value(*grad);
   for (int64_t n = pos; n < p.rows; n += p.seq_len) acc += __bfloat162float(p.dout[n * p.channels + c]);
-  *grad = acc;
+  *grad = grad_store<G>(acc);
 }
 
 Status check_sizes(const char* op, int64_t rows, int64_t seq_len, int64_t vocab, int64_t channels) {
@@ -148,19 +162,21 @@ int64_t embedding_backward_scratch_bytes(int64_t vocab_size) {
   return 2 * vocab_size * static_cast<int64_t>(sizeof(int32_t));
 }
 
-Status embedding_backward(const bf16* dout, const int32_t* tokens, float* dtoken_table,
-                          float* dposition_table, int64_t rows, int64_t seq_len,
+Status embedding_backward(const bf16* dout, const int32_t* tokens, GradientOut dtoken_table,
+                          GradientOut dposition_table, int64_t rows, int64_t seq_len,
                           int64_t vocab_size, int64_t channels, void* scratch,
                           cudaStream_t stream, const int64_t* positions) {
   const char* op = "embedding_backward";
   FLARE_RETURN_IF_ERROR(check_sizes(op, rows, seq_len, vocab_size, channels));
-  if (dout == nullptr || tokens == nullptr || dtoken_table == nullptr || scratch == nullptr)
+  if (dout == nullptr || tokens == nullptr || !dtoken_table || scratch == nullptr)
     return invalid(op, ": dout, tokens, dtoken_table and scratch must not be null");
+  if (dposition_table && dposition_table.is_bf16() != dtoken_table.is_bf16())
+    return invalid(op, ": dtoken_table and dposition_table must have one type (both fp32 or both bf16)");
   EmbeddingParams p{};
   p.tokens = tokens;
   p.dout = dout;
-  p.dtoken_table = dtoken_table;
-  p.dposition_table = dposition_table;
+  p.dtoken_table = dtoken_table.data();
+  p.dposition_table = dposition_table.data();
   p.positions = positions;
   p.first = static_cast<int32_t*>(scratch);
   p.count = p.first + vocab_size;
@@ -174,10 +190,18 @@ Status embedding_backward(const bf16* dout, const int32_t* tokens, float* dtoken
   FLARE_RETURN_IF_ERROR(cuda_status(
       kCudaContext, op, cudaMemsetAsync(p.count, 0, vocab_size * sizeof(int32_t), stream)));
   embedding_first_kernel<<<ceil_div(rows, 256), 256, 0, stream>>>(p);
-  embedding_owner_kernel<<<static_cast<unsigned>(rows), kOwnerThreads, 0, stream>>>(p);
+  const bool b16 = dtoken_table.is_bf16();
+  if (b16)
+    embedding_owner_kernel<bf16><<<static_cast<unsigned>(rows), kOwnerThreads, 0, stream>>>(p);
+  else
+    embedding_owner_kernel<float><<<static_cast<unsigned>(rows), kOwnerThreads, 0, stream>>>(p);
   if (dposition_table) {
     const int64_t positions = rows < seq_len ? rows : seq_len;
-    embedding_position_backward_kernel<<<ceil_div(positions * channels, 256), 256, 0, stream>>>(p);
+    const unsigned grid = ceil_div(positions * channels, 256);
+    if (b16)
+      embedding_position_backward_kernel<bf16><<<grid, 256, 0, stream>>>(p);
+    else
+      embedding_position_backward_kernel<float><<<grid, 256, 0, stream>>>(p);
   }
   return launch_status(kCudaContext, op);
 }

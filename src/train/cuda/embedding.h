@@ -30,11 +30,12 @@ Status embedding_forward(const int32_t* tokens, const bf16* token_table,
 
 int64_t embedding_backward_scratch_bytes(int64_t vocab_size);
 
-// dout (rows, channels), tokens (rows); dtoken_table (≥ vocab_size, channels) fp32 accumulated
-// (+=) at the rows of the tokens; dposition_table fp32 accumulated at the rows' table rows (as the
-// forward's: positions or the first seq_len), or null. Tokens outside [0, vocab_size) add nothing.
-Status embedding_backward(const bf16* dout, const int32_t* tokens, float* dtoken_table,
-                          float* dposition_table, int64_t rows, int64_t seq_len,
+// dout (rows, channels), tokens (rows); dtoken_table (≥ vocab_size, channels) accumulated (+=) at
+// the rows of the tokens; dposition_table accumulated at the rows' table rows (as the forward's:
+// positions or the first seq_len), or null. Both fp32, or both bf16 (each element's sum is formed
+// in fp32 from its old value and rounded once). Tokens outside [0, vocab_size) add nothing.
+Status embedding_backward(const bf16* dout, const int32_t* tokens, GradientOut dtoken_table,
+                          GradientOut dposition_table, int64_t rows, int64_t seq_len,
                           int64_t vocab_size, int64_t channels, void* scratch,
                           cudaStream_t stream, const int64_t* positions = nullptr);
 

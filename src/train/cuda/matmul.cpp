@@ -289,17 +289,18 @@ Status matmul_backward_input(MatmulContext& ctx, const bf16* dy, const bf16* wei
   return run(ctx, c, stream, what);
 }
 
-namespace {
-
-// dW (+)= dyᵀ · x and db (+)= Σ_t dy into fp32 (weight_type CUDA_R_32F) or bf16 (CUDA_R_16BF,
-// written only) gradients.
-Status backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, void* dweight, void* dbias,
-                       cudaDataType_t weight_type, int64_t tokens, int64_t in, int64_t out, bool accumulate,
-                       cudaStream_t stream, const char* what) {
+Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, GradientOut dweight,
+                              GradientOut dbias, int64_t tokens, int64_t in, int64_t out,
+                              bool accumulate, cudaStream_t stream) {
+  const char* what = "matmul_backward_weight";
   FLARE_RETURN_IF_ERROR(check_sizes(what, tokens, in, out));
   FLARE_RETURN_IF_ERROR(check_pointer(what, "dy", dy));
   FLARE_RETURN_IF_ERROR(check_pointer(what, "x", x));
-  FLARE_RETURN_IF_ERROR(check_pointer(what, "dweight", dweight));
+  FLARE_RETURN_IF_ERROR(check_pointer(what, "dweight", dweight.data()));
+  if (dbias && dbias.is_bf16() != dweight.is_bf16())
+    return invalid(what, ": dweight and dbias must have one type (both fp32 or both bf16)");
+  if (dweight.is_bf16() && accumulate)
+    return invalid(what, ": a bf16 gradient is written, never accumulated (accumulate must be false)");
   if (ctx.state() == nullptr) return invalid(what, ": the MatmulContext is not initialised (call init())");
   Call c{};
   c.pass = Pass::kBackwardWeight;
@@ -309,17 +310,16 @@ Status backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, void* 
   c.m = in, c.n = out, c.k = tokens;
   c.a = x, c.lda = in, c.a_rows = in, c.a_cols = tokens;
   c.b = dy, c.ldb = out, c.b_rows = out, c.b_cols = tokens;
-  c.d = dweight, c.ldd = in, c.d_type = weight_type;
+  c.d = dweight.data(), c.ldd = in, c.d_type = dweight.is_bf16() ? CUDA_R_16BF : CUDA_R_32F;
   c.accumulate = accumulate;
   if (dbias && !accumulate) {
     // A written bias gradient comes from the product's epilogue (the sum of B = dyᵀ over k), which
     // saves the column sum's read of dy; where cuBLASLt has no such plan, the column sum below.
     Call fused = c;
     fused.epilogue = CUBLASLT_EPILOGUE_BGRADB;
-    fused.bias = dbias;
+    fused.bias = dbias.data();
     const Status done = run(ctx, fused, stream, what);
     if (done.code() != StatusCode::kUnsupported) return done;
-    if (weight_type != CUDA_R_32F) return done;  // the column sum writes fp32 only
   }
   if (dbias) {
     // The bias reduction borrows the workspace before the matmul, in stream order.
@@ -328,26 +328,10 @@ Status backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, void* 
       return Status::unsupported(cat(what, ": the bias gradient of tokens = ", tokens, ", out = ", out,
                                      " needs ", need, " bytes of scratch, over the workspace's ",
                                      MatmulContext::kWorkspaceBytes));
-    FLARE_RETURN_IF_ERROR(bias_gradient(dy, static_cast<float*>(dbias), tokens, out, accumulate,
+    FLARE_RETURN_IF_ERROR(bias_gradient(dy, dbias, tokens, out, accumulate,
                                         ctx.state()->workspace, stream));
   }
   return run(ctx, c, stream, what);
-}
-
-}  // namespace
-
-Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, float* dweight,
-                              float* dbias, int64_t tokens, int64_t in, int64_t out,
-                              bool accumulate, cudaStream_t stream) {
-  return backward_weight(ctx, dy, x, dweight, dbias, CUDA_R_32F, tokens, in, out, accumulate, stream,
-                         "matmul_backward_weight");
-}
-
-Status matmul_backward_weight_bf16(MatmulContext& ctx, const bf16* dy, const bf16* x, bf16* dweight,
-                                   bf16* dbias, int64_t tokens, int64_t in, int64_t out,
-                                   cudaStream_t stream) {
-  return backward_weight(ctx, dy, x, dweight, dbias, CUDA_R_16BF, tokens, in, out, false, stream,
-                         "matmul_backward_weight_bf16");
 }
 
 }  // namespace flare::train::cuda

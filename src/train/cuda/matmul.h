@@ -69,22 +69,17 @@ Status matmul_backward_input(MatmulContext& ctx, const bf16* dy, const bf16* wei
 // dy (tokens, out), x (tokens, in); dweight (out, in) fp32 and dbias (out) fp32 or null:
 // accumulate ? += : =. The bias gradient needs column_sum scratch in the context's workspace:
 // tokens/128 · out floats, at most 32 MiB (tokens 16384 with out 50304 fit).
-Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, float* dweight,
-                              float* dbias, int64_t tokens, int64_t in, int64_t out,
+// In bf16 (GradientOut of a bf16*, both or neither) the gradient is written only (accumulate
+// false), by cuBLASLt's bf16-output kernels; the bias from the BGRADB epilogue, or where cuBLASLt
+// has no such plan, from the column sum written in bf16.
+Status matmul_backward_weight(MatmulContext& ctx, const bf16* dy, const bf16* x, GradientOut dweight,
+                              GradientOut dbias, int64_t tokens, int64_t in, int64_t out,
                               bool accumulate, cudaStream_t stream);
-
-// The same product written in bf16 (no accumulation: a bf16 sum over micro-batches would round
-// each one away): dweight (out, in) and dbias (out) or null, bf16. cuBLASLt's bf16-output kernels
-// differ from its fp32 ones; the bias comes from the BGRADB epilogue only (unsupported where
-// cuBLASLt has no such plan).
-Status matmul_backward_weight_bf16(MatmulContext& ctx, const bf16* dy, const bf16* x, bf16* dweight,
-                                   bf16* dbias, int64_t tokens, int64_t in, int64_t out,
-                                   cudaStream_t stream);
 
 // The bias gradient alone: dbias (cols) fp32 (+)= Σ_r dy[r] over dy (rows, cols) bf16, in a fixed
 // order (two stages, no atomics). scratch holds bias_gradient_scratch_bytes(rows, cols).
 int64_t bias_gradient_scratch_bytes(int64_t rows, int64_t cols);
-Status bias_gradient(const bf16* dy, float* dbias, int64_t rows, int64_t cols, bool accumulate,
+Status bias_gradient(const bf16* dy, GradientOut dbias, int64_t rows, int64_t cols, bool accumulate,
                      void* scratch, cudaStream_t stream);
 
 }  // namespace flare::train::cuda

@@ -250,14 +250,18 @@ int64_t norm_backward_scratch_bytes(int64_t rows, int64_t channels) {
 namespace {
 
 template <bool kRms>
-Status norm_backward(const char* op, bf16* dx, float* dweight, float* dbias, const bf16* dresidual,
+Status norm_backward(const char* op, bf16* dx, GradientOut dweight, GradientOut dbias, const bf16* dresidual,
                      const bf16* dout, const bf16* x, const bf16* weight, const float* mean,
                      const float* rstd, int64_t rows, int64_t channels, bool accumulate,
                      void* scratch, cudaStream_t stream) {
   FLARE_RETURN_IF_ERROR(check_sizes(op, rows, channels, 0.0f));
   FLARE_RETURN_IF_ERROR(check_pointer(op, "dx", dx));
-  FLARE_RETURN_IF_ERROR(check_pointer(op, "dweight", dweight));
-  if (!kRms) FLARE_RETURN_IF_ERROR(check_pointer(op, "dbias", dbias));
+  FLARE_RETURN_IF_ERROR(check_pointer(op, "dweight", dweight.data()));
+  if (!kRms) FLARE_RETURN_IF_ERROR(check_pointer(op, "dbias", dbias.data()));
+  if (!kRms && dbias.is_bf16() != dweight.is_bf16())
+    return invalid(op, ": dweight and dbias must have one type (both fp32 or both bf16)");
+  if (dweight.is_bf16() && accumulate)
+    return invalid(op, ": a bf16 gradient is written, never accumulated (accumulate must be false)");
   FLARE_RETURN_IF_ERROR(check_pointer(op, "dout", dout));
   FLARE_RETURN_IF_ERROR(check_pointer(op, "x", x));
   FLARE_RETURN_IF_ERROR(check_pointer(op, "weight", weight));
@@ -271,8 +275,10 @@ Status norm_backward(const char* op, bf16* dx, float* dweight, float* dbias, con
   c.x = x;
   c.mean = kRms ? nullptr : mean;
   c.rstd = rstd;
-  c.out0 = dweight;
-  c.out1 = kRms ? nullptr : dbias;
+  c.out0 = dweight.f32();
+  c.out1 = kRms ? nullptr : dbias.f32();
+  c.out0_bf16 = dweight.b16();
+  c.out1_bf16 = kRms ? nullptr : dbias.b16();
   c.rows = rows;
   c.cols = channels;
   c.accumulate = accumulate;
@@ -302,15 +308,15 @@ Status norm_backward(const char* op, bf16* dx, float* dweight, float* dbias, con
 }  // namespace
 
 Status layernorm_backward(const bf16* dout, const bf16* x, const bf16* weight, const float* mean,
-                          const float* rstd, const bf16* dresidual, bf16* dx, float* dweight,
-                          float* dbias, int64_t rows, int64_t channels, bool accumulate,
+                          const float* rstd, const bf16* dresidual, bf16* dx, GradientOut dweight,
+                          GradientOut dbias, int64_t rows, int64_t channels, bool accumulate,
                           void* scratch, cudaStream_t stream) {
   return norm_backward<false>("layernorm_backward", dx, dweight, dbias, dresidual, dout, x, weight,
                               mean, rstd, rows, channels, accumulate, scratch, stream);
 }
 
 Status rmsnorm_backward(const bf16* dout, const bf16* x, const bf16* weight, const float* rstd,
-                        const bf16* dresidual, bf16* dx, float* dweight, int64_t rows,
+                        const bf16* dresidual, bf16* dx, GradientOut dweight, int64_t rows,
                         int64_t channels, bool accumulate, void* scratch, cudaStream_t stream) {
   return norm_backward<true>("rmsnorm_backward", dx, dweight, nullptr, dresidual, dout, x, weight,
                              nullptr, rstd, rows, channels, accumulate, scratch, stream);

@@ -46,13 +46,13 @@ Status residual_rmsnorm_forward(const bf16* residual, const bf16* branch, const 
 int64_t norm_backward_scratch_bytes(int64_t rows, int64_t channels);
 
 // dx = dresidual + ∂L/∂x (dresidual may be null: dx = ∂L/∂x); dweight, dbias (fp32) = or +=
-// (accumulate) their gradients. dx may alias dresidual or dout (the reductions read dout first).
+// (accumulate) their gradients, or (bf16, both) = them. dx may alias dresidual or dout (the reductions read dout first).
 Status layernorm_backward(const bf16* dout, const bf16* x, const bf16* weight, const float* mean,
-                          const float* rstd, const bf16* dresidual, bf16* dx, float* dweight,
-                          float* dbias, int64_t rows, int64_t channels, bool accumulate,
+                          const float* rstd, const bf16* dresidual, bf16* dx, GradientOut dweight,
+                          GradientOut dbias, int64_t rows, int64_t channels, bool accumulate,
                           void* scratch, cudaStream_t stream);
 Status rmsnorm_backward(const bf16* dout, const bf16* x, const bf16* weight, const float* rstd,
-                        const bf16* dresidual, bf16* dx, float* dweight, int64_t rows,
+                        const bf16* dresidual, bf16* dx, GradientOut dweight, int64_t rows,
                         int64_t channels, bool accumulate, void* scratch, cudaStream_t stream);
 
 }  // namespace flare::train::cuda

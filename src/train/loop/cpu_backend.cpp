@@ -321,6 +321,9 @@ Status make_cpu_backend(const ModelConfig& model, const TrainConfig& train,
     return invalid("comm: the CPU backend needs a communicator over host memory (in-process), got ",
                    comm->kind());
   }
+  if (train.bf16_grads) {
+    return invalid("bf16_grads: bf16 gradients are a CUDA backend option (the CPU backend's are fp32)");
+  }
   if (train.shard_gradients && comm && comm->size() > 1) {
     return invalid("shard_gradients: sharded gradients (ZeRO-2) are built for the CUDA backend; the CPU "
                    "backend's data parallelism keeps whole gradients (ZeRO-1)");

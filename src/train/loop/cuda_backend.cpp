@@ -111,6 +111,10 @@ class CudaBackend final : public Backend {
                        options.device_index, " (not comm: the two run on different streams at once)");
       }
     }
+    if (train.bf16_grads && (world > 1 || cp > 1)) {
+      return invalid("bf16_grads: one rank only (data and context parallelism sum fp32 gradients), got ",
+                     world, " data-parallel and ", cp, " context-parallel ranks");
+    }
     rank_ = comm ? comm->rank() : 0;
     // ZeRO-2 where there are ranks to shard over; its buckets lie in one backward stage each.
     shard_gradients_ = train.shard_gradients && world > 1;
@@ -142,7 +146,7 @@ class CudaBackend final : public Backend {
     const int64_t state_bytes = 10 * shard + 2 * tokens * int64_t{sizeof(int32_t)} + 256;
     const int64_t dp_bytes = world > 1 ? dp::CudaDataParallel::buffer_bytes(plan_, rank_, shard_gradients_) : 0;
     const int64_t need = cuda::GpuModel::buffer_bytes(config, train.batch, rows.seq, train.recompute,
-                                                      !shard_gradients_) +
+                                                      !shard_gradients_, train.bf16_grads) +
                          state_bytes + dp_bytes + cuda::MatmulContext::kWorkspaceBytes;
     if (need > free_now) {
       return Status::out_of_memory(cat("the run needs ", gib(need), " on ", name_, " (model buffers ",
@@ -158,6 +162,7 @@ class CudaBackend final : public Backend {
                                       cudaEventCreateWithFlags(&done_, cudaEventDisableTiming)));
     cuda::GpuModelOptions mo;
     mo.recompute = train.recompute;
+    mo.bf16_grads = train.bf16_grads;
     mo.deterministic_attention = options.deterministic_attention;
     mo.device_index = options.device_index;
     mo.cp = cp > 1 ? options.cp_comm : nullptr;
@@ -402,12 +407,16 @@ class CudaBackend final : public Backend {
         cuda_status(kCudaContext, "loss readback",
                     cudaMemcpyAsync(&readback_->totals.loss_sum, loss_sum_, sizeof(double),
                                     cudaMemcpyDeviceToHost, stream_)));
+    const cuda::GradientOut g = model_->gradient();
+    const int64_t n = layout_.total;
+    HostArray<uint16_t> bits(g.is_bf16() ? n : 0);  // bf16 gradients come up as bits, widened here
     FLARE_RETURN_IF_ERROR(cuda_status(
         kCudaContext, "gradients",
-        cudaMemcpyAsync(grads, model_->grads(), static_cast<size_t>(layout_.total) * sizeof(float),
-                        cudaMemcpyDeviceToHost, stream_)));
+        cudaMemcpyAsync(g.is_bf16() ? static_cast<void*>(bits.data()) : grads, g.data(),
+                        static_cast<size_t>(n * g.element_bytes()), cudaMemcpyDeviceToHost, stream_)));
     FLARE_RETURN_IF_ERROR(
         cuda_status(kCudaContext, "step_gradients", cudaStreamSynchronize(stream_)));
+    for (int64_t i = 0; i < bits.size(); ++i) grads[i] = bf16_to_float(bits.data()[i]);
     *loss = valid > 0 ? readback_->totals.loss_sum / static_cast<double>(valid) : 0.0;
     return Status::ok_status();
   }
@@ -429,9 +438,9 @@ class CudaBackend final : public Backend {
   Status update(const AdamWStep& step, double grad_clip) {
     cudaEvent_t begin = nullptr, end = nullptr;
     FLARE_RETURN_IF_ERROR(timer_.record(stream_, &begin));
-    FLARE_RETURN_IF_ERROR(cuda::gradient_norm(table_, model_->grads(), grad_clip, norm_and_scale_,
+    FLARE_RETURN_IF_ERROR(cuda::gradient_norm(table_, model_->gradient(), grad_clip, norm_and_scale_,
                                               norm_scratch_, stream_));
-    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, model_->grads(),
+    FLARE_RETURN_IF_ERROR(cuda::adamw_update(table_, step, norm_and_scale_ + 1, model_->gradient(),
                                              model_->weights(), low_, m_, v_, stream_));
     FLARE_RETURN_IF_ERROR(timer_.record(stream_, &end));
     timer_.span(EventTimer::kOptimizer, begin, end);

@@ -141,15 +141,18 @@ namespace {
 // Requests every buffer of the model for (B, T) into `arena`, filling `impl`'s pointers once the
 // arena is allocated. Shared by create() and buffer_bytes() so the two cannot disagree.
 void plan_buffers(const ModelConfig& c, int64_t B, int64_t T, bool recompute, int64_t total_params,
-                  bool whole_gradient, GpuModel::Impl* m, bf16** weights, float** grads, bf16** logits,
-                  Arena* arena) {
+                  bool whole_gradient, bool bf16_grads, GpuModel::Impl* m, bf16** weights, float** grads,
+                  bf16** grads16, bf16** logits, Arena* arena) {
   const bool gpt = c.family == Family::kGpt;
   const int64_t N = B * T, d = c.d_model, H = c.n_head, hd = c.head_dim, ffn = c.ffn_hidden;
   const int64_t qkv_w = (H + 2 * c.n_kv_head) * hd, q_w = H * hd;
   const int64_t mlp_in_w = gpt ? ffn : 2 * ffn;
 
   arena->request(weights, total_params);
-  if (whole_gradient) arena->request(grads, total_params);
+  if (whole_gradient && bf16_grads)
+    arena->request(grads16, total_params);
+  else if (whole_gradient)
+    arena->request(grads, total_params);
   m->layers.assign(static_cast<size_t>(c.n_layer), LayerActivations{});
   auto request_set = [&](LayerActivations& a) {
     arena->request(&a.attn_norm, N * d);
@@ -224,13 +227,13 @@ GpuModel::~GpuModel() {
 const ParameterLayout& GpuModel::layout() const { return impl_->layout; }
 
 int64_t GpuModel::buffer_bytes(const ModelConfig& config, int64_t batch, int64_t seq, bool recompute,
-                               bool whole_gradient) {
+                               bool whole_gradient, bool bf16_grads) {
   Impl impl;
-  bf16 *weights = nullptr, *logits = nullptr;
+  bf16 *weights = nullptr, *grads16 = nullptr, *logits = nullptr;
   float* grads = nullptr;
   Arena arena;
-  plan_buffers(config, batch, seq, recompute, parameter_layout(config).total, whole_gradient, &impl,
-               &weights, &grads, &logits, &arena);
+  plan_buffers(config, batch, seq, recompute, parameter_layout(config).total, whole_gradient, bf16_grads,
+               &impl, &weights, &grads, &grads16, &logits, &arena);
   return arena.total();
 }
 
@@ -242,6 +245,8 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
   if (seq < 1 || seq > config.max_seq) {
     return invalid("seq: ", seq, " must be in [1, max_seq = ", config.max_seq, "]");
   }
+  if (options.bf16_grads && !options.whole_gradient)
+    return invalid("bf16_grads: needs the whole gradient on the model (whole_gradient)");
   std::unique_ptr<GpuModel> g(new GpuModel());
   g->config_ = config;
   g->batch_ = batch;
@@ -281,8 +286,8 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
 
   FLARE_RETURN_IF_ERROR(m.matmul.init());
   Arena arena;
-  plan_buffers(config, batch, seq, options.recompute, L.total, options.whole_gradient, &m, &g->weights_,
-               &g->grads_, &g->logits_, &arena);
+  plan_buffers(config, batch, seq, options.recompute, L.total, options.whole_gradient, options.bf16_grads,
+               &m, &g->weights_, &g->grads_, &g->grads16_, &g->logits_, &arena);
   FLARE_RETURN_IF_ERROR(arena.allocate(&m.buffers));
   if (options.recompute) {
     for (size_t i = 1; i < m.layers.size(); ++i) {
@@ -295,7 +300,7 @@ Status GpuModel::create(const ModelConfig& config, int64_t batch, int64_t seq,
   FLARE_RETURN_IF_ERROR(cuda_status(
       kCudaContext, "GpuModel weights",
       cudaMemsetAsync(g->weights_, 0, static_cast<size_t>(L.total) * sizeof(bf16), stream)));
-  if (g->grads_) FLARE_RETURN_IF_ERROR(g->zero_grads());
+  if (g->gradient()) FLARE_RETURN_IF_ERROR(g->zero_grads());
   FLARE_RETURN_IF_ERROR(
       cuda_status(kCudaContext, "GpuModel positions",
                   cudaMemcpy(m.positions_device, m.positions.data(),
@@ -334,11 +339,11 @@ Status GpuModel::take_cp_timing(dist::CpTiming* out) {
 }
 
 Status GpuModel::zero_grads() {
-  if (grads_ == nullptr) return invalid("zero_grads: the model holds no whole gradient (GpuModelOptions::whole_gradient)");
+  if (!gradient()) return invalid("zero_grads: the model holds no whole gradient (GpuModelOptions::whole_gradient)");
   return cuda_status(
       kCudaContext, "zero_grads",
-      cudaMemsetAsync(grads_, 0, static_cast<size_t>(impl_->layout.total) * sizeof(float),
-                      stream_));
+      cudaMemsetAsync(gradient().data(), 0,
+                      static_cast<size_t>(impl_->layout.total * gradient().element_bytes()), stream_));
 }
 
 // ---- Blocks ---------------------------------------------------------------------------------------
@@ -350,17 +355,19 @@ struct Step {
   const ModelConfig& c;
   GpuModel::Impl& m;
   const bf16* w;   // weights
-  float* g;        // the whole gradient, or null: then `placement` says where each one goes
+  GradientOut g;   // the whole gradient, or null: then `placement` says where each one goes
   const GradientPlacement* placement;
   int64_t B, T, N;
   cudaStream_t s;
   bool accumulate = true;  // backward: add into the gradients, or write them (the step's first)
 
   const bf16* W(int64_t offset) const { return offset < 0 ? nullptr : w + offset; }
-  float* G(int64_t offset) const {
-    return offset < 0 ? nullptr : g ? g + offset : placement->gradient_at(offset);
+  GradientOut G(int64_t offset) const {
+    if (offset < 0) return {};
+    return g ? g + offset : GradientOut(placement->gradient_at(offset));
   }
   bool gpt() const { return c.family == Family::kGpt; }
+  int64_t g_bytes() const { return g ? g.element_bytes() : int64_t{sizeof(float)}; }
   float eps() const { return static_cast<float>(c.norm_eps); }
   AttentionOptions attention_options() const {
     AttentionOptions o;
@@ -574,7 +581,7 @@ Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, float dl
   if (write_dlogits && targets == nullptr) return invalid("forward: write_dlogits needs targets");
   Impl& m = *impl_;
   const ModelConfig& c = config_;
-  const Step st{c, m, weights_, grads_, placement_, batch_, seq_, batch_ * seq_, stream_};
+  const Step st{c, m, weights_, gradient(), placement_, batch_, seq_, batch_ * seq_, stream_};
   m.have_dlogits = false;
   auto stage_next = [&](int64_t stage) { return call_hook(before_stage, stage); };
   const int64_t n_layer = static_cast<int64_t>(m.layers.size());
@@ -622,11 +629,15 @@ Status GpuModel::backward(const int32_t* tokens, bool accumulate, const StageHoo
     return invalid("backward: needs a forward with targets and write_dlogits first");
   }
   if (tokens == nullptr) return invalid("backward: tokens must not be null");
-  if (grads_ == nullptr && placement_ == nullptr) {
+  if (!gradient() && placement_ == nullptr) {
     return invalid("backward: the model holds no whole gradient and no GradientPlacement was set");
   }
+  if (grads16_ && accumulate) {
+    return invalid("backward: bf16 gradients are written, not accumulated (accumulate must be false: "
+                   "one micro-batch per step)");
+  }
   const ModelConfig& c = config_;
-  const Step st{c, m, weights_, grads_, placement_, batch_, seq_, batch_ * seq_, stream_, accumulate};
+  const Step st{c, m, weights_, gradient(), placement_, batch_, seq_, batch_ * seq_, stream_, accumulate};
   auto stage_done = [&](int64_t stage) { return call_hook(after_stage, stage); };
   const int64_t n_layer = static_cast<int64_t>(m.layers.size());
 
@@ -655,8 +666,8 @@ Status GpuModel::backward(const int32_t* tokens, bool accumulate, const StageHoo
       const ParamSpec* spec = m.layout.find(table);
       if (spec == nullptr || (c.tied_embeddings && spec->offset == m.embed)) continue;
       FLARE_RETURN_IF_ERROR(cuda_status(kCudaContext, "embedding gradient",
-                                        cudaMemsetAsync(st.G(spec->offset), 0,
-                                                        static_cast<size_t>(spec->numel) * sizeof(float), stream_)));
+                                        cudaMemsetAsync(st.G(spec->offset).data(), 0,
+                                                        static_cast<size_t>(spec->numel * st.g_bytes()), stream_)));
     }
   }
   FLARE_RETURN_IF_ERROR(embedding_backward(m.d_resid, tokens, st.G(m.embed), st.G(m.pos_embed), st.N,

@@ -55,6 +55,10 @@ struct GpuModelOptions {
   // false: no flat gradient buffer (grads() is null); backward() writes through the placement
   // set with set_gradient_placement(), which must start each stage's gradients at zero.
   bool whole_gradient = true;
+  // The whole gradient in bf16 instead of fp32 (needs whole_gradient; backward() then writes it,
+  // never accumulates): 2 bytes per parameter less, cuBLASLt's bf16-output weight-gradient
+  // products, and half the optimizer's gradient reads (TrainConfig::bf16_grads).
+  bool bf16_grads = false;
   bool deterministic_attention = true;  // bitwise-reproducible attention backward
   int device_index = 0;                 // the device the stream belongs to (current at create)
   // Context parallel over this NCCL communicator (not owned; outlives the model; its device the
@@ -80,7 +84,7 @@ class GpuModel {
   // Bytes create() allocates for these sizes (weights, gradients, activations, scratch), without
   // the matmul context's workspace and attention's stream-ordered scratch.
   static int64_t buffer_bytes(const ModelConfig& config, int64_t batch, int64_t seq,
-                              bool recompute, bool whole_gradient = true);
+                              bool recompute, bool whole_gradient = true, bool bf16_grads = false);
 
   // A host callback with a stage number (train/dist/dp_plan.h's backward_stage numbering), for
   // forward()'s and backward()'s hooks below. It must not synchronise; an error it returns stops
@@ -137,7 +141,10 @@ class GpuModel {
   cudaStream_t stream() const { return stream_; }
   bf16* weights() const { return weights_; }        // (layout().total) bf16, the forward reads
   float* grads() const { return grads_; }           // (layout().total) fp32, backward adds into;
-                                                    // null without a whole gradient
+                                                    // null without a whole fp32 gradient
+  GradientOut gradient() const {                    // the whole gradient, fp32 or bf16, or null
+    return grads16_ ? GradientOut(grads16_) : GradientOut(grads_);
+  }
   const bf16* logits() const { return logits_; }    // (batch · seq, padded_vocab): logits, or
                                                     // dlogits after a forward with write_dlogits
 
@@ -151,6 +158,7 @@ class GpuModel {
   cudaStream_t stream_ = nullptr;
   bf16* weights_ = nullptr;
   float* grads_ = nullptr;
+  bf16* grads16_ = nullptr;  // the whole gradient with GpuModelOptions::bf16_grads
   const GradientPlacement* placement_ = nullptr;
   bf16* logits_ = nullptr;
   std::unique_ptr<Impl> impl_;
