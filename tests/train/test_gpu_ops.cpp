@@ -242,6 +242,39 @@ void check_norm(bool rms, bool residual, int64_t N, int64_t C) {
   if (!rms) {
     EXPECT_TRUE(same_bytes(gdb.get(), db1)) << "dbias differs between two runs";
   }
+
+  // The parameter gradients written in bf16 (accumulate false), each rounded once.
+  std::vector<double> dx2_ref = dres.d, w2_ref(C, 0.0), b2_ref(C, 0.0);
+  std::vector<float> dx2_naive = dres.f, w2_naive(C, 0.0f), b2_naive(C, 0.0f);
+  if (rms) {
+    cpu::rmsnorm_backward(dy.d.data(), xd.data(), w.d.data(), rstd_ref.data(), dx2_ref.data(), w2_ref.data(), N, C);
+    cpu::rmsnorm_backward(dy.f.data(), x.data(), w.f.data(), rstd_naive.data(), dx2_naive.data(), w2_naive.data(),
+                          N, C);
+  } else {
+    cpu::layernorm_backward(dy.d.data(), xd.data(), w.d.data(), mean_ref.data(), rstd_ref.data(), dx2_ref.data(),
+                            w2_ref.data(), b2_ref.data(), N, C);
+    cpu::layernorm_backward(dy.f.data(), x.data(), w.f.data(), mean_naive.data(), rstd_naive.data(),
+                            dx2_naive.data(), w2_naive.data(), b2_naive.data(), N, C);
+  }
+  Dev<uint16_t> gdw16(C), gdb16(C);
+  gdx.upload(dres.bits);
+  auto backward16 = [&](bool accumulate) {
+    if (rms)
+      return cuda::rmsnorm_backward(bf(gdy), bf(gx), bf(gw), gr, bf(gdx), bf(gdx), bf(gdw16), N, C, accumulate,
+                                    scratch, nullptr);
+    return cuda::layernorm_backward(bf(gdy), bf(gx), bf(gw), gm, gr, bf(gdx), bf(gdx), bf(gdw16), bf(gdb16), N,
+                                    C, accumulate, scratch, nullptr);
+  };
+  ASSERT_OK(backward16(false));
+  EXPECT_TRUE(within_tolerance("dx (bf16 parameter gradients)", get_bf16(gdx), dx2_ref, rounded_bf16(dx2_naive),
+                               DType::kBFloat16, C));
+  EXPECT_TRUE(within_tolerance("dweight (bf16)", get_bf16(gdw16), w2_ref, rounded_bf16(w2_naive),
+                               DType::kBFloat16, N));
+  if (!rms) {
+    EXPECT_TRUE(within_tolerance("dbias (bf16)", get_bf16(gdb16), b2_ref, rounded_bf16(b2_naive),
+                                 DType::kBFloat16, N));
+  }
+  EXPECT_EQ(backward16(true).code(), StatusCode::kInvalidArgument) << "a bf16 gradient is never accumulated";
 }
 
 TEST(GpuOps, LayerNorm) {
@@ -498,6 +531,33 @@ void check_embedding(int64_t N, int64_t seq_len, int64_t vocab, int64_t C, bool 
   ASSERT_OK(backward());
   EXPECT_TRUE(same_bytes(gdwte.get(), dwte1)) << "dtoken_table differs between two runs";
   EXPECT_TRUE(same_bytes(gdwpe.get(), dwpe1)) << "dposition_table differs between two runs";
+
+  // bf16 tables: each element's old value plus its fp32 sum, rounded once. The starting values
+  // are bf16 (what a bf16 table holds), so the reference starts from the same numbers.
+  std::vector<uint16_t> wte_bits(dwte0.size()), wpe_bits(dwpe0.size());
+  std::vector<double> wte16_ref(dwte0.size()), wpe16_ref(dwpe0.size());
+  std::vector<float> wte16_naive(dwte0.size()), wpe16_naive(dwpe0.size());
+  for (size_t i = 0; i < wte_bits.size(); ++i) {
+    wte_bits[i] = float_to_bf16(dwte0[i]);
+    wte16_ref[i] = wte16_naive[i] = bf16_to_float(wte_bits[i]);
+  }
+  for (size_t i = 0; i < wpe_bits.size(); ++i) {
+    wpe_bits[i] = float_to_bf16(dwpe0[i]);
+    wpe16_ref[i] = wpe16_naive[i] = bf16_to_float(wpe_bits[i]);
+  }
+  cpu::embedding_backward(dy.d.data(), tokens.data(), wte16_ref.data(), positions ? wpe16_ref.data() : nullptr,
+                          N, seq_len, C);
+  cpu::embedding_backward(dy.f.data(), tokens.data(), wte16_naive.data(),
+                          positions ? wpe16_naive.data() : nullptr, N, seq_len, C);
+  Dev<uint16_t> gwte16(wte_bits), gwpe16(wpe_bits);
+  ASSERT_OK(cuda::embedding_backward(bf(gdy), gtok, bf(gwte16), positions ? bf(gwpe16) : nullptr, N, seq_len,
+                                     vocab, C, scratch, nullptr));
+  EXPECT_TRUE(within_tolerance("dtoken_table (bf16)", get_bf16(gwte16), wte16_ref, rounded_bf16(wte16_naive),
+                               DType::kBFloat16, N));
+  if (positions) {
+    EXPECT_TRUE(within_tolerance("dposition_table (bf16)", get_bf16(gwpe16), wpe16_ref,
+                                 rounded_bf16(wpe16_naive), DType::kBFloat16, N));
+  }
 }
 
 TEST(GpuOps, Embedding) {
