@@ -43,6 +43,7 @@ TORCH_MEM_KIND = "torch.cuda.max_memory_allocated"
 RUN_RANKS = re.compile(r" x (\d+) GPUs = \d+ tokens/step")
 RUN_ACCUM = re.compile(r" x accum (\d+) x ")
 RUN_ZERO = re.compile(r"\bZeRO-(\d)\b")
+RUN_GRADIENTS = re.compile(r", gradients (bf16|fp32),")
 PROFILE_FIELDS = ("fwd_ms", "bwd_ms", "comm_ms", "comm_exposed_ms", "optimizer_ms", "comm_gbps",
                   "cp_comm_ms")
 TORCH_IMPLS = ("torch-compile", "torch-ddp-compile", "torch-fsdp-compile")
@@ -92,6 +93,9 @@ def flare_row(model, batch, seq, stdout_path, jsonl_path):
         zero = RUN_ZERO.search(text)  # "data parallel: N ranks (...), ZeRO-S (...)"
         if zero:
             row["zero"] = int(zero.group(1))
+    gradients = RUN_GRADIENTS.search(text)  # the run line: "..., gradients bf16, ..."
+    if gradients:
+        row["gradients"] = gradients.group(1)
     accum = RUN_ACCUM.search(text)
     if accum and int(accum.group(1)) > 1:
         row["grad_accum"] = int(accum.group(1))

@@ -235,10 +235,12 @@ if [[ $bench -eq 1 && $native_bench -eq 1 && -x "$build/apps/train/flare-train" 
   ft="$build/apps/train/flare-train"
   "$ft" synth-data --out "$out/synth" > "$out/train_synth.log" 2>&1 || { status=1; log "synth-data FAILED"; }
   flare_rows=()
+  # bf16 gradients: each weight gradient rounded once to bf16, as the peer's autocast products
+  # round theirs (the row's "gradients" field says so).
   for c in "gpt2 16 1024 40" "gpt3-2.7b 4 1024 30" "llama3.2-1b 4 4096 15"; do
     set -- $c
     if "$ft" --model "$1" --data "$out/synth" --batch "$2" --seq "$3" --steps "$4" --warmup 5 \
-         --sample 0 --no-checkpoint --nondeterministic --log "$out/train_$1.jsonl" > "$out/train_$1.log" 2>&1; then
+         --bf16-grads --sample 0 --no-checkpoint --nondeterministic --log "$out/train_$1.jsonl" > "$out/train_$1.log" 2>&1; then
       log "flare-train $1: $(grep '^throughput' "$out/train_$1.log")"
       flare_rows+=(--flare "$1:$2:$3:$out/train_$1.log:$out/train_$1.jsonl")
     else

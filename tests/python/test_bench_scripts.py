@@ -64,7 +64,8 @@ def test_train_results_reads_the_zero_stage_and_accumulation(tmp_path):
     # flare-train's own lines for a 4-rank ZeRO-2 run with 2 micro-batches per step.
     stdout = tmp_path / "run.log"
     stdout.write_text(
-        "run: device cuda (test card), batch 2 x seq 1024 x accum 2 x 4 GPUs = 16384 tokens/step, 8 steps\n"
+        "run: device cuda (test card), batch 2 x seq 1024 x accum 2 x 4 GPUs = 16384 tokens/step, 8 steps "
+        "from step 0, lr 3.00e-04, recompute off, gradients fp32, estimated memory 40 GiB per GPU\n"
         "data parallel: 4 ranks (mpirun launch), ZeRO-2 (master weights, AdamW state and gradients sharded)\n"
         "throughput: median of steps 2-3: 400.0 ms/step, 40960 tokens/s, MFU 40.0%, peak device memory\n")
     log = tmp_path / "run.jsonl"
@@ -77,6 +78,7 @@ def test_train_results_reads_the_zero_stage_and_accumulation(tmp_path):
     (path,) = out.glob("train-*.json")
     (row,) = json.loads(path.read_text())["rows"]
     assert (row["gpus"], row["dp"], row["cp"], row["zero"], row["grad_accum"]) == (4, 4, 1, 2, 2)
+    assert row["gradients"] == "fp32"
     assert row["fwd_ms"] == 103.0  # the median over steps 2-3 only
 
     table = tmp_path / "table.md"
