@@ -6,7 +6,9 @@
 #                       bench-dist's help shows both launchers
 #   MODE=bench_json     `flare bench` on the CPU writes a result file in the schema of
 #                       docs/architecture.md ("Result files"); each case's line is in the piped
-#                       output, in order
+#                       output, in order; fixed-length rows carry no "varlen" field
+#   MODE=bench_varlen   `flare bench --varlen` runs each case as one packed batch: its lines and
+#                       result rows say varlen, mixed lengths with s_q != s_k and GQA run too
 #   MODE=json_unwritable  --json to a path that cannot be written (DIR: a scratch directory)
 #                       fails before any case runs, naming --json and the path
 #   MODE=line_buffered  a bench killed while its first case runs has already delivered its
@@ -140,6 +142,9 @@ elseif(MODE STREQUAL "bench_json")
                           "s_q=${s_q} d=${d}")
     endif()
   endforeach()
+  if(doc MATCHES "varlen")
+    message(FATAL_ERROR "${JSON}: a fixed-length run wrote a varlen field:\n${doc}")
+  endif()
   message(STATUS "${JSON}: ${rows} valid rows")
   # execute_process reads flare's stdout through a pipe: every (case, pass) line must be there, in
   # the order the cases run (non-causal first), between the header and the closing line.
@@ -169,6 +174,46 @@ elseif(MODE STREQUAL "bench_json")
   list(GET out_lines ${next} line)
   if(NOT line MATCHES "^wrote ")
     message(FATAL_ERROR "flare bench: line ${next} is '${line}', expected 'wrote ${JSON} ...'")
+  endif()
+
+elseif(MODE STREQUAL "bench_varlen")
+  file(REMOVE "${JSON}")
+  # Three sequences of 64, 256 and 448 tokens.
+  set(packed "bench --device cpu --s 256 --b 3 --h 2 --d 64 --varlen --warmup 0 --iters 1")
+  run_flare("${packed} --commit test --json ${JSON}")
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "flare bench --varlen: exit status ${rc}\n${out}\n${err}")
+  endif()
+  file(READ "${JSON}" doc)
+  string(JSON rows LENGTH "${doc}" rows)
+  if(NOT rows EQUAL 6)
+    message(FATAL_ERROR "${JSON}: ${rows} rows, expected 6")
+  endif()
+  math(EXPR last "${rows} - 1")
+  foreach(i RANGE ${last})
+    string(JSON varlen_type TYPE "${doc}" rows ${i} varlen)
+    string(JSON varlen GET "${doc}" rows ${i} varlen)
+    string(JSON b GET "${doc}" rows ${i} b)
+    string(JSON s_q GET "${doc}" rows ${i} s_q)
+    string(JSON tflops GET "${doc}" rows ${i} tflops)
+    if(NOT varlen_type STREQUAL "BOOLEAN" OR NOT varlen OR NOT b EQUAL 3 OR NOT s_q EQUAL 256 OR
+       NOT tflops GREATER 0)
+      message(FATAL_ERROR "${JSON}: unexpected rows[${i}]: varlen ${varlen_type} ${varlen} b=${b} "
+                          "s_q=${s_q} tflops=${tflops}")
+    endif()
+  endforeach()
+  foreach(mask IN ITEMS "non-causal" "causal")
+    foreach(pass IN ITEMS "fwd " "bwd " "fwdbwd")
+      if(NOT out MATCHES "\n${pass} *fp32 b=3 +s=256 +h=2 +d=64 +${mask} varlen +[0-9.]+ ms")
+        message(FATAL_ERROR "flare bench --varlen: no ${pass} ${mask} varlen line in:\n${out}")
+      endif()
+    endforeach()
+  endforeach()
+  # Queries shorter than keys (bottom-right causal mask) and grouped heads, packed.
+  set(skewed "bench --device cpu --s 100 --s-k 300 --b 4 --h 4 --h-kv 2 --d 32 --causal --varlen")
+  run_flare("${skewed} --pass fwdbwd --warmup 0 --iters 1")
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "\nfwdbwd fp32 b=4 +s=100/300 +h=4/2 +d=32 +causal varlen ")
+    message(FATAL_ERROR "flare bench --varlen --s-k 300: exit status ${rc}\n${out}\n${err}")
   endif()
 
 elseif(MODE STREQUAL "json_unwritable")

@@ -10,7 +10,8 @@
 // same shape instead (2k tokens, hidden 512, head_dim 64 and 128, fp32): 81 s on 2 cores (AMD
 // EPYC, shared with other work; 113 s of CPU time).
 // Any size given on the command line pins that axis; the others keep following the grid's rules
-// (b = tokens / s, h = hidden / d).
+// (b = tokens / s, h = hidden / d). --varlen packs each case's b sequences, their lengths spread
+// around s (varlen_lengths), into one batch for the variable-length API.
 //
 // Each pass is run `warmup` times, then timed `iters` times one call at a time; the line reports
 // the median. bwd times the backward alone (o and lse come from one forward before the timing);
@@ -54,7 +55,7 @@ constexpr uint64_t kSeed = 1;
 struct BenchArgs {
   std::optional<std::string> device, dtype, pass, json, commit;
   std::optional<int64_t> b, h, h_kv, s, s_k, d, warmup, iters;
-  bool causal = false, non_causal = false;
+  bool causal = false, non_causal = false, varlen = false;
 };
 
 BenchArgs parse(int argc, char** argv, bool* help) {
@@ -72,6 +73,7 @@ BenchArgs parse(int argc, char** argv, bool* help) {
   p.add_int("--d", &a.d, 1, 256);  // the library's head_dim range
   p.add_switch("--causal", &a.causal);
   p.add_switch("--no-causal", &a.non_causal);
+  p.add_switch("--varlen", &a.varlen);
   p.add_int("--warmup", &a.warmup, 0, 1000000);
   p.add_int("--iters", &a.iters, 1, 1000000);
   p.add_string("--json", &a.json);
@@ -102,6 +104,7 @@ std::vector<Shape> make_cases(const BenchArgs& a, const Grid& grid) {
       for (int s : seqlens) {
         Shape c;
         c.causal = causal;
+        c.varlen = a.varlen;
         c.d = d;
         c.s_q = s;
         c.s_k = a.s_k ? int(*a.s_k) : s;
@@ -132,9 +135,12 @@ void print_row(const ResultRow& r, bool gpu) {
   const Shape& s = r.shape;
   const std::string seq = one_or_two(s.s_q, s.s_k);
   const std::string heads = one_or_two(s.h, s.h_kv);
-  std::printf("%-6s %s b=%-3d s=%-11s h=%-9s d=%-3d %-10s %10.3f ms %10.2f %s  peak %9.1f MiB\n",
+  // Packed cases say so after the mask, in a column wide enough for "non-causal varlen".
+  std::string mask = s.causal ? "causal" : "non-causal";
+  if (s.varlen) mask += " varlen";
+  std::printf("%-6s %s b=%-3d s=%-11s h=%-9s d=%-3d %-*s %10.3f ms %10.2f %s  peak %9.1f MiB\n",
               pass_name(r.pass), short_dtype_name(s.dtype), s.b, seq.c_str(), heads.c_str(), s.d,
-              s.causal ? "causal" : "non-causal", r.ms, gpu ? r.tflops : r.tflops * 1e3,
+              s.varlen ? 17 : 10, mask.c_str(), r.ms, gpu ? r.tflops : r.tflops * 1e3,
               gpu ? "TFLOP/s" : "GFLOP/s", double(r.peak_mem_bytes) / (1 << 20));
 }
 
@@ -144,9 +150,10 @@ const char* bench_help() {
   return R"(usage: flare bench [options]
 
 Times flare's forward and backward passes and prints one line per (case, pass):
-pass, dtype, b, s (s_q/s_k), h (h/h_kv), d, causal, median ms, throughput, peak memory.
-FLOPs are counted as FlashAttention does: forward 4*b*s_q*s_k*h*d (halved when causal),
-backward 2.5x forward, fwdbwd 3.5x.
+pass, dtype, b, s (s_q/s_k), h (h/h_kv), d, causal (and varlen), median ms, throughput,
+peak memory. FLOPs are counted as FlashAttention does: forward 4*b*s_q*s_k*h*d (halved when
+causal; with --varlen the sum over the sequences of 4*len_q*len_k*h*d), backward 2.5x
+forward, fwdbwd 3.5x.
 
 Without sizes it runs a grid:
   cuda  the standard grid: 16k tokens per batch, (b, s) in (32,512) (16,1k) (8,2k) (4,4k)
@@ -163,6 +170,10 @@ options:
   --b N  --s N  --s-k N    batch, query length, key length (default s-k = s)
   --h N  --h-kv N  --d N   query heads, key/value heads (GQA/MQA; default h), head_dim (1..256)
   --causal | --no-causal   only causal / only non-causal cases (default both)
+  --varlen                 pack each case's b sequences into one (total, h, d) batch and
+                           call the variable-length API (cu_seqlens); sequence i of b gets
+                           round(s*(0.25 + 1.5*i/(b-1))) queries (s/4 to 7s/4, about b*s
+                           in all; s for b=1), keys likewise from s-k
   --warmup N  --iters N    untimed and timed calls per pass (default 5 and 30 on cuda,
                            1 and 5 on cpu); the median of the timed calls is reported
   --json FILE              also write the results (bench/results schema: card, date,

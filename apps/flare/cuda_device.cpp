@@ -104,6 +104,12 @@ class CudaDevice final : public Device {
                "cudaMemcpyAsync (outputs)");
     check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (outputs)");
   }
+  void upload(void* dst, const void* host_src, std::size_t bytes) override {
+    // Waited for, so the caller may free host_src on return.
+    check_cuda(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_),
+               "cudaMemcpyAsync (upload)");
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (upload)");
+  }
 
   std::vector<double> time_ms(int warmup, int iters, const std::function<Status()>& fn) override {
     for (int i = 0; i < warmup; ++i) throw_if_error(fn());

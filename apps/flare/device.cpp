@@ -91,6 +91,9 @@ class CpuDevice final : public Device {
   void download(void* host_dst, const void* src, std::size_t bytes) override {
     std::memcpy(host_dst, src, bytes);
   }
+  void upload(void* dst, const void* host_src, std::size_t bytes) override {
+    std::memcpy(dst, host_src, bytes);
+  }
 
   std::vector<double> time_ms(int warmup, int iters, const std::function<Status()>& fn) override {
     for (int i = 0; i < warmup; ++i) throw_if_error(fn());

@@ -39,6 +39,8 @@ class Device {
   virtual void poison(void* dst, std::size_t bytes) = 0;
   // Waits for the stream, then copies device memory to the host.
   virtual void download(void* host_dst, const void* src, std::size_t bytes) = 0;
+  // Copies host memory to the device and waits for the copy (small tables such as cu_seqlens).
+  virtual void upload(void* dst, const void* host_src, std::size_t bytes) = 0;
 
   // Runs fn `warmup` times untimed, then `iters` times timed one by one; returns the times in
   // milliseconds. A call that returns a non-OK status ends it with throw_if_error (args.h).

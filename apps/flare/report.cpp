@@ -123,9 +123,11 @@ void write_result_file(const std::string& path, const ResultFile& file) {
       << "\", \"dtype\": \"" << short_dtype_name(s.dtype) << "\", \"b\": " << s.b
       << ", \"s_q\": " << s.s_q << ", \"s_k\": " << s.s_k << ", \"h\": " << s.h
       << ", \"h_kv\": " << s.h_kv << ", \"d\": " << s.d
-      << ", \"causal\": " << (s.causal ? "true" : "false") << ", \"ms\": " << json_number(r.ms)
-      << ", \"tflops\": " << json_number(r.tflops) << ", \"peak_mem_bytes\": " << r.peak_mem_bytes
-      << "}";
+      << ", \"causal\": " << (s.causal ? "true" : "false");
+    // Only packed rows carry the field, so fixed-length files stay as they were.
+    if (s.varlen) j << ", \"varlen\": true";
+    j << ", \"ms\": " << json_number(r.ms) << ", \"tflops\": " << json_number(r.tflops)
+      << ", \"peak_mem_bytes\": " << r.peak_mem_bytes << "}";
   }
   j << "\n  ]\n}\n";
   write_file_whole(path, j.str());

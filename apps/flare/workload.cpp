@@ -2,7 +2,10 @@
 #include "workload.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <iterator>
+#include <numeric>
 #include <sstream>
 #include <string>
 
@@ -17,7 +20,38 @@ std::string Shape::describe() const {
   s << " h=" << h;
   if (h_kv != h) s << "/" << h_kv;
   s << " d=" << d << (causal ? " causal " : " non-causal ") << short_dtype_name(dtype);
+  if (varlen) s << " varlen";
   return s.str();
+}
+
+std::vector<int> varlen_lengths(int b, int s) {
+  if (b == 1) return {s};
+  std::vector<int> lengths(static_cast<std::size_t>(b));
+  for (int i = 0; i < b; ++i) {
+    const long n = std::lround(double(s) * (0.25 + 1.5 * double(i) / double(b - 1)));
+    lengths[static_cast<std::size_t>(i)] = static_cast<int>(std::max(1L, n));
+  }
+  return lengths;
+}
+
+std::vector<int> Shape::lengths_q() const {
+  return varlen ? varlen_lengths(b, s_q) : std::vector<int>(static_cast<std::size_t>(b), s_q);
+}
+
+std::vector<int> Shape::lengths_k() const {
+  return varlen ? varlen_lengths(b, s_k) : std::vector<int>(static_cast<std::size_t>(b), s_k);
+}
+
+int64_t Shape::total_q() const {
+  if (!varlen) return int64_t{b} * s_q;
+  const std::vector<int> n = lengths_q();
+  return std::accumulate(n.begin(), n.end(), int64_t{0});
+}
+
+int64_t Shape::total_k() const {
+  if (!varlen) return int64_t{b} * s_k;
+  const std::vector<int> n = lengths_k();
+  return std::accumulate(n.begin(), n.end(), int64_t{0});
 }
 
 const char* pass_name(Pass pass) {
@@ -29,9 +63,25 @@ const char* pass_name(Pass pass) {
   return "?";
 }
 
+namespace {
+
+// The forward's FLOPs for `count` sequences of s_q queries and s_k keys: the one formula both
+// layouts use.
+double forward_flops(const Shape& s, double count, int s_q, int s_k) {
+  const double fwd = 4.0 * count * double(s_q) * double(s_k) * s.h * s.d;
+  return s.causal ? fwd / 2 : fwd;
+}
+
+}  // namespace
+
 double attention_flops(const Shape& s, Pass pass) {
-  double fwd = 4.0 * s.b * double(s.s_q) * double(s.s_k) * s.h * s.d;
-  if (s.causal) fwd /= 2;
+  double fwd = 0;
+  if (s.varlen) {
+    const std::vector<int> lq = s.lengths_q(), lk = s.lengths_k();
+    for (std::size_t i = 0; i < lq.size(); ++i) fwd += forward_flops(s, 1, lq[i], lk[i]);
+  } else {
+    fwd = forward_flops(s, s.b, s.s_q, s.s_k);
+  }
   switch (pass) {
     case Pass::kForward: return fwd;
     case Pass::kBackward: return 2.5 * fwd;
@@ -69,16 +119,45 @@ Workload::Workload(Device& device, const Shape& shape, uint64_t seed)
     : device_(device), shape_(shape) {
   options_.causal = shape.causal;
   const Shape& s = shape;
+  const int64_t total_q = s.total_q(), total_k = s.total_k();
+  if (s.varlen && std::max(total_q, total_k) > INT32_MAX)
+    throw RunError(std::to_string(std::max(total_q, total_k)) +
+                   " packed tokens do not fit cu_seqlens' int32 offsets");
+  // (b, s, heads, d), or (total, heads, d) packed.
+  const auto q_like = [&](const char* what) {
+    return s.varlen ? make(s.dtype, {total_q, s.h, s.d}, what)
+                    : make(s.dtype, {s.b, s.s_q, s.h, s.d}, what);
+  };
+  const auto k_like = [&](const char* what) {
+    return s.varlen ? make(s.dtype, {total_k, s.h_kv, s.d}, what)
+                    : make(s.dtype, {s.b, s.s_k, s.h_kv, s.d}, what);
+  };
+  // b + 1 running totals from 0, copied to the device; int32 holds them (checked above).
+  const auto cu_seqlens = [&](const std::vector<int>& lengths, const char* what) {
+    std::vector<int32_t> cu(lengths.size() + 1, 0);
+    std::partial_sum(lengths.begin(), lengths.end(), cu.begin() + 1);
+    const TensorView t = make(DType::kInt32, {int64_t(cu.size())}, what);
+    device_.upload(t.data, cu.data(), cu.size() * sizeof(int32_t));
+    return t;
+  };
   try {
-    t_.q = make(s.dtype, {s.b, s.s_q, s.h, s.d}, "q");
-    t_.k = make(s.dtype, {s.b, s.s_k, s.h_kv, s.d}, "k");
-    t_.v = make(s.dtype, {s.b, s.s_k, s.h_kv, s.d}, "v");
-    t_.o = make(s.dtype, {s.b, s.s_q, s.h, s.d}, "o");
-    t_.lse = make(DType::kFloat32, {s.b, s.h, s.s_q}, "lse");
-    t_.dout = make(s.dtype, {s.b, s.s_q, s.h, s.d}, "dout");
-    t_.dq = make(s.dtype, {s.b, s.s_q, s.h, s.d}, "dq");
-    t_.dk = make(s.dtype, {s.b, s.s_k, s.h_kv, s.d}, "dk");
-    t_.dv = make(s.dtype, {s.b, s.s_k, s.h_kv, s.d}, "dv");
+    t_.q = q_like("q");
+    t_.k = k_like("k");
+    t_.v = k_like("v");
+    t_.o = q_like("o");
+    t_.lse = s.varlen ? make(DType::kFloat32, {s.h, total_q}, "lse")
+                      : make(DType::kFloat32, {s.b, s.h, s.s_q}, "lse");
+    t_.dout = q_like("dout");
+    t_.dq = q_like("dq");
+    t_.dk = k_like("dk");
+    t_.dv = k_like("dv");
+    if (s.varlen) {
+      const std::vector<int> lengths_q = s.lengths_q(), lengths_k = s.lengths_k();
+      varlen_.cu_seqlens_q = cu_seqlens(lengths_q, "cu_seqlens_q");
+      varlen_.cu_seqlens_k = cu_seqlens(lengths_k, "cu_seqlens_k");
+      varlen_.max_seqlen_q = *std::max_element(lengths_q.begin(), lengths_q.end());
+      varlen_.max_seqlen_k = *std::max_element(lengths_k.begin(), lengths_k.end());
+    }
   } catch (...) {
     for (void* p : buffers_) device_.release(p);
     throw;
@@ -114,12 +193,12 @@ void Workload::poison_outputs() {
 }
 
 Status Workload::forward() const {
-  return attention_forward(t_.q, t_.k, t_.v, t_.o, t_.lse, options_, {}, device_.stream());
+  return attention_forward(t_.q, t_.k, t_.v, t_.o, t_.lse, options_, varlen_, device_.stream());
 }
 
 Status Workload::backward() const {
   return attention_backward(t_.dout, t_.q, t_.k, t_.v, t_.o, t_.lse, t_.dq, t_.dk, t_.dv, options_,
-                            {}, device_.stream());
+                            varlen_, device_.stream());
 }
 
 HostTensors Workload::to_host() const {
