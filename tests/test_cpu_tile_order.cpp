@@ -186,5 +186,47 @@ TEST(Fwd90Tiles, RowPerKernelOfEachBucket) {
   EXPECT_GT(cuda::sm90::fwd90_tile_count(p, 128), int64_t{INT32_MAX} / 2);
 }
 
+// Packed variable-length batches run the persistent kernel of buckets that have one, whatever
+// the longest sequence, and count at most ceil(total_q / block_m) + batch tiles a head (the host
+// does not read cu_seqlens).
+TEST(Fwd90Tiles, PackedBatchesRunThePersistentKernel) {
+  alignas(16) static unsigned char tensor[16] = {1};
+  static const int32_t cu[3] = {0, 100, 5000};
+  auto packed = [](int d, int max_len, int64_t total) {
+    AttentionParams p;
+    p.dtype = DType::kBFloat16;
+    p.head_dim = d;
+    p.q = p.k = p.v = p.o = tensor;
+    p.heads_q = 8;
+    p.heads_kv = 2;
+    p.batch = 2;
+    p.seqlen_q = p.seqlen_k = max_len;
+    p.total_q = p.total_k = total;
+    p.cu_seqlens_q = p.cu_seqlens_k = cu;
+    p.q_row_stride = p.o_row_stride = 8 * d;
+    p.k_row_stride = p.v_row_stride = 2 * d;
+    p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
+    return p;  // batch strides 0: rows are found by cu_seqlens
+  };
+  for (int d : {40, 64, 80, 96, 128, 136, 192}) {
+    const AttentionParams p = packed(d, 4900, 5000);
+    EXPECT_TRUE(cuda::sm90::fwd90_row(p).persistent) << d;
+    EXPECT_TRUE(cuda::sm90::forward_supported(p)) << d;
+  }
+  EXPECT_FALSE(cuda::sm90::forward_supported(packed(256, 4900, 5000)));  // no persistent row
+  AttentionParams sparse = packed(128, 4900, 5000);
+  sparse.block_mask = tensor;
+  sparse.block_m = sparse.block_n = 128;
+  EXPECT_FALSE(cuda::sm90::forward_supported(sparse));
+  EXPECT_FALSE(cuda::sm90::forward_supported(packed(128, 4900, int64_t{INT32_MAX})));
+
+  // 2 sequences of 100 and 4900 rows: 1 + 39 tiles of 128 a head (the bound says 40 + 2).
+  EXPECT_EQ(cuda::sm90::fwd90_tile_count(packed(128, 4900, 5000), 128), (40 + 2) * 8);
+  // Many short sequences: the padded count is smaller than the bound.
+  AttentionParams short_ones = packed(128, 3, 5000);
+  short_ones.batch = 2;
+  EXPECT_EQ(cuda::sm90::fwd90_tile_count(short_ones, 128), 2 * 8);
+}
+
 }  // namespace
 }  // namespace flare

@@ -492,6 +492,54 @@ TEST(GpuForwardSm90, PersistentCtasWalkManyTiles) {
   }
 }
 
+// Packed variable-length batches on the persistent kernel (fwd_tiles.h), every bucket that has
+// one, at its width and its narrowest head dim, through the automatic choice and forced to sm80:
+// empty sequences on either side, one-row sequences, rows that see no key, a window with GQA,
+// 40 sequences (the tile walk reads cu_seqlens 32 at a time) and a sequence past the automatic
+// choice's 2048 keys beside short ones; then with the grid capped at 2 CTAs, each walking many
+// tiles. Key tiles run on into the next sequence's rows, which the mask must keep out.
+TEST(GpuForwardSm90, PackedBatchesEveryPersistentBucket) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  std::vector<int> many_q, many_k;
+  for (int i = 0; i < 40; ++i) {
+    many_q.push_back(1 + (i * 37) % 150);
+    many_k.push_back((i * 53) % 170);
+  }
+  for (const auto& [dtype, bucket] : sm90_forward_variants()) {
+    if (cuda::sm90::fwd90_tile(bucket, true).head_dim == 0) continue;
+    const int narrowest = cuda::sm90::fwd90_bucket(bucket - 8) == bucket ? bucket - 8 : bucket;
+    for (int d : {bucket, narrowest}) {
+      SCOPED_TRACE("d " + std::to_string(d));
+      auto packed = [&](std::vector<int> q, std::vector<int> k, uint64_t seed) {
+        ProblemSpec s = base_spec(dtype, d, seed);
+        s.varlen_q = std::move(q);
+        s.varlen_k = std::move(k);
+        return s;
+      };
+      for (bool causal : {false, true}) {
+        ProblemSpec s = packed({0, 97, 1, 300, 5, 130}, {7, 120, 0, 301, 0, 129}, 95);
+        s.options.causal = causal;
+        check_sm90_and_forced_sm80(s, check_forward, cuda::testing::sm90_forward_launches);
+      }
+      ProblemSpec window = packed({130, 64, 200}, {140, 64, 190}, 96);
+      window.heads_q = 4;
+      window.heads_kv = 2;
+      window.options.window_left = 40;
+      window.options.window_right = 3;
+      check_sm90_and_forced_sm80(window, check_forward, cuda::testing::sm90_forward_launches);
+      ProblemSpec many = packed(many_q, many_k, 97);
+      many.options.causal = true;
+      check_sm90_and_forced_sm80(many, check_forward, cuda::testing::sm90_forward_launches);
+      ProblemSpec long_one = packed({70, 300, 1}, {80, 2200, 3}, 98);
+      long_one.options.causal = true;
+      check_sm90_and_forced_sm80(long_one, check_forward, cuda::testing::sm90_forward_launches);
+      ForceForwardCtas cap(2);
+      check_forward(many);
+      check_forward(packed({0, 97, 1, 300, 5, 130}, {7, 120, 0, 301, 0, 129}, 99));
+    }
+  }
+}
+
 // The persistent kernel's tile counter is its stream's, and the kernel leaves it at 0
 // (sm90/tile_counter.h): launches whose tile counts differ alternate between the default stream
 // and two others, two run at once on different streams, and a launch captured into a CUDA graph
@@ -576,12 +624,13 @@ TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
   EXPECT_EQ(cudaStreamDestroy(s2), cudaSuccess);
 }
 
-// Problems outside sm90's set run the sm80 kernels on every device.
+// Problems outside sm90's set run the sm80 kernels on every device (packed batches: at d 193-256,
+// whose bucket has no persistent kernel).
 TEST(GpuForwardSm90, FeaturesOutsideItsSetRunSm80) {
   FLARE_SKIP_WITHOUT_CUDA();
   const long before = cuda::testing::sm90_forward_launches();
   check_forward(with_every_modifier(base_spec(DType::kBFloat16, 128, 70)));
-  ProblemSpec varlen = base_spec(DType::kBFloat16, 128, 71);
+  ProblemSpec varlen = base_spec(DType::kBFloat16, 256, 71);
   varlen.varlen_q = {0, 97, 1, 300};
   varlen.varlen_k = {7, 120, 0, 301};
   check_forward(varlen);

@@ -456,6 +456,27 @@ INSTANTIATE_TEST_SUITE_P(Masks, GpuNonfiniteSm90, ::testing::ValuesIn(sm90_cases
                                   std::to_string(param.param.head_dim);
                          });
 
+// Packed batches on the device's own choice: the sm90 forward's key tiles run on into the next
+// sequence's rows, whose ±Inf/NaN V meets P = 0 in the P·V product; the rows it pollutes are
+// marked and recomputed (fwd_fixup.h). Without a mask (every key of a row's own sequence
+// visible) and causal; the backward runs sm80.
+TEST(GpuNonfiniteSm90Packed, AllInjections) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  if (!cuda::testing::sm90_available())
+    GTEST_SKIP() << "the sm90 kernels need an sm_90 device and sm_90a code in the build";
+  for (bool causal : {false, true})
+    for (int d : {64, 128}) {
+      ProblemSpec s = base_spec(DType::kBFloat16, d, 112);
+      s.varlen_q = {33, 0, 70, 5};
+      s.varlen_k = {41, 12, 70, 9};
+      s.options.causal = causal;
+      const long before = cuda::testing::sm90_forward_launches();
+      check_all_injections(s);
+      EXPECT_GT(cuda::testing::sm90_forward_launches(), before)
+          << "the sm90 forward did not take " << s.describe();
+    }
+}
+
 // Deterministic mode on the device's own choice: the sm90 forward where the device has it, and the
 // sm80 backward's split dQ slices (the sm90 backward takes one slice only).
 TEST(GpuNonfiniteDeterministic, DeviceChoiceCausal) {
@@ -490,6 +511,30 @@ TEST_P(GpuNonfiniteExamples, HiddenInfiniteValueLeavesRowZeroFinite) {
   for (int c = 0; c < s.head_dim; ++c) {
     ASSERT_TRUE(std::isfinite(pr.o.get({0, 0, 0, c}))) << "O[0][" << c << "]";
     ASSERT_TRUE(std::isinf(pr.o.get({0, 1, 0, c}))) << "O[1][" << c << "]";
+  }
+}
+
+// Packed, no mask, sequences of 3 and 2 tokens, v of sequence 1's first token +Inf: sequence 0's
+// rows never see it (on sm90 it sits inside sequence 0's key tile with P = 0), so their O is
+// finite; sequence 1's rows see it, so theirs is infinite.
+TEST_P(GpuNonfiniteExamples, NextSequencesInfiniteValueLeavesEarlierRowsFinite) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  ForceArch arch(GetParam());
+  ProblemSpec s = base_spec(DType::kBFloat16, 64, 303);
+  s.varlen_q = {3, 2};
+  s.varlen_k = {3, 2};
+  s.heads_q = s.heads_kv = 1;
+  Problem pr = make_problem(s);
+  for (int c = 0; c < s.head_dim; ++c) pr.v.set({3, 0, c}, std::numeric_limits<float>::infinity());
+  SCOPED_TRACE(s.describe() + ", +Inf in the whole row of v at token 3");
+  GpuProblem gpu(pr);
+  ASSERT_TRUE(gpu.forward().ok());
+  gpu.download_forward(&pr);
+  for (int c = 0; c < s.head_dim; ++c) {
+    for (int64_t token : {0, 1, 2})
+      ASSERT_TRUE(std::isfinite(pr.o.get({token, 0, c}))) << "O[" << token << "][" << c << "]";
+    for (int64_t token : {3, 4})
+      ASSERT_TRUE(std::isinf(pr.o.get({token, 0, c}))) << "O[" << token << "][" << c << "]";
   }
 }
 

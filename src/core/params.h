@@ -86,7 +86,7 @@ struct AttentionParams {
   // Element strides; 0 on a dimension the mask broadcasts (extent 1).
   int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
 
-  bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  FLARE_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FLARE_HD bool has_window() const { return window_left >= 0 || window_right >= 0; }
 };
 

@@ -102,11 +102,11 @@ Status forward(const AttentionParams& p, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   return on_device(p.device_index, [&]() -> Status {
     Status status = launch_forward_kernel(p, bucket, s);
-    // Under a window a row's O may have met a masked key's ±Inf/NaN V in the P·V product: the
-    // rows the kernel marked are recomputed exactly (fwd_fixup.cu), as are the rows a block mask
-    // left with LSE = −inf that see a key. Otherwise no tile holds a masked real key, and the
-    // kernels' own results are the reference's.
-    if (status.ok() && (p.has_window() || p.block_mask != nullptr))
+    // Under a window or on a packed batch a row's O may have met a hidden key's ±Inf/NaN V in
+    // the P·V product (fwd_fixup.h): the rows the kernel marked are recomputed exactly
+    // (fwd_fixup.cu), as are the rows a block mask left with LSE = −inf that see a key.
+    // Otherwise no tile holds a hidden real key, and the kernels' own results are the reference's.
+    if (status.ok() && (rows_may_meet_hidden_keys(p) || p.block_mask != nullptr))
       status = launch_forward_fixup(p, s);
     return status;
   });

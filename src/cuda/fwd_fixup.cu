@@ -1,10 +1,9 @@
 // fwd_fixup.cu — the forward's non-finite fixup kernel: rows the forward kernels left with a
 // non-finite LSE, recomputed exactly (cuda/nonfinite_fixup.cuh says why and how).
 //
-// Launched after the forward kernel under a sliding-window or causal mask, the only forward
-// problems where a tile's P·V product can multiply a masked key's ±Inf/NaN V by P = 0 (without a
-// window every real key is visible to every row, and keys past a sequence end are zero-filled),
-// and under a block mask, where a row left with LSE = −inf may still see a key (all its scores
+// Launched after the forward kernel under a sliding-window or causal mask and on packed batches,
+// the only forward problems where a tile's P·V product can multiply a hidden key's ±Inf/NaN V by
+// P = 0 (rows_may_meet_hidden_keys, fwd_fixup.h), and under a block mask, where a row left with LSE = −inf may still see a key (all its scores
 // −inf: NaN in the reference) — off blocks are skipped whole, so they never pollute a row.
 // The forward kernels mark a row whose O came out non-finite with LSE = NaN; rows that see no key
 // and were not marked keep O = 0, LSE = −inf and are skipped here. One read of the LSE entries when nothing is marked.

@@ -9,10 +9,19 @@
 
 namespace flare::cuda {
 
-// After a forward kernel (sm80 or sm90) under a window: every row whose LSE came out non-finite
-// and that sees a key — a row whose O the kernel found ±Inf/NaN, marked with LSE = NaN, or one
-// left with LSE = −inf although it sees keys — is recomputed exactly from the inputs
-// (cuda/nonfinite_fixup.cuh). Checks the launch, never synchronises.
+// Whether a forward tile's P·V product may multiply, by P = 0, the V of a key the row cannot
+// see: under a window (a masked key of the row's own sequence), or in a packed batch (the sm90
+// kernel's key tiles run on into the next sequence's rows). Where that V is ±Inf/NaN the row
+// comes out non-finite, so the kernels mark such rows (FinishedRow, nonfinite_fixup.cuh) and the
+// fixup kernel runs after them. Elsewhere keys past a sequence end are zero-filled.
+FLARE_HD bool rows_may_meet_hidden_keys(const AttentionParams& p) {
+  return p.has_window() || p.is_varlen();
+}
+
+// After a forward kernel (sm80 or sm90) under a window or on a packed batch: every row whose LSE
+// came out non-finite and that sees a key — a row whose O the kernel found ±Inf/NaN, marked with
+// LSE = NaN, or one left with LSE = −inf although it sees keys — is recomputed exactly from the
+// inputs (cuda/nonfinite_fixup.cuh). Checks the launch, never synchronises.
 Status launch_forward_fixup(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace flare::cuda

@@ -44,6 +44,7 @@
 #include "core/params.h"
 #include "core/philox.h"
 #include "core/score_mod.h"
+#include "cuda/fwd_fixup.h"
 
 namespace flare::cuda {
 
@@ -61,23 +62,24 @@ __device__ __forceinline__ bool probe_found(float acc) { return acc != acc; }
 // weights l (over its four lanes) and its max in log2 units, the factor its output is scaled by
 // (numerator / l) and its LSE. A row with no positive sum that sees every key (no window, no
 // block mask) is NaN, as 0/0 is in the reference; one that sees no key gets O = 0 and LSE = −inf.
-// Under a window, a row whose output came out non-finite (probe, nonfinite_probe over its
-// elements) gets LSE = NaN, which marks it for the fixup kernel (fwd_fixup.cu) to recompute.
+// Where a row may have met a hidden key's V (rows_may_meet_hidden_keys, fwd_fixup.h), a row whose
+// output came out non-finite (probe, nonfinite_probe over its elements) gets LSE = NaN, which
+// marks it for the fixup kernel (fwd_fixup.cu) to recompute.
 struct FinishedRow {
-  bool windowed, every_key_visible;
+  bool marks, every_key_visible;
 
   __device__ FinishedRow(const AttentionParams& p, int len_k)
-      : windowed(p.has_window()),
-        every_key_visible(!windowed && p.block_mask == nullptr && len_k > 0) {}
+      : marks(rows_may_meet_hidden_keys(p)),
+        every_key_visible(!p.has_window() && p.block_mask == nullptr && len_k > 0) {}
 
   __device__ float scale(float l, float numerator) const {
     return l > 0.0f ? numerator / l : every_key_visible ? NAN : 0.0f;
   }
   __device__ float lse(float l, float max_log2, float probe) const {
-    return windowed && probe_found(probe) ? NAN
-           : l > 0.0f                     ? max_log2 * kLn2 + logf(l)
-           : every_key_visible            ? NAN
-                                          : -INFINITY;
+    return marks && probe_found(probe) ? NAN
+           : l > 0.0f                  ? max_log2 * kLn2 + logf(l)
+           : every_key_visible         ? NAN
+                                       : -INFINITY;
   }
 };
 

@@ -26,7 +26,10 @@
 // has few steps to hide its start behind.
 // Shared memory holds every tile in the 128-byte swizzle TMA writes and wgmma reads (panels of 64
 // columns, see ptx/wgmma.cuh). Rows past a sequence end and columns past head_dim are zero-filled
-// by TMA; the mask keeps the former out of the softmax. The products run at the bucket's width
+// by TMA, or in a packed batch (one map over every sequence's rows) are the next sequence's rows;
+// the mask keeps those keys out of the softmax, and the rows past the last query are not written.
+// A hidden key's ±Inf/NaN V still reaches P·V with P = 0: the fixup kernel recomputes such rows
+// (fwd_fixup.h). The products run at the bucket's width
 // (fwd_tiles.h): at d 80 and 96, S = Q·Kᵀ reads the last panel's first 16 or 32 columns and
 // P·V is m64n80 or m64n96 (V's second panel partly read).
 #pragma once
@@ -108,17 +111,33 @@ struct TileWork {
   int b, h, m0, rows_q;
   int n_begin, n_end;     // key tiles [n_begin, n_end)
   int last_lo, first_hi;  // keys every row of the tile sees: a step inside needs no mask
+  int len_q, len_k;       // the sequence's lengths
+  // Where the sequence lies in the tensor maps: its first query and key rows and its batch
+  // coordinate (packed batches: cu_seqlens rows of one batch; else rows 0 of batch b).
+  int q_row0, k_row0, tma_b;
 };
 
-// The work of the query tile at rows m0.. of head h of sequence b.
+// A query tile: rows m0.. of head h of sequence b (b < 0: none).
+struct TilePlace {
+  int b, h, m0;
+};
+
+// The work of the query tile at rows m0.. of head h of sequence b, whose lengths and rows `seq`
+// gives (packed: in the one batch of every sequence's rows).
 template <int kBlockM, int kBlockN>
-__device__ __forceinline__ TileWork tile_work(const AttentionParams& p, int b, int h, int m0) {
+__device__ __forceinline__ TileWork tile_work(const AttentionParams& p, int b, int h, int m0,
+                                              const SequenceInfo& seq, bool packed) {
   TileWork w;
   w.b = b;
   w.h = h;
   w.m0 = m0;
-  w.rows_q = min(kBlockM, p.seqlen_q - m0);
-  const int len_q = p.seqlen_q, len_k = p.seqlen_k;
+  w.len_q = seq.len_q;
+  w.len_k = seq.len_k;
+  w.q_row0 = static_cast<int>(seq.q_row0);
+  w.k_row0 = static_cast<int>(seq.k_row0);
+  w.tma_b = packed ? 0 : b;
+  w.rows_q = min(kBlockM, seq.len_q - m0);
+  const int len_q = seq.len_q, len_k = seq.len_k;
   const KeyRange first = visible_keys(m0, len_q, len_k, p.window_left, p.window_right);
   const KeyRange last =
       visible_keys(m0 + w.rows_q - 1, len_q, len_k, p.window_left, p.window_right);
@@ -137,17 +156,57 @@ __device__ __forceinline__ TileWork tile_work(const AttentionParams& p, int b, i
 // Handed out by a fixed rule instead (a snake over rounds of G tiles, or pairs of a heavy and a
 // light tile), the tiles left some CTAs running long after the rest: up to 1.7x slower on an
 // H200 (causal, s 16k, d 256).
+// Packed batches number only the tiles that hold rows: sequence b has ceil(len_b / kBlockM) per
+// head, numbered as above after those of sequences 0..b-1, so a call of mixed lengths draws no
+// empty tile; `count` is the host's bound (fwd90_tile_count), and a draw past the last real tile
+// finds none.
 template <int kBlockM, int kBlockN>
 struct ForwardTiles {
   int m_blocks, count;
 
   __device__ explicit ForwardTiles(const AttentionParams& p)
-      : m_blocks((p.seqlen_q + kBlockM - 1) / kBlockM), count(m_blocks * p.heads_q * p.batch) {}
+      : m_blocks((p.seqlen_q + kBlockM - 1) / kBlockM),
+        count(static_cast<int>(fwd90_tile_count(p, kBlockM))) {}
 
-  __device__ TileWork work(const AttentionParams& p, int tile) const {
-    const int x = tile % m_blocks, bh = tile / m_blocks;
-    return tile_work<kBlockM, kBlockN>(p, bh / p.heads_q, bh % p.heads_q,
-                                       (m_blocks - 1 - x) * kBlockM);
+  // Where tile `tile` (< count) lies; kPacked: p.is_varlen(). Packed batches: a walk over
+  // cu_seqlens_q by the 32 lanes of a warp, 32 sequences at a time (every lane calls it with the
+  // same tile).
+  template <bool kPacked>
+  __device__ TilePlace place(const AttentionParams& p, int tile, int lane) const {
+    if constexpr (!kPacked) {
+      const int x = tile % m_blocks, bh = tile / m_blocks;
+      return {bh / p.heads_q, bh % p.heads_q, (m_blocks - 1 - x) * kBlockM};
+    }
+    int before = 0;  // tiles of the sequences already passed
+    for (int b0 = 0; b0 < p.batch; b0 += 32) {
+      const int b = b0 + lane;
+      const int blocks =
+          b < p.batch ? (p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b] + kBlockM - 1) / kBlockM : 0;
+      int upto = blocks * p.heads_q;  // the tiles of sequences b0..b: an inclusive scan
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, upto, d);
+        if (lane >= d) upto += x;
+      }
+      const unsigned holds = __ballot_sync(0xffffffffu, tile < before + upto);
+      if (holds != 0) {
+        const int src = __ffs(holds) - 1;
+        const int m_blocks_b = __shfl_sync(0xffffffffu, blocks, src);
+        const int local = tile - before - __shfl_sync(0xffffffffu, upto - blocks * p.heads_q, src);
+        return {b0 + src, local / m_blocks_b, (m_blocks_b - 1 - local % m_blocks_b) * kBlockM};
+      }
+      before += __shfl_sync(0xffffffffu, upto, 31);
+    }
+    return {-1, 0, 0};
+  }
+
+  template <bool kPacked>
+  __device__ TileWork work(const AttentionParams& p, const TilePlace& at) const {
+    if constexpr (!kPacked)
+      return tile_work<kBlockM, kBlockN>(p, at.b, at.h, at.m0,
+                                         SequenceInfo{0, 0, p.seqlen_q, p.seqlen_k}, false);
+    else
+      return tile_work<kBlockM, kBlockN>(p, at.b, at.h, at.m0, sequence_info(p, at.b), true);
   }
 };
 
@@ -186,8 +245,9 @@ struct KvRing {
 
   // Producer: K (is_k) or V of key tile n into ring step r's buffer, once it is free. A K load
   // writes n into step_tile[stage] first where there is one (block-sparse: the consumers read the
-  // step's key tile there, published by K's barrier).
-  __device__ void load(bool is_k, int r, int n, const CUtensorMap* tm, int hk, int b,
+  // step's key tile there, published by K's barrier). Key rows count from row0 of batch
+  // coordinate b in the map.
+  __device__ void load(bool is_k, int r, int n, const CUtensorMap* tm, int hk, int row0, int b,
                        int* step_tile) const {
     const int stage = r % kStages, round = r / kStages;
     if (round > 0) ptx::mbarrier_wait(is_k ? k_empty(stage) : v_empty(stage), (round - 1) & 1);
@@ -197,8 +257,8 @@ struct KvRing {
     ptx::mbarrier_arrive_expect_tx(full, Cfg::kKVBytes);
 #pragma unroll
     for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-      ptx::tma_load_4d(dst + pnl * Cfg::kKVPanelBytes, tm, full, pnl * 64, n * Cfg::kBlockN, hk,
-                       b);
+      ptx::tma_load_4d(dst + pnl * Cfg::kKVPanelBytes, tm, full, pnl * 64, row0 + n * Cfg::kBlockN,
+                       hk, b);
   }
 };
 
@@ -212,24 +272,24 @@ struct KvRing {
 template <class Cfg, typename NextOn, typename BeforeStep>
 __device__ __forceinline__ void load_steps(const KvRing<Cfg>& ring, int r_first, int steps,
                                            int n_first, NextOn next_on, BeforeStep before_step,
-                                           const CUtensorMap* tm_k, const CUtensorMap* tm_v,
-                                           int hk, int b, int* step_tile) {
+                                           const CUtensorMap* tm_k, const CUtensorMap* tm_v, int hk,
+                                           int row0, int b, int* step_tile) {
   int n = n_first;
   if constexpr (!Cfg::kOverlapSteps) {
     for (int j = 0; j < steps; ++j) {
       before_step(j);
-      ring.load(true, r_first + j, n, tm_k, hk, b, step_tile);
-      ring.load(false, r_first + j, n, tm_v, hk, b, step_tile);
+      ring.load(true, r_first + j, n, tm_k, hk, row0, b, step_tile);
+      ring.load(false, r_first + j, n, tm_v, hk, row0, b, step_tile);
       if (j + 1 < steps) n = next_on(n + 1);
     }
     return;
   }
-  if (steps > 0) ring.load(true, r_first, n, tm_k, hk, b, step_tile);
+  if (steps > 0) ring.load(true, r_first, n, tm_k, hk, row0, b, step_tile);
   for (int j = 0; j < steps; ++j) {
     before_step(j);
     const int n_next = j + 1 < steps ? next_on(n + 1) : n;
-    if (j + 1 < steps) ring.load(true, r_first + j + 1, n_next, tm_k, hk, b, step_tile);
-    ring.load(false, r_first + j, n, tm_v, hk, b, step_tile);
+    if (j + 1 < steps) ring.load(true, r_first + j + 1, n_next, tm_k, hk, row0, b, step_tile);
+    ring.load(false, r_first + j, n, tm_v, hk, row0, b, step_tile);
     n = n_next;
   }
 }
@@ -245,15 +305,14 @@ __device__ __forceinline__ void load_steps(const KvRing<Cfg>& ring, int r_first,
 // the softmax's exponentials do not wait for the products of the same rows. Elsewhere the steps
 // run one after another, and the overlap is only between warpgroups.
 template <class Cfg, typename KeyTile>
-__device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2],
-                                             float (&row_max)[2], float (&row_sum)[2],
-                                             const AttentionParams& p, const KvRing<Cfg>& ring,
-                                             int r_first, int steps, uint32_t q_rows,
-                                             KeyTile key_tile, int last_lo, int first_hi, int m0,
-                                             int r0, int t) {
+__device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], float (&row_max)[2],
+                                             float (&row_sum)[2], const AttentionParams& p,
+                                             const KvRing<Cfg>& ring, int r_first, int steps,
+                                             uint32_t q_rows, KeyTile key_tile, int last_lo,
+                                             int first_hi, int m0, int len_q, int len_k, int r0,
+                                             int t) {
   using Element = typename Cfg::Element;
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
-  const int len_q = p.seqlen_q, len_k = p.seqlen_k;
   float s[kBlockN / 2];          // S_j, then exp2 of it
   uint32_t pa[kBlockN / 16][4];  // P_j rounded: the A fragments of O += P·V (k slice kk is n8
                                  // blocks 2kk and 2kk + 1)
@@ -415,12 +474,12 @@ template <class Cfg>
 __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 2],
                                            const float (&row_max)[2], const float (&row_sum)[2],
                                            const AttentionParams& p, unsigned char* smem_q, int b,
-                                           int h, int m0, int rows_q, int r0, int t, int c,
-                                           int warp, int lane) {
+                                           int h, int q_row0, int m0, int rows_q, int len_k, int r0,
+                                           int t, int c, int warp, int lane) {
   using Element = typename Cfg::Element;
   constexpr int kHeadDim = Cfg::kHeadDim;
-  float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m0;
-  const FinishedRow finish(p, p.seqlen_k);
+  float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + q_row0 + m0;
+  const FinishedRow finish(p, len_k);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
@@ -443,8 +502,8 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
   }
   __syncwarp();
 
-  Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride + int64_t{m0} * p.o_row_stride +
-                h * p.o_head_stride;
+  Element* gO = static_cast<Element*>(p.o) + b * p.o_batch_stride +
+                int64_t{q_row0 + m0} * p.o_row_stride + h * p.o_head_stride;
   store_rows<kHeadDim / 8>(gO, p.o_row_stride, smem_q, Cfg::kQPanelBytes, c * 64 + warp * 16, 0,
                            rows_q, p.head_dim, lane);
 }
@@ -474,7 +533,8 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   const int tid = threadIdx.x;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest first under a causal mask
   const int h = blockIdx.y, b = blockIdx.z;
-  const TileWork w = tile_work<kBlockM, kBlockN>(p, b, h, m_block * kBlockM);
+  const TileWork w = tile_work<kBlockM, kBlockN>(p, b, h, m_block * kBlockM,
+                                                 SequenceInfo{0, 0, p.seqlen_q, p.seqlen_k}, false);
   const int m0 = w.m0, rows_q = w.rows_q, n_begin = w.n_begin, n_end = w.n_end;
   // Block-sparse (core/block_mask.h; kernels whose tile lies in one mask row block): the steps
   // are the key tiles whose block is on. The CTA counts them first; the producer walks the mask
@@ -511,8 +571,9 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
       auto next_on = [&](int n) {
         return sparse() ? next_key_tile_on(p, b, h, row_block, row_block, n, n_end, kBlockN) : n;
       };
-      load_steps<Cfg>(ring, 0, steps, next_on(n_begin), next_on, [](int) {}, &tm_k, &tm_v,
-                      h / p.head_group, b, sparse() ? s_step_tile : nullptr);
+      load_steps<Cfg>(
+          ring, 0, steps, next_on(n_begin), next_on, [](int) {}, &tm_k, &tm_v, h / p.head_group, 0,
+          b, sparse() ? s_step_tile : nullptr);
     }
     return;
   }
@@ -534,8 +595,9 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
       [&](int stage, int j) {
         return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + j;
       },
-      w.last_lo, w.first_hi, m0, r0, t);
-  write_tile<Cfg>(acc_o, row_max, row_sum, p, smem, b, h, m0, rows_q, r0, t, c, warp, lane);
+      w.last_lo, w.first_hi, m0, p.seqlen_q, p.seqlen_k, r0, t);
+  write_tile<Cfg>(acc_o, row_max, row_sum, p, smem, b, h, 0, m0, rows_q, p.seqlen_k, r0, t, c, warp,
+                  lane);
 #else
   (void)p;
   (void)tm_q;
@@ -577,7 +639,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
   // buffer (published by the K load's barrier), so the consumers read no mask. Dense, a tile has
   // n_end - n_begin steps and step `it` is key tile n_begin + it.
   auto sparse = [&] { return Cfg::kBlockSparse && p.block_mask != nullptr; };
-  __shared__ int s_tile[kQBuffers];  // the tile in each Q buffer, -1: none left
+  __shared__ TilePlace s_tile[kQBuffers];  // the tile in each Q buffer, b = -1: none left
   __shared__ int s_tile_steps[kQBuffers];
   __shared__ int s_step_tile[kStages];
 
@@ -601,64 +663,78 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
       ptx::tma_prefetch_descriptor(&tm_k);
       ptx::tma_prefetch_descriptor(&tm_v);
     }
-    int ring_step = 0;  // K/V loads issued, over every tile so far
-    for (int k = 0, tile = blockIdx.x;; ++k) {
-      const int qb = k % kQBuffers, use = k / kQBuffers;
-      if (tile >= tiles.count) {  // none left: the consumers are told through the next Q buffer
-        if (tid == 0) {
-          if (use > 0) ptx::mbarrier_wait(q_empty(qb), (use - 1) & 1);
-          s_tile[qb] = -1;
-          ptx::mbarrier_arrive(q_full(qb));
-          // This CTA's last draw came back empty. The last CTA to get here finds every draw
-          // made and leaves the counter at 0 for the stream's next launch (tile_counter.h).
-          __threadfence();
-          if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-            atomicExch(tile_counter, 0);
-            atomicExch(tile_counter + 1, 0);
+    // The walk is written out for fixed-length and for packed batches: one loop with both ways
+    // of finding a tile spilled the producer's 40 registers.
+    auto walk_tiles = [&](auto packed) {
+      constexpr bool kPacked = decltype(packed)::value;
+      auto sparse_walk = [&] { return !kPacked && sparse(); };  // fwd_tiles.h: none packed
+      int ring_step = 0;  // K/V loads issued, over every tile so far
+      for (int k = 0, tile = blockIdx.x;; ++k) {
+        const int qb = k % kQBuffers, use = k / kQBuffers;
+        const TilePlace at =
+            tile < tiles.count ? tiles.template place<kPacked>(p, tile, tid) : TilePlace{-1, 0, 0};
+        if (at.b < 0) {  // none left: the consumers are told through the next Q buffer
+          if (tid == 0) {
+            if (use > 0) ptx::mbarrier_wait(q_empty(qb), (use - 1) & 1);
+            s_tile[qb] = at;
+            ptx::mbarrier_arrive(q_full(qb));
+            // This CTA's last draw came back empty. The last CTA to get here finds every draw
+            // made and leaves the counter at 0 for the stream's next launch (tile_counter.h).
+            __threadfence();
+            if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+              atomicExch(tile_counter, 0);
+              atomicExch(tile_counter + 1, 0);
+            }
           }
+          break;
         }
-        break;
-      }
-      // The next tile, drawn now so that the atomic's latency hides behind this tile's loads.
-      int next = 0;
-      if (tid == 0) next = static_cast<int>(gridDim.x) + atomicAdd(tile_counter, 1);
-      const TileWork w = tiles.work(p, tile);
-      const int row_block = sparse() ? w.m0 / p.block_m : 0;
-      const int steps =
-          sparse()
-              ? count_on_tiles_warp(1, w.n_begin, w.n_end, p.block_n / kBlockN,
+        // The next tile, drawn now so that the atomic's latency hides behind this tile's loads.
+        int next = 0;
+        if (tid == 0) next = static_cast<int>(gridDim.x) + atomicAdd(tile_counter, 1);
+        const TileWork w = tiles.template work<kPacked>(p, at);
+        const int row_block = sparse_walk() ? w.m0 / p.block_m : 0;
+        const int steps = sparse_walk()
+                              ? count_on_tiles_warp(
+                                    1, w.n_begin, w.n_end, p.block_n / kBlockN,
                                     [&](int, int c) { return block_on(p, w.b, w.h, row_block, c); })
-              : w.n_end - w.n_begin;
-      if (tid == 0) {
-        auto load_q = [&] {
-          if (use > 0) ptx::mbarrier_wait(q_empty(qb), (use - 1) & 1);
-          s_tile[qb] = tile;
-          if (sparse()) s_tile_steps[qb] = steps;
-          ptx::mbarrier_arrive_expect_tx(q_full(qb), Cfg::kQBytes);
+                              : w.n_end - w.n_begin;
+        if (tid == 0) {
+          auto load_q = [&] {
+            if (use > 0) ptx::mbarrier_wait(q_empty(qb), (use - 1) & 1);
+            s_tile[qb] = at;
+            if (sparse_walk()) s_tile_steps[qb] = steps;
+            ptx::mbarrier_arrive_expect_tx(q_full(qb), Cfg::kQBytes);
 #pragma unroll
-          for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
-            ptx::tma_load_4d(sQ + qb * Cfg::kQBytes + pnl * Cfg::kQPanelBytes, &tm_q, q_full(qb),
-                             pnl * 64, w.m0, w.h, w.b);
-        };
-        // With one Q buffer, the tile's first K/V loads go out before its Q, which waits for
-        // the previous tile's epilogue: those of step 0 and K_1 (K_2 needs S_0 done, hence Q).
-        const int q_after = kQBuffers == 1 ? min(steps, kStages - 1) : 0;
-        if (q_after == 0) load_q();
-        auto next_on = [&](int n) {
-          return sparse() ? next_key_tile_on(p, w.b, w.h, row_block, row_block, n, w.n_end, kBlockN)
-                          : n;
-        };
-        load_steps<Cfg>(
-            ring, ring_step, steps, next_on(w.n_begin), next_on,
-            [&](int j) {
-              if (j == q_after && j > 0) load_q();
-            },
-            &tm_k, &tm_v, w.h / p.head_group, w.b, sparse() ? s_step_tile : nullptr);
-        if (q_after == steps && steps > 0) load_q();
+            for (int pnl = 0; pnl < Cfg::kPanels; ++pnl)
+              ptx::tma_load_4d(sQ + qb * Cfg::kQBytes + pnl * Cfg::kQPanelBytes, &tm_q, q_full(qb),
+                               pnl * 64, w.q_row0 + w.m0, w.h, w.tma_b);
+          };
+          // With one Q buffer, the tile's first K/V loads go out before its Q, which waits for
+          // the previous tile's epilogue: those of step 0 and K_1 (K_2 needs S_0 done, hence Q).
+          const int q_after = kQBuffers == 1 ? min(steps, kStages - 1) : 0;
+          if (q_after == 0) load_q();
+          auto next_on = [&](int n) {
+            return sparse_walk()
+                       ? next_key_tile_on(p, w.b, w.h, row_block, row_block, n, w.n_end, kBlockN)
+                       : n;
+          };
+          load_steps<Cfg>(
+              ring, ring_step, steps, next_on(w.n_begin), next_on,
+              [&](int j) {
+                if (j == q_after && j > 0) load_q();
+              },
+              &tm_k, &tm_v, w.h / p.head_group, w.k_row0, w.tma_b,
+              sparse_walk() ? s_step_tile : nullptr);
+          if (q_after == steps && steps > 0) load_q();
+        }
+        ring_step += steps;
+        tile = __shfl_sync(0xffffffffu, next, 0);
       }
-      ring_step += steps;
-      tile = __shfl_sync(0xffffffffu, next, 0);
-    }
+    };
+    if (p.is_varlen())
+      walk_tiles(std::true_type{});
+    else
+      walk_tiles(std::false_type{});
     return;
   }
 
@@ -673,9 +749,11 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
   for (int k = 0;; ++k) {
     const int qb = k % kQBuffers;
     ptx::mbarrier_wait(q_full(qb), (k / kQBuffers) & 1);
-    const int tile = *static_cast<volatile int*>(&s_tile[qb]);
-    if (tile < 0) break;
-    const TileWork w = tiles.work(p, tile);
+    const volatile TilePlace& published = s_tile[qb];
+    const TilePlace at{published.b, published.h, published.m0};
+    if (at.b < 0) break;
+    const TileWork w =
+        p.is_varlen() ? tiles.template work<true>(p, at) : tiles.template work<false>(p, at);
 
     float acc_o[kHeadDim / 2];
 #pragma unroll
@@ -692,11 +770,11 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
         [&](int stage, int j) {
           return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : w.n_begin + j;
         },
-        w.last_lo, w.first_hi, w.m0, r0, t);
+        w.last_lo, w.first_hi, w.m0, w.len_q, w.len_k, r0, t);
     ring_step += steps;
 
-    write_tile<Cfg>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes, w.b, w.h, w.m0, w.rows_q,
-                    r0, t, c, warp, lane);
+    write_tile<Cfg>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes, w.b, w.h, w.q_row0, w.m0,
+                    w.rows_q, w.len_k, r0, t, c, warp, lane);
     // The Q buffer goes back to the producer; its next TMA write (async proxy) must follow this
     // warp's staging through it (generic proxy).
     ptx::fence_proxy_async_shared();
@@ -752,14 +830,16 @@ Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
   const int64_t tiles = fwd90_tile_count(p, row.block_m);
   if (tiles == 0) return {};
   CUtensorMap tm_q, tm_k, tm_v;
-  Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+  const TmaRows rows = tma_rows(p);  // packed batches: every sequence's rows, one batch
+  const int batch = static_cast<int>(rows.batch);
+  Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, static_cast<int>(rows.q), p.heads_q, batch,
                          p.q_row_stride, p.q_head_stride, p.q_batch_stride, row.block_m, "q");
   if (!st.ok()) return st;
-  st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride,
-                  p.k_head_stride, p.k_batch_stride, row.block_n, "k");
+  st = encode_map(&tm_k, kDType, p.k, p.head_dim, static_cast<int>(rows.k), p.heads_kv, batch,
+                  p.k_row_stride, p.k_head_stride, p.k_batch_stride, row.block_n, "k");
   if (!st.ok()) return st;
-  st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride,
-                  p.v_head_stride, p.v_batch_stride, row.block_n, "v");
+  st = encode_map(&tm_v, kDType, p.v, p.head_dim, static_cast<int>(rows.k), p.heads_kv, batch,
+                  p.v_row_stride, p.v_head_stride, p.v_batch_stride, row.block_n, "v");
   if (!st.ok()) return st;
   if constexpr (fwd90_tile(kHeadDim, true).head_dim != 0) {
     if (row.persistent)

@@ -99,33 +99,58 @@ constexpr int fwd90_bucket(int head_dim) {
   return 0;
 }
 
-// The row that runs p: the first of its bucket that takes p's key count, or with
-// `force_persistent` (the tests' hook, cuda/testing.h) the persistent kernel's where the bucket
+// The row that runs p: the first of its bucket that takes p's key count, or the persistent
+// kernel's for packed variable-length batches (it draws only the tiles that hold rows, in any
+// mix of lengths) and with `force_persistent` (the tests' hook, cuda/testing.h), where the bucket
 // has one. A zero row for a head_dim no bucket holds.
 inline Fwd90Tile fwd90_row(const AttentionParams& p, bool force_persistent = false) {
   const int bucket = fwd90_bucket(p.head_dim);
-  if (force_persistent && fwd90_tile(bucket, true).head_dim != 0) return fwd90_tile(bucket, true);
+  if ((force_persistent || p.is_varlen()) && fwd90_tile(bucket, true).head_dim != 0)
+    return fwd90_tile(bucket, true);
+  if (p.is_varlen()) return {0, 0, false, 0, 0, 0, 0, false};
   for (const Fwd90Tile& t : kFwd90Tiles)
     if (t.head_dim == bucket && p.seqlen_k <= t.max_keys) return t;
   return {0, 0, false, 0, 0, 0, 0, false};
 }
 
 // Query tiles of a call (the persistent kernel's work, fwd_kernel.cuh's ForwardTiles): block_m
-// rows of one head of one sequence each.
-inline int64_t fwd90_tile_count(const AttentionParams& p, int block_m) {
-  return (int64_t{p.seqlen_q} + block_m - 1) / block_m * p.heads_q * p.batch;
+// rows of one head of one sequence each. Packed batches: at most ceil(len / block_m) per sequence
+// and head, and Σ ceil(len_b / block_m) ≤ ceil(total_q / block_m) + batch, a bound the host knows
+// without reading cu_seqlens (draws past the real count find no tile).
+FLARE_HD int64_t fwd90_tile_count(const AttentionParams& p, int block_m) {
+  int64_t per_head = (int64_t{p.seqlen_q} + block_m - 1) / block_m * p.batch;
+  if (p.is_varlen()) {
+    const int64_t bound = (p.total_q + block_m - 1) / block_m + p.batch;
+    per_head = per_head < bound ? per_head : bound;
+  }
+  return per_head * p.heads_q;
+}
+
+// The row and batch extents of the forward's tensor maps: (seqlen, batch) per sequence, or for a
+// packed batch every sequence's rows in one extent and a batch of one (its rows are found by
+// cu_seqlens, its batch stride is 0).
+struct TmaRows {
+  int64_t q, k, batch;
+};
+inline TmaRows tma_rows(const AttentionParams& p) {
+  if (p.is_varlen()) return {p.total_q, p.total_k, 1};
+  return {p.seqlen_q, p.seqlen_k, p.batch};
 }
 
 // Whether the sm90 forward takes a problem (before asking the device): fixed-length batches with
-// any causal or sliding-window mask, GQA/MQA and seqlen_q != seqlen_k; no dropout, softcap or
-// ALiBi, no packed variable-length batches. TMA needs 16-byte aligned tensors and row, head and
-// batch strides in whole 16-byte units; the output is written in 16-byte chunks (head_dim a
-// multiple of 8). Everything else runs the sm80 kernels. The tile is fwd90_row's.
+// any causal or sliding-window mask, GQA/MQA and seqlen_q != seqlen_k, and packed
+// variable-length batches (without a block mask) in the buckets with a persistent kernel (not
+// d 193-256); no dropout, softcap or ALiBi. TMA needs 16-byte aligned tensors and row, head and
+// batch strides in whole 16-byte units (packed: rows of all sequences in one map, up to 2^31);
+// the output is written in 16-byte chunks (head_dim a multiple of 8). Everything else runs the
+// sm80 kernels. The tile is fwd90_row's.
 inline bool forward_supported(const AttentionParams& p, bool force_persistent = false) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
   if (fwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
   const Fwd90Tile tile = fwd90_row(p, force_persistent);
-  if (p.is_varlen() || p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr)
+  if (tile.head_dim == 0) return false;
+  if (p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr) return false;
+  if (p.is_varlen() && (p.block_mask != nullptr || p.total_q >= INT_MAX || p.total_k >= INT_MAX))
     return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   // The persistent kernel numbers its tiles in int, and its counter runs a grid's width past the
@@ -133,12 +158,19 @@ inline bool forward_supported(const AttentionParams& p, bool force_persistent = 
   if (fwd90_tile_count(p, tile.block_m) > INT_MAX / 2) return false;
   if (p.block_mask != nullptr && !fwd90_takes_block_mask(tile)) return false;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o)) return false;
-  return strides_fit_tma({{p.q_row_stride, p.seqlen_q},  {p.q_head_stride, p.heads_q},
-                          {p.q_batch_stride, p.batch},   {p.k_row_stride, p.seqlen_k},
-                          {p.k_head_stride, p.heads_kv}, {p.k_batch_stride, p.batch},
-                          {p.v_row_stride, p.seqlen_k},  {p.v_head_stride, p.heads_kv},
-                          {p.v_batch_stride, p.batch},   {p.o_row_stride, p.seqlen_q},
-                          {p.o_head_stride, p.heads_q},  {p.o_batch_stride, p.batch}});
+  const TmaRows rows = tma_rows(p);
+  return strides_fit_tma({{p.q_row_stride, rows.q},
+                          {p.q_head_stride, p.heads_q},
+                          {p.q_batch_stride, rows.batch},
+                          {p.k_row_stride, rows.k},
+                          {p.k_head_stride, p.heads_kv},
+                          {p.k_batch_stride, rows.batch},
+                          {p.v_row_stride, rows.k},
+                          {p.v_head_stride, p.heads_kv},
+                          {p.v_batch_stride, rows.batch},
+                          {p.o_row_stride, rows.q},
+                          {p.o_head_stride, p.heads_q},
+                          {p.o_batch_stride, rows.batch}});
 }
 
 }  // namespace flare::cuda::sm90
