@@ -9,6 +9,7 @@
 
 #include "cuda/sm80/fwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
+#include "cuda/sm90/bwd_tiles.h"
 #include "cuda/sm90/fwd_tiles.h"
 
 namespace flare {
@@ -197,15 +198,17 @@ TEST(Fwd90Tiles, PackedBatchesRunThePersistentKernel) {
     p.dtype = DType::kBFloat16;
     p.head_dim = d;
     p.q = p.k = p.v = p.o = tensor;
+    p.dout = p.dk = p.dv = tensor;
     p.heads_q = 8;
     p.heads_kv = 2;
     p.batch = 2;
     p.seqlen_q = p.seqlen_k = max_len;
     p.total_q = p.total_k = total;
     p.cu_seqlens_q = p.cu_seqlens_k = cu;
-    p.q_row_stride = p.o_row_stride = 8 * d;
-    p.k_row_stride = p.v_row_stride = 2 * d;
+    p.q_row_stride = p.o_row_stride = p.do_row_stride = 8 * d;
+    p.k_row_stride = p.v_row_stride = p.dk_row_stride = p.dv_row_stride = 2 * d;
     p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
+    p.do_head_stride = p.dk_head_stride = p.dv_head_stride = d;
     return p;  // batch strides 0: rows are found by cu_seqlens
   };
   for (int d : {40, 64, 80, 96, 128, 136, 192}) {
@@ -219,6 +222,12 @@ TEST(Fwd90Tiles, PackedBatchesRunThePersistentKernel) {
   sparse.block_m = sparse.block_n = 128;
   EXPECT_FALSE(cuda::sm90::forward_supported(sparse));
   EXPECT_FALSE(cuda::sm90::forward_supported(packed(128, 4900, int64_t{INT32_MAX})));
+
+  // The backward takes packed batches in every bucket, without a block mask.
+  for (int d : {40, 64, 80, 128, 200, 256})
+    EXPECT_TRUE(cuda::sm90::backward_supported(packed(d, 4900, 5000))) << d;
+  EXPECT_FALSE(cuda::sm90::backward_supported(sparse));
+  EXPECT_FALSE(cuda::sm90::backward_supported(packed(128, 4900, int64_t{INT32_MAX})));
 
   // 2 sequences of 100 and 4900 rows: 1 + 39 tiles of 128 a head (the bound says 40 + 2).
   EXPECT_EQ(cuda::sm90::fwd90_tile_count(packed(128, 4900, 5000), 128), (40 + 2) * 8);

@@ -100,15 +100,25 @@ std::vector<int> head_dims_of(int bucket) {
 
 // ---- the sm90 (Hopper) backward ----------------------------------------------------------------
 
-// The problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length batches, any mask, GQA,
-// 16-byte aligned strides; no dropout, score modifiers or deterministic mode), one named test per
-// (compiled sm90 variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
+// The problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length and packed batches, any
+// mask, GQA, 16-byte aligned strides; no dropout, score modifiers or deterministic mode), one named
+// test per (compiled sm90 variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
 //
 // The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
-// keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, and 700 tokens
-// (causal at head dims that fill their 64-column panels).
-const char* const kSm90Shapes[] = {"s197",       "causal_97x300", "causal_300x97", "window_gqa",
-                                   "mqa_padded", "one_token",     "s700"};
+// keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, 700 tokens
+// (causal at head dims that fill their 64-column panels), and packed batches: empty sequences on
+// either side, causal and not (query and key tiles run on into the next sequence's rows); a window
+// under GQA; 40 sequences beside one of 300 × 700.
+const char* const kSm90Shapes[] = {"s197",          "causal_97x300", "causal_300x97", "window_gqa",
+                                   "mqa_padded",    "one_token",     "s700",          "packed",
+                                   "packed_causal", "packed_window", "packed_many"};
+
+// A packed batch of `s` with these sequence lengths.
+ProblemSpec packed(ProblemSpec s, std::vector<int> lengths_q, std::vector<int> lengths_k) {
+  s.varlen_q = std::move(lengths_q);
+  s.varlen_k = std::move(lengths_k);
+  return s;
+}
 
 ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
   const int d = c.head_dim;
@@ -127,6 +137,27 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
       ProblemSpec longer = with_run_seed(fixed(1, 700, 700, 2, 2, d, dt));
       longer.options.causal = d % 64 == 0;
       return longer;
+    }
+    case 7:
+    case 8: {
+      ProblemSpec s = packed(with_run_seed(fixed(0, 0, 0, 4, 2, d, dt)), {37, 0, 130, 5, 64},
+                             {50, 20, 0, 130, 64});
+      s.options.causal = c.shape == 8;
+      return s;
+    }
+    case 9:
+      return window(
+          packed(with_run_seed(fixed(0, 0, 0, 4, 2, d, dt)), {130, 64, 200}, {140, 64, 190}), 40,
+          3);
+    case 10: {
+      std::vector<int> q, k;
+      for (int i = 0; i < 40; ++i) {
+        q.push_back(1 + (i * 37) % 150);
+        k.push_back((i * 53) % 170);
+      }
+      q.push_back(300);
+      k.push_back(700);
+      return causal(packed(with_run_seed(fixed(0, 0, 0, 2, 2, d, dt)), q, k));
     }
     default: return with_run_seed(fixed(2, 197, 197, 2, 2, d, dt));
   }

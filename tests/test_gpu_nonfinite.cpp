@@ -456,10 +456,10 @@ INSTANTIATE_TEST_SUITE_P(Masks, GpuNonfiniteSm90, ::testing::ValuesIn(sm90_cases
                                   std::to_string(param.param.head_dim);
                          });
 
-// Packed batches on the device's own choice: the sm90 forward's key tiles run on into the next
-// sequence's rows, whose ±Inf/NaN V meets P = 0 in the P·V product; the rows it pollutes are
-// marked and recomputed (fwd_fixup.h). Without a mask (every key of a row's own sequence
-// visible) and causal; the backward runs sm80.
+// Packed batches on the device's own choice: the sm90 kernels' tiles run on into the next
+// sequence's rows, whose ±Inf/NaN V (forward) or Q, dO (backward) meets P = 0 or dS = 0 in the
+// products; the rows it pollutes are marked and recomputed (fwd_fixup.h, nonfinite_fixup.cuh).
+// Without a mask (every key of a row's own sequence visible) and causal.
 TEST(GpuNonfiniteSm90Packed, AllInjections) {
   FLARE_SKIP_WITHOUT_CUDA();
   if (!cuda::testing::sm90_available())
@@ -471,9 +471,12 @@ TEST(GpuNonfiniteSm90Packed, AllInjections) {
       s.varlen_k = {41, 12, 70, 9};
       s.options.causal = causal;
       const long before = cuda::testing::sm90_forward_launches();
+      const long backward_before = cuda::testing::sm90_backward_launches();
       check_all_injections(s);
       EXPECT_GT(cuda::testing::sm90_forward_launches(), before)
           << "the sm90 forward did not take " << s.describe();
+      EXPECT_GT(cuda::testing::sm90_backward_launches(), backward_before)
+          << "the sm90 backward did not take " << s.describe();
     }
 }
 

@@ -154,9 +154,17 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 
   const int tid = threadIdx.x;
   const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const int len_q = p.seqlen_q, len_k = p.seqlen_k;
+  // Packed batches: the sequence's rows in the tensor maps (one batch of every sequence's rows)
+  // and in the per-row workspaces; a CTA past its sequence's keys has nothing to do.
+  const SequenceInfo seq = sequence_info(p, b);
+  const int len_q = seq.len_q, len_k = seq.len_k;
   const int n0 = n_block * kBlockN;
   const int rows_k = min(kBlockN, len_k - n0);
+  if (rows_k <= 0) return;
+  const bool packed = p.is_varlen();
+  const int tma_q0 = static_cast<int>(seq.q_row0), tma_k0 = static_cast<int>(seq.k_row0);
+  const int tma_b = packed ? 0 : b;
+  const int64_t ws_row0 = packed_q_row0(p, b, seq);  // LSE/D/dQ accumulator rows
   const RowRange rows = rows_seeing(n0, n0 + rows_k, len_q, len_k, p.window_left, p.window_right);
   const int m_begin = rows.lo / kBlockM;
   const int m_count = rows.hi > rows.lo ? (rows.hi + kBlockM - 1) / kBlockM - m_begin : 0;
@@ -193,8 +201,10 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       ptx::mbarrier_arrive_expect_tx(kv_full, 2 * Cfg::kKVBytes);
 #pragma unroll
       for (int pnl = 0; pnl < Cfg::kPanels; ++pnl) {
-        ptx::tma_load_4d(sK + pnl * Cfg::kKVPanelBytes, &tm_k, kv_full, pnl * 64, n0, hk, b);
-        ptx::tma_load_4d(sV + pnl * Cfg::kKVPanelBytes, &tm_v, kv_full, pnl * 64, n0, hk, b);
+        ptx::tma_load_4d(sK + pnl * Cfg::kKVPanelBytes, &tm_k, kv_full, pnl * 64, tma_k0 + n0, hk,
+                         tma_b);
+        ptx::tma_load_4d(sV + pnl * Cfg::kKVPanelBytes, &tm_v, kv_full, pnl * 64, tma_k0 + n0, hk,
+                         tma_b);
       }
       // Step it: Q_i and dO_i of query block m, head h into its buffer.
       auto issue = [&](int it, int m, int h) {
@@ -207,9 +217,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 #pragma unroll
         for (int pnl = 0; pnl < Cfg::kPanels; ++pnl) {
           ptx::tma_load_4d(sQ + stage * Cfg::kQBytes + pnl * Cfg::kQPanelBytes, &tm_q, full(stage),
-                           pnl * 64, i0, h, b);
+                           pnl * 64, tma_q0 + i0, h, tma_b);
           ptx::tma_load_4d(sDo + stage * Cfg::kQBytes + pnl * Cfg::kQPanelBytes, &tm_do,
-                           full(stage), pnl * 64, i0, h, b);
+                           full(stage), pnl * 64, tma_q0 + i0, h, tma_b);
         }
       };
       int m = m_begin, h = h0;
@@ -258,8 +268,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     const int2 mh = step_at(step);
     const int h = mh.y, i = mh.x * kBlockM + copy_row;
     if (copy_row >= kBlockM || i >= len_q) return copy_lse ? -INFINITY : 0.0f;
-    return copy_lse ? p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i]
-                    : w.dsum[int64_t{h} * p.total_q + int64_t{b} * p.seqlen_q + i];
+    return copy_lse ? p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i]
+                    : w.dsum[int64_t{h} * p.total_q + ws_row0 + i];
   };
   auto publish = [&](int step, float v) {
     if (copy_row < kBlockM) {
@@ -450,8 +460,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kOwnDqStage + c, 128);
     if (tid % 128 == 0) {
-      const int row0 =
-          static_cast<int>(int64_t{h} * p.total_q + int64_t{b} * p.seqlen_q + i0 + dq_m * 64);
+      const int row0 = static_cast<int>(int64_t{h} * p.total_q + ws_row0 + i0 + dq_m * 64);
 #pragma unroll
       for (int cb = 0; cb < kDqCols / 32; ++cb)
 #pragma unroll
@@ -495,9 +504,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   if (probe_found(probe)) w.nonfinite[sm80::kNonfiniteDkDv] = 1;
   __syncwarp();
   Element* gdk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride +
-                 int64_t{n0} * p.dk_row_stride + hk * p.dk_head_stride;
+                 (seq.k_row0 + n0) * p.dk_row_stride + hk * p.dk_head_stride;
   Element* gdv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride +
-                 int64_t{n0} * p.dv_row_stride + hk * p.dv_head_stride;
+                 (seq.k_row0 + n0) * p.dv_row_stride + hk * p.dv_head_stride;
   constexpr int kChunks = kWgCols / 8;
   const int warp_row0 = key0 - g;
 #pragma unroll
@@ -535,16 +544,19 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
   const int64_t n_blocks = (int64_t{p.seqlen_k} + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (n_blocks == 0 || p.batch == 0) return {};
   CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dq;
-  Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-                         p.q_row_stride, p.q_head_stride, p.q_batch_stride, Cfg::kBlockM, "q");
+  const TmaRows rows = tma_rows(p);  // packed batches: every sequence's rows, one batch
+  const int rows_q = static_cast<int>(rows.q), rows_k = static_cast<int>(rows.k);
+  const int batch = static_cast<int>(rows.batch);
+  Status st = encode_map(&tm_q, kDType, p.q, p.head_dim, rows_q, p.heads_q, batch, p.q_row_stride,
+                         p.q_head_stride, p.q_batch_stride, Cfg::kBlockM, "q");
   if (st.ok())
-    st = encode_map(&tm_do, kDType, p.dout, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-                    p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM, "dout");
+    st = encode_map(&tm_do, kDType, p.dout, p.head_dim, rows_q, p.heads_q, batch, p.do_row_stride,
+                    p.do_head_stride, p.do_batch_stride, Cfg::kBlockM, "dout");
   if (st.ok())
-    st = encode_map(&tm_k, kDType, p.k, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride,
+    st = encode_map(&tm_k, kDType, p.k, p.head_dim, rows_k, p.heads_kv, batch, p.k_row_stride,
                     p.k_head_stride, p.k_batch_stride, Cfg::kBlockN, "k");
   if (st.ok())
-    st = encode_map(&tm_v, kDType, p.v, p.head_dim, p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride,
+    st = encode_map(&tm_v, kDType, p.v, p.head_dim, rows_k, p.heads_kv, batch, p.v_row_stride,
                     p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
   if (st.ok()) st = encode_accum_map(&tm_dq, w.dq_accum, w.bucket, int64_t{p.heads_q} * p.total_q);
   if (!st.ok()) return st;

@@ -11,6 +11,7 @@
 //           shared memory.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "core/params.h"
@@ -48,28 +49,42 @@ constexpr int bwd90_bucket(int head_dim) {
 }
 
 // Whether the sm90 backward main kernel takes a problem (before asking the device): fixed-length
-// batches with any causal or sliding-window mask or block mask, GQA/MQA, seqlen_q != seqlen_k;
-// not dropout, softcap, ALiBi, packed variable-length batches or the deterministic mode (its dQ
-// slices). TMA needs 16-byte aligned q, k, v, dout and strides in whole 16-byte units; dK and dV
-// are written in 16-byte chunks.
+// batches with any causal or sliding-window mask or block mask, GQA/MQA, seqlen_q != seqlen_k, and
+// packed variable-length batches without a block mask (rows of all sequences in one map, up to
+// 2^31); not dropout, softcap, ALiBi or the deterministic mode (its dQ slices). TMA needs 16-byte
+// aligned q, k, v, dout and strides in whole 16-byte units; dK and dV are written in 16-byte
+// chunks.
 inline bool backward_supported(const AttentionParams& p) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
   if (bwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
-  if (p.is_varlen() || p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr ||
-      p.deterministic)
+  if (p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr || p.deterministic)
+    return false;
+  if (p.is_varlen() && (p.block_mask != nullptr || p.total_q >= INT_MAX || p.total_k >= INT_MAX))
     return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   if (int64_t{p.heads_q} * p.total_q >= (int64_t{1} << 31)) return false;  // TMA row coordinates
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.dout) ||
       !aligned16(p.dk) || !aligned16(p.dv))
     return false;
-  return strides_fit_tma(
-      {{p.q_row_stride, p.seqlen_q},   {p.q_head_stride, p.heads_q},   {p.q_batch_stride, p.batch},
-       {p.k_row_stride, p.seqlen_k},   {p.k_head_stride, p.heads_kv},  {p.k_batch_stride, p.batch},
-       {p.v_row_stride, p.seqlen_k},   {p.v_head_stride, p.heads_kv},  {p.v_batch_stride, p.batch},
-       {p.do_row_stride, p.seqlen_q},  {p.do_head_stride, p.heads_q},  {p.do_batch_stride, p.batch},
-       {p.dk_row_stride, p.seqlen_k},  {p.dk_head_stride, p.heads_kv}, {p.dk_batch_stride, p.batch},
-       {p.dv_row_stride, p.seqlen_k},  {p.dv_head_stride, p.heads_kv}, {p.dv_batch_stride, p.batch}});
+  const TmaRows r = tma_rows(p);
+  return strides_fit_tma({{p.q_row_stride, r.q},
+                          {p.q_head_stride, p.heads_q},
+                          {p.q_batch_stride, r.batch},
+                          {p.k_row_stride, r.k},
+                          {p.k_head_stride, p.heads_kv},
+                          {p.k_batch_stride, r.batch},
+                          {p.v_row_stride, r.k},
+                          {p.v_head_stride, p.heads_kv},
+                          {p.v_batch_stride, r.batch},
+                          {p.do_row_stride, r.q},
+                          {p.do_head_stride, p.heads_q},
+                          {p.do_batch_stride, r.batch},
+                          {p.dk_row_stride, r.k},
+                          {p.dk_head_stride, p.heads_kv},
+                          {p.dk_batch_stride, r.batch},
+                          {p.dv_row_stride, r.k},
+                          {p.dv_head_stride, p.heads_kv},
+                          {p.dv_batch_stride, r.batch}});
 }
 
 }  // namespace flare::cuda::sm90

@@ -126,17 +126,6 @@ FLARE_HD int64_t fwd90_tile_count(const AttentionParams& p, int block_m) {
   return per_head * p.heads_q;
 }
 
-// The row and batch extents of the forward's tensor maps: (seqlen, batch) per sequence, or for a
-// packed batch every sequence's rows in one extent and a batch of one (its rows are found by
-// cu_seqlens, its batch stride is 0).
-struct TmaRows {
-  int64_t q, k, batch;
-};
-inline TmaRows tma_rows(const AttentionParams& p) {
-  if (p.is_varlen()) return {p.total_q, p.total_k, 1};
-  return {p.seqlen_q, p.seqlen_k, p.batch};
-}
-
 // Whether the sm90 forward takes a problem (before asking the device): fixed-length batches with
 // any causal or sliding-window mask, GQA/MQA and seqlen_q != seqlen_k, and packed
 // variable-length batches (without a block mask) in the buckets with a persistent kernel (not

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "core/params.h"
+
 namespace flare::cuda::sm90 {
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -22,6 +24,17 @@ inline bool strides_fit_tma(std::initializer_list<StrideExtent> dims) {
     if (d.stride == 0 && d.extent > 1) return false;
   }
   return true;
+}
+
+// The row and batch extents of a call's tensor maps: (seqlen, batch) per sequence, or for a
+// packed batch every sequence's rows in one extent and a batch of one (its rows are found by
+// cu_seqlens, its batch stride is 0).
+struct TmaRows {
+  int64_t q, k, batch;
+};
+inline TmaRows tma_rows(const AttentionParams& p) {
+  if (p.is_varlen()) return {p.total_q, p.total_k, 1};
+  return {p.seqlen_q, p.seqlen_k, p.batch};
 }
 
 }  // namespace flare::cuda::sm90
