@@ -11,7 +11,8 @@
 #    every core; 2. ctest -L gpu; 3. `flare bench --device cuda` (forward, backward, both) on the
 #    standard grid and bench/torch_sdpa.py (PyTorch SDPA flash and cuDNN backends, same grid, same
 #    card, same call) into DIR/flare.json and DIR/torch.json; 4. one side-by-side table
-#    (bench/compare_table.py); 5. the 128k-token long-sequence run (DIR/long.json); 6. the Python
+#    (bench/compare_table.py); 5. the same grid as packed batches (`flare bench --varlen`:
+#    DIR/flare-varlen.json) and the 128k-token long-sequence run (DIR/long.json); 6. the Python
 #    package's tests with torch on the GPU; then, unless --no-bench, through the Python package:
 #    bench/compare.py (flare against SDPA's flash, cuDNN, efficient and math backends on the
 #    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png),
@@ -144,6 +145,11 @@ if [[ $bench -eq 1 && $native_bench -eq 1 ]]; then
   if [[ -f "$out/flare.json" && -f "$out/torch.json" ]]; then
     python3 bench/compare_table.py "$out/flare.json" "$out/torch.json" | tee "$out/compare.txt"
   fi
+  # Packed batches: the standard grid's batches as sequences of 0.25-1.75 s (flare bench --varlen).
+  log "flare bench --device cuda --varlen (fwd, bwd)"
+  "$build/apps/flare/flare" bench --device cuda --varlen --pass all --json "$out/flare-varlen.json" \
+    > "$out/bench_flare_varlen.log" 2>&1 ||
+    { status=1; log "flare bench --varlen FAILED"; tail -20 "$out/bench_flare_varlen.log"; }
   # Long sequences: no O(s^2) buffer anywhere, so 128k tokens fit; peak memory is recorded.
   log "long sequence: b=1 s=131072 h=16 d=128 bf16 causal, fwd+bwd"
   "$build/apps/flare/flare" bench --device cuda --b 1 --s 131072 --h 16 --d 128 --causal \
