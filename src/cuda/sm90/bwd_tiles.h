@@ -11,7 +11,6 @@
 //           shared memory.
 #pragma once
 
-#include <climits>
 #include <cstdint>
 
 #include "core/params.h"
@@ -59,8 +58,7 @@ inline bool backward_supported(const AttentionParams& p) {
   if (bwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
   if (p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr || p.deterministic)
     return false;
-  if (p.is_varlen() && (p.block_mask != nullptr || p.total_q >= INT_MAX || p.total_k >= INT_MAX))
-    return false;
+  if (!packed_batch_fits(p)) return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   if (int64_t{p.heads_q} * p.total_q >= (int64_t{1} << 31)) return false;  // TMA row coordinates
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.dout) ||

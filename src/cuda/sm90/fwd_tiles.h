@@ -139,8 +139,7 @@ inline bool forward_supported(const AttentionParams& p, bool force_persistent = 
   const Fwd90Tile tile = fwd90_row(p, force_persistent);
   if (tile.head_dim == 0) return false;
   if (p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr) return false;
-  if (p.is_varlen() && (p.block_mask != nullptr || p.total_q >= INT_MAX || p.total_k >= INT_MAX))
-    return false;
+  if (!packed_batch_fits(p)) return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   // The persistent kernel numbers its tiles in int, and its counter runs a grid's width past the
   // last.

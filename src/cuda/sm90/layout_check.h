@@ -37,4 +37,11 @@ inline TmaRows tma_rows(const AttentionParams& p) {
   return {p.seqlen_q, p.seqlen_k, p.batch};
 }
 
+// Whether a packed batch suits the sm90 kernels (fixed-length batches always do): its rows fit
+// the maps' int32 row coordinates, and it has no block mask (the kernels' packed walks read none).
+inline bool packed_batch_fits(const AttentionParams& p) {
+  return !p.is_varlen() ||
+         (p.block_mask == nullptr && p.total_q < INT32_MAX && p.total_k < INT32_MAX);
+}
+
 }  // namespace flare::cuda::sm90
