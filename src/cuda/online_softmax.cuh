@@ -1,6 +1,5 @@
 // online_softmax.cuh — the running row max of the online softmax, shared by the sm80 and sm90
-// forwards (decoding still spells its own, with a branch-free vote on whether O rescales: moving
-// it here changes its SASS, so it waits for a GPU A/B).
+// forwards and decoding.
 //
 // Every kernel keeps, per accumulator row, a base-2 running max m and sum l beside its output O;
 // a step with scores S (log2 units) moves m to m' = max(m, rowmax S), exponentiates

@@ -35,6 +35,7 @@
 #include "core/score_mod.h"
 #include "cuda/decode/decode_launch.h"
 #include "cuda/decode/decode_params.h"
+#include "cuda/online_softmax.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/fast_math.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
@@ -483,13 +484,11 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
       bool moved = false;  // O needs rescaling only where a row that has seen a key found a new max
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        row_max[h2] = fmaxf(row_max[h2], __shfl_xor_sync(0xffffffffu, row_max[h2], 1));
-        row_max[h2] = fmaxf(row_max[h2], __shfl_xor_sync(0xffffffffu, row_max[h2], 2));
-        const float m_new = fmaxf(st.m[h2], row_max[h2]);
-        m_use[h2] = m_new == -INFINITY ? 0.0f : m_new;  // no key yet: exp2(−inf − 0) = 0
-        alpha[h2] = ptx::exp2_approx(st.m[h2] - m_use[h2]);
-        moved = moved || (m_new != st.m[h2] && st.m[h2] != -INFINITY);
-        st.m[h2] = m_new;
+        const float m_old = st.m[h2];
+        const MaxStep step = advance_row_max<false>(st.m[h2], quad_row_max(row_max[h2]));
+        m_use[h2] = step.base;  // no key yet: exp2(−inf − 0) = 0
+        alpha[h2] = step.correction;
+        moved = moved || (st.m[h2] != m_old && m_old != -INFINITY);
         st.l[h2] *= alpha[h2];
       }
       if (__any_sync(0xffffffffu, moved)) {
