@@ -1,12 +1,14 @@
 // Tests of the CUDA grids' CTA order (src/cuda/sm80/tile_order.h), which is host code: the grouped
 // order must give every (tile, head, batch) slot to exactly one CTA for any grid shape and group,
 // put each group's heavier ranks before its lighter ones, and pick groups by the stated rule. And
-// the forward's choice between a bucket's tiles (src/cuda/sm80/fwd_tiles.h), host code too.
+// the forward's choice between a bucket's tiles (src/cuda/sm80/fwd_tiles.h) and the decoding's
+// split count (src/cuda/decode/decode_grid.h), host code too.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
 
+#include "cuda/decode/decode_grid.h"
 #include "cuda/sm80/fwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
 #include "cuda/sm90/bwd_tiles.h"
@@ -130,10 +132,10 @@ TEST(FwdTiles, ShortWalkTileForMasksWithShortKeyWalks) {
 }
 
 // The sm90 forward's persistent kernel runs calls of at most 2048 keys in the buckets up to 128
-// and 1024 at d 192 (the lengths where it measured faster), never the d 256 bucket; d 80 and 96 take a 128-row
-// tile there and a 192-row tile beyond, where block masks go to sm80; the tests' hook forces the
-// persistent row where there is one. It counts query tiles in int, so calls with more than
-// INT_MAX / 2 tiles stay off sm90.
+// and 1024 at d 192 (the lengths where it measured faster), never the d 256 bucket; d 80 and 96
+// take a 128-row tile there and a 192-row tile beyond, where block masks go to sm80; the tests'
+// hook forces the persistent row where there is one. It counts query tiles in int, so calls with
+// more than INT_MAX / 2 tiles stay off sm90.
 TEST(Fwd90Tiles, RowPerKernelOfEachBucket) {
   using cuda::sm90::fwd90_row;
   auto problem = [](int d, int s_q, int s_k) {
@@ -235,6 +237,42 @@ TEST(Fwd90Tiles, PackedBatchesRunThePersistentKernel) {
   AttentionParams short_ones = packed(128, 3, 5000);
   short_ones.batch = 2;
   EXPECT_EQ(cuda::sm90::fwd90_tile_count(short_ones, 128), 2 * 8);
+}
+
+// The decoding's splits on 132 SMs (396 places at head dim 128), each count worked out by hand
+// from decode_grid.h's model: waves(splits) · (6 + blocks / (4 · splits)), in key blocks a warp.
+TEST(DecodeSplits, FillWholeWavesAndWeighEachCtasFixedCost) {
+  auto call = [](int batch, int heads_kv, int group, int64_t capacity) {
+    cuda::DecodeParams p;
+    p.batch = batch;
+    p.heads_kv = heads_kv;
+    p.group = group;
+    p.heads_q = heads_kv * group;
+    p.seqlen_q = 1;
+    p.head_dim = 128;
+    p.capacity = capacity;
+    p.num_splits = 0;  // automatic, as attention_with_kvcache passes it
+    return p;
+  };
+  using cuda::decode::split_count;
+  // 8 CTAs of 2048 blocks: 49 splits fill one wave at 6 + 2048 / 196 = 16.45; 50 would spill
+  // 4 CTAs into a second (2 · 16.24), 99 run two full waves (2 · 11.17).
+  EXPECT_EQ(split_count(call(1, 8, 4, 32768), 132), 49);
+  // 32 CTAs: 12 splits (384 CTAs, 6 + 42.7); 13 would spill into a second wave.
+  EXPECT_EQ(split_count(call(1, 32, 1, 32768), 132), 12);
+  // 512 CTAs of 2048 blocks, 2 waves unsplit (1036): 3 splits run 4 waves of 176.7 (707).
+  EXPECT_EQ(split_count(call(16, 32, 1, 32768), 132), 3);
+  // 1024 CTAs of 64 blocks: 3 waves of 22 (66) unsplit, split 2 ways 6 waves of 14 (84).
+  EXPECT_EQ(split_count(call(128, 8, 4, 1024), 132), 1);
+  // 64 blocks allow 8 splits (8 blocks each): 6 + 2 = 8, the least.
+  EXPECT_EQ(split_count(call(1, 8, 4, 1024), 132), 8);
+  EXPECT_EQ(split_count(call(1, 8, 4, 100), 132), 1);  // under 16 blocks: no split
+  // The caller's count wins, capped at kMaxSplits.
+  cuda::DecodeParams asked = call(1, 8, 4, 32768);
+  asked.num_splits = 3;
+  EXPECT_EQ(split_count(asked, 132), 3);
+  asked.num_splits = 1000;
+  EXPECT_EQ(split_count(asked, 132), cuda::decode::kMaxSplits);
 }
 
 }  // namespace

@@ -1,6 +1,5 @@
-// decode.cpp — cuda::kvcache_forward (core/backends.h): the split count, the split-KV workspace
-// and the launch, on the tensors' device and the caller's stream.
-#include <algorithm>
+// decode.cpp — cuda::kvcache_forward (core/backends.h): the split count (decode_grid.h), the
+// split-KV workspace and the launch, on the tensors' device and the caller's stream.
 #include <string>
 
 #include "core/backends.h"
@@ -8,24 +7,6 @@
 #include "cuda/device_probe.h"
 
 namespace flare::cuda {
-namespace {
-
-// Splits of the key range. A call's CTAs are (sequence · kv head) × row tiles; decoding has few
-// of them (b 1, 8 kv heads, one query row: 8 CTAs for 132 SMs), so the keys are split until every
-// SM holds as many CTAs as fit, each split keeping 8+ key blocks (two per warp) of the largest
-// length the cache can hold. The caller's num_splits, when given, wins (at most kMaxSplits).
-int split_count(const DecodeParams& p, int sms) {
-  using namespace decode;
-  const int bucket = head_dim_bucket(p.head_dim);
-  const int64_t row_tiles = (static_cast<int64_t>(p.seqlen_q) * p.group + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t ctas = std::max<int64_t>(1, static_cast<int64_t>(p.batch) * p.heads_kv * row_tiles);
-  if (p.num_splits > 0) return std::min(p.num_splits, kMaxSplits);
-  const int64_t blocks = (p.capacity + keys_per_block(bucket) - 1) / keys_per_block(bucket);
-  const int64_t want = (static_cast<int64_t>(ctas_per_sm(bucket)) * sms + ctas - 1) / ctas;
-  return static_cast<int>(std::clamp<int64_t>(std::min(want, blocks / 8), 1, kMaxSplits));
-}
-
-}  // namespace
 
 Status kvcache_forward(const DecodeParams& params, int device_index, Stream stream) {
   if (params.dtype != DType::kFloat16 && params.dtype != DType::kBFloat16)
@@ -40,21 +21,22 @@ Status kvcache_forward(const DecodeParams& params, int device_index, Stream stre
     DeviceFacts device;
     FLARE_RETURN_IF_ERROR(current_device_facts(&device));
     DecodeParams p = params;
-    p.num_splits = split_count(p, device.sms);
-    const int64_t row_tiles = (static_cast<int64_t>(p.seqlen_q) * p.group + decode::kRowsPerTile - 1) /
-                              decode::kRowsPerTile;
+    p.num_splits = decode::split_count(p, device.sms);
+    const int64_t tiles = decode::row_tiles(p);
     if (p.batch > 65535)
       return Status::unsupported("q: batch = " + std::to_string(p.batch) +
                                  " exceeds the decoding grid's 65535 sequences; split the call");
-    if (row_tiles > 65535 || static_cast<int64_t>(p.batch) * p.heads_kv > INT32_MAX)
-      return Status::unsupported("q: seqlen_q * heads_q / heads_kv = " +
-                                 std::to_string(static_cast<int64_t>(p.seqlen_q) * p.group) +
-                                 " query rows per kv head exceed the decoding grid (65535 tiles of " +
-                                 std::to_string(decode::kRowsPerTile) + "); use attention_forward");
+    if (tiles > 65535 || static_cast<int64_t>(p.batch) * p.heads_kv > INT32_MAX)
+      return Status::unsupported(
+          "q: seqlen_q * heads_q / heads_kv = " +
+          std::to_string(static_cast<int64_t>(p.seqlen_q) * p.group) +
+          " query rows per kv head exceed the decoding grid (65535 tiles of " +
+          std::to_string(decode::kRowsPerTile) + "); use attention_forward");
     const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
     void* scratch = nullptr;
     if (p.num_splits > 1 && rows > 0) {
-      const size_t bytes = static_cast<size_t>(p.num_splits * rows) * (p.head_dim + 1) * sizeof(float);
+      const size_t bytes =
+          static_cast<size_t>(p.num_splits * rows) * (p.head_dim + 1) * sizeof(float);
       FLARE_RETURN_IF_ERROR(cuda_status(decode::kErrorContext,
                                         "cudaMallocAsync of the split workspace",
                                         cudaMallocAsync(&scratch, bytes, s)));

@@ -234,8 +234,8 @@ __device__ __forceinline__ void exact_row(const DecodeParams& p, const Sequence&
 
 template <int kHeadDim>
 struct Tile {
-  static constexpr int kRows = 16;                // query rows per CTA: one mma M
-  static constexpr int kWarps = 4;                // each over every fourth key block
+  static constexpr int kRows = kRowsPerTile;      // query rows per CTA: one mma M
+  static constexpr int kWarps = kWarpsPerCta;     // each over every fourth key block
   static constexpr int kKeys = keys_per_block(kHeadDim);
   static constexpr int kChunks = kHeadDim / 8;    // 16-byte chunks per row
   static constexpr int kBlockElems = kKeys * kHeadDim;

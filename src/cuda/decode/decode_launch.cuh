@@ -16,9 +16,8 @@ Status launch_bucket(const DecodeParams& p, cudaStream_t stream) {
   const auto kernel = decode_kernel<T, kHeadDim>;
   constexpr int smem = Tile<kHeadDim>::template smem_bytes<T>();
   FLARE_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
-  const int row_tiles = (p.seqlen_q * p.group + kRowsPerTile - 1) / kRowsPerTile;
   const dim3 grid(static_cast<unsigned>(p.batch * p.heads_kv), static_cast<unsigned>(p.num_splits),
-                  static_cast<unsigned>(row_tiles));
+                  static_cast<unsigned>(row_tiles(p)));
   kernel<<<grid, 128, smem, stream>>>(p);
   FLARE_RETURN_IF_ERROR(launch_status(kErrorContext, "attention"));
   if (p.num_splits > 1) {
@@ -49,9 +48,12 @@ Status launch(const DecodeParams& p, cudaStream_t stream) {
   }
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return {};
   switch (head_dim_bucket(p.head_dim)) {
-    case 64: return launch_bucket<T, 64>(p, stream);
-    case 128: return launch_bucket<T, 128>(p, stream);
-    case 256: return launch_bucket<T, 256>(p, stream);
+    case 64:
+      return launch_bucket<T, 64>(p, stream);
+    case 128:
+      return launch_bucket<T, 128>(p, stream);
+    case 256:
+      return launch_bucket<T, 256>(p, stream);
     default:
       return Status::unsupported("q: head_dim " + std::to_string(p.head_dim) +
                                  " exceeds 256, the largest the CUDA decoding kernels take");
