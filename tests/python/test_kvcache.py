@@ -72,7 +72,8 @@ class Case:
         return (i, t)
 
     def expected(self, causal, **kw):
-        """Float64 truth and float32 naive over the logical keys: (o, lse) each."""
+        """Float64 truth and float32 naive over the logical keys, (o, lse) each; the keys; and the
+        summed terms' magnitudes (check_close's floor)."""
         qs, ks, vs = [], [], []
         interleaved = self.rotary == "interleaved"
         for i, n in enumerate(self.lens):
@@ -91,11 +92,11 @@ class Case:
         cu_k = np.concatenate([[0], np.cumsum([len(k) for k in ks])]).astype(np.int32)
         args = (np.concatenate(qs), np.concatenate(ks), np.concatenate(vs))
         kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
-        truth = ref.attention(*args, **kw)
+        *truth, mags = ref.attention(*args, magnitudes=True, **kw)
         naive = ref.attention(*args, compute=np.float32, round_to=self.dtype, **kw)
         to_batch = lambda o, lse: (o.reshape(self.b, self.s_q, self.h, self.d),
                                    lse.reshape(self.h, self.b, self.s_q).transpose(1, 0, 2))
-        return to_batch(*truth), to_batch(*naive), np.concatenate(ks)
+        return to_batch(*truth), to_batch(*naive), np.concatenate(ks), mags
 
     def cache_keys(self):
         return np.concatenate([np.stack([self.k_cache[self.slot(i, t)] for t in
@@ -104,12 +105,12 @@ class Case:
 
 
 def check(case, seed, out, lse, causal, **kw):
-    truth, naive, keys = case.expected(causal, **kw)
+    truth, naive, keys, mags = case.expected(causal, **kw)
     tol = 2 * float(np.finfo(case.dtype).eps) * max(1.0, float(np.max(np.abs(keys))))
     np.testing.assert_allclose(case.cache_keys(), keys, rtol=0, atol=tol,
                                err_msg=f"appended keys (seed {seed})")
-    ref.check_close("o", out, truth[0], naive[0], case.dtype, seed)
-    ref.check_close("lse", lse, truth[1], naive[1], np.float32, seed)
+    ref.check_close("o", out, truth[0], naive[0], case.dtype, seed, mags["o"])
+    ref.check_close("lse", lse, truth[1], naive[1], np.float32, seed, mags["lse"])
 
 
 @pytest.mark.parametrize("block_size", [0, 1, 16, 7])
