@@ -9,6 +9,8 @@
 #                       output, in order; fixed-length rows carry no "varlen" field
 #   MODE=bench_varlen   `flare bench --varlen` runs each case as one packed batch: its lines and
 #                       result rows say varlen, mixed lengths with s_q != s_k and GQA run too
+#   MODE=bench_mods     `flare bench --softcap X --alibi`: its lines and result rows name both,
+#                       and a plain run's rows carry neither
 #   MODE=json_unwritable  --json to a path that cannot be written (DIR: a scratch directory)
 #                       fails before any case runs, naming --json and the path
 #   MODE=line_buffered  a bench killed while its first case runs has already delivered its
@@ -48,6 +50,10 @@ if(MODE STREQUAL "usage")
     "bench --causal=yes"
     "bench --json"
     "bench --h-kv 3 --d 64"
+    "bench --softcap abc"
+    "bench --softcap -1"
+    "bench --softcap inf"
+    "bench --alibi=yes"
     "bench-dist --s 0"
     "bench-dist --s 1024,x"
     "bench-dist --s ,"
@@ -214,6 +220,36 @@ elseif(MODE STREQUAL "bench_varlen")
   run_flare("${skewed} --pass fwdbwd --warmup 0 --iters 1")
   if(NOT rc EQUAL 0 OR NOT out MATCHES "\nfwdbwd fp32 b=4 +s=100/300 +h=4/2 +d=32 +causal varlen ")
     message(FATAL_ERROR "flare bench --varlen --s-k 300: exit status ${rc}\n${out}\n${err}")
+  endif()
+
+elseif(MODE STREQUAL "bench_mods")
+  file(REMOVE "${JSON}")
+  set(mods "bench --device cpu --s 128 --b 2 --h 4 --h-kv 2 --d 32 --causal --softcap 30 --alibi")
+  run_flare("${mods} --warmup 0 --iters 1 --commit test --json ${JSON}")
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "flare ${mods}: exit status ${rc}\n${out}\n${err}")
+  endif()
+  foreach(pass IN ITEMS "fwd " "bwd " "fwdbwd")
+    if(NOT out MATCHES "\n${pass} *fp32 b=2 +s=128 +h=4/2 +d=32 +causal softcap alibi +[0-9.]+ ms")
+      message(FATAL_ERROR "flare ${mods}: no ${pass} line naming the modifiers in:\n${out}")
+    endif()
+  endforeach()
+  file(READ "${JSON}" doc)
+  string(JSON rows LENGTH "${doc}" rows)
+  math(EXPR last "${rows} - 1")
+  foreach(i RANGE ${last})
+    string(JSON softcap GET "${doc}" rows ${i} softcap)
+    string(JSON alibi_type TYPE "${doc}" rows ${i} alibi)
+    if(NOT softcap EQUAL 30 OR NOT alibi_type STREQUAL "BOOLEAN")
+      message(FATAL_ERROR "${JSON}: rows[${i}] softcap ${softcap}, alibi ${alibi_type}")
+    endif()
+  endforeach()
+  # Without them, rows carry neither field (files of plain runs stay as they were).
+  run_flare("bench --device cpu --s 64 --b 1 --h 1 --d 32 --causal --pass fwd --warmup 0 --iters 1 --json ${JSON}")
+  file(READ "${JSON}" doc)
+  string(JSON plain ERROR_VARIABLE missing GET "${doc}" rows 0 softcap)
+  if(NOT missing)
+    message(FATAL_ERROR "${JSON}: a plain run's row has softcap = ${plain}")
   endif()
 
 elseif(MODE STREQUAL "json_unwritable")

@@ -3,9 +3,20 @@
 
 #include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 
 namespace flare::cli {
+namespace {
+
+// A bound as a person would write it: 0, 1e+06, 0.5.
+std::string number_text(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
+}  // namespace
 
 void ArgParser::add_int(const char* flag, std::optional<int64_t>* target, int64_t min,
                         int64_t max) {
@@ -15,6 +26,17 @@ void ArgParser::add_int(const char* flag, std::optional<int64_t>* target, int64_
   f.int_target = target;
   f.min = min;
   f.max = max;
+  flags_.push_back(std::move(f));
+}
+
+void ArgParser::add_number(const char* flag, std::optional<double>* target, double min,
+                           double max) {
+  Flag f;
+  f.name = flag;
+  f.kind = Kind::kNumber;
+  f.number_target = target;
+  f.number_min = min;
+  f.number_max = max;
   flags_.push_back(std::move(f));
 }
 
@@ -55,13 +77,27 @@ void ArgParser::assign(const Flag& flag, const std::string& value) const {
       char* end = nullptr;
       errno = 0;
       const long long x = std::strtoll(value.c_str(), &end, 10);
-      const bool starts_ok = !value.empty() && (std::isdigit(static_cast<unsigned char>(value[0])) ||
-                                                value[0] == '-' || value[0] == '+');
+      const bool starts_ok =
+          !value.empty() && (std::isdigit(static_cast<unsigned char>(value[0])) ||
+                             value[0] == '-' || value[0] == '+');
       const bool numeric = starts_ok && *end == '\0' && errno == 0;
       if (!numeric || x < flag.min || x > flag.max)
         throw error(flag.name + ": expected an integer in [" + std::to_string(flag.min) + ", " +
                     std::to_string(flag.max) + "], got '" + value + "'");
       *flag.int_target = x;
+      return;
+    }
+    case Kind::kNumber: {
+      // strtod accepts "inf", "nan" and hex; demand a plain decimal number and nothing else.
+      char* end = nullptr;
+      errno = 0;
+      const double x = std::strtod(value.c_str(), &end);
+      const bool plain =
+          !value.empty() && value.find_first_not_of("0123456789.eE+-") == std::string::npos;
+      if (!plain || *end != '\0' || errno != 0 || !(x >= flag.number_min && x <= flag.number_max))
+        throw error(flag.name + ": expected a number in [" + number_text(flag.number_min) + ", " +
+                    number_text(flag.number_max) + "], got '" + value + "'");
+      *flag.number_target = x;
       return;
     }
     case Kind::kChoice: {

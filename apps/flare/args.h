@@ -50,6 +50,8 @@ class ArgParser {
 
   // An integer flag; unset stays std::nullopt so callers can tell "given" from a default.
   void add_int(const char* flag, std::optional<int64_t>* target, int64_t min, int64_t max);
+  // A real-number flag in [min, max].
+  void add_number(const char* flag, std::optional<double>* target, double min, double max);
   // A flag whose value must be one of `choices`.
   void add_choice(const char* flag, std::optional<std::string>* target,
                   std::vector<std::string> choices);
@@ -66,14 +68,16 @@ class ArgParser {
   UsageError error(const std::string& message) const;
 
  private:
-  enum class Kind { kInt, kChoice, kString, kSwitch };
+  enum class Kind { kInt, kNumber, kChoice, kString, kSwitch };
   struct Flag {
     std::string name;
     Kind kind = Kind::kInt;
     std::optional<int64_t>* int_target = nullptr;
+    std::optional<double>* number_target = nullptr;
     std::optional<std::string>* string_target = nullptr;
     bool* switch_target = nullptr;
     int64_t min = 0, max = 0;
+    double number_min = 0, number_max = 0;
     std::vector<std::string> choices;
   };
   void assign(const Flag& flag, const std::string& value) const;

@@ -23,6 +23,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "args.h"
@@ -35,8 +36,8 @@ namespace flare::cli {
 namespace {
 
 struct Grid {
-  int tokens;             // b · s per case
-  int hidden;             // h · d per case
+  int tokens;  // b · s per case
+  int hidden;  // h · d per case
   std::vector<int> seqlens;
   std::vector<int> head_dims;
   DType dtype;
@@ -44,8 +45,8 @@ struct Grid {
 };
 
 // The standard grid; warm-up and repetitions as in FlashAttention's benchmark script.
-const Grid kGpuGrid = {16384, 2048, {512, 1024, 2048, 4096, 8192, 16384}, {64, 128, 256},
-                       DType::kBFloat16, 5, 30};
+const Grid kGpuGrid = {
+    16384, 2048, {512, 1024, 2048, 4096, 8192, 16384}, {64, 128, 256}, DType::kBFloat16, 5, 30};
 // The same shape scaled down 8× in tokens and 4× in width (its run time: top of this file).
 const Grid kCpuGrid = {2048, 512, {512, 1024, 2048}, {64, 128}, DType::kFloat32, 1, 5};
 
@@ -55,7 +56,8 @@ constexpr uint64_t kSeed = 1;
 struct BenchArgs {
   std::optional<std::string> device, dtype, pass, json, commit;
   std::optional<int64_t> b, h, h_kv, s, s_k, d, warmup, iters;
-  bool causal = false, non_causal = false, varlen = false;
+  std::optional<double> softcap;
+  bool causal = false, non_causal = false, varlen = false, alibi = false;
 };
 
 BenchArgs parse(int argc, char** argv, bool* help) {
@@ -74,6 +76,8 @@ BenchArgs parse(int argc, char** argv, bool* help) {
   p.add_switch("--causal", &a.causal);
   p.add_switch("--no-causal", &a.non_causal);
   p.add_switch("--varlen", &a.varlen);
+  p.add_number("--softcap", &a.softcap, 0.0, 1e6);
+  p.add_switch("--alibi", &a.alibi);
   p.add_int("--warmup", &a.warmup, 0, 1000000);
   p.add_int("--iters", &a.iters, 1, 1000000);
   p.add_string("--json", &a.json);
@@ -105,6 +109,8 @@ std::vector<Shape> make_cases(const BenchArgs& a, const Grid& grid) {
         Shape c;
         c.causal = causal;
         c.varlen = a.varlen;
+        c.softcap = static_cast<float>(a.softcap.value_or(0.0));
+        c.alibi = a.alibi;
         c.d = d;
         c.s_q = s;
         c.s_k = a.s_k ? int(*a.s_k) : s;
@@ -135,12 +141,20 @@ void print_row(const ResultRow& r, bool gpu) {
   const Shape& s = r.shape;
   const std::string seq = one_or_two(s.s_q, s.s_k);
   const std::string heads = one_or_two(s.h, s.h_kv);
-  // Packed cases say so after the mask, in a column wide enough for "non-causal varlen".
+  // Packed and modified cases say so after the mask, in a column as wide as "non-causal" and
+  // the words the run adds.
   std::string mask = s.causal ? "causal" : "non-causal";
-  if (s.varlen) mask += " varlen";
+  int width = 10;
+  for (const auto& [on, word] :
+       {std::pair{s.varlen, " varlen"}, std::pair{s.softcap > 0.0f, " softcap"},
+        std::pair{s.alibi, " alibi"}})
+    if (on) {
+      mask += word;
+      width += static_cast<int>(std::string(word).size());
+    }
   std::printf("%-6s %s b=%-3d s=%-11s h=%-9s d=%-3d %-*s %10.3f ms %10.2f %s  peak %9.1f MiB\n",
               pass_name(r.pass), short_dtype_name(s.dtype), s.b, seq.c_str(), heads.c_str(), s.d,
-              s.varlen ? 17 : 10, mask.c_str(), r.ms, gpu ? r.tflops : r.tflops * 1e3,
+              width, mask.c_str(), r.ms, gpu ? r.tflops : r.tflops * 1e3,
               gpu ? "TFLOP/s" : "GFLOP/s", double(r.peak_mem_bytes) / (1 << 20));
 }
 
@@ -174,6 +188,8 @@ options:
                            call the variable-length API (cu_seqlens); sequence i of b gets
                            round(s*(0.25 + 1.5*i/(b-1))) queries (s/4 to 7s/4, about b*s
                            in all; s for b=1), keys likewise from s-k
+  --softcap X              cap the scores at +-X (X * tanh(s / X)); 0, the default, is off
+  --alibi                  ALiBi with the usual slopes 2^(-8(i+1)/h) for query head i
   --warmup N  --iters N    untimed and timed calls per pass (default 5 and 30 on cuda,
                            1 and 5 on cpu); the median of the timed calls is reported
   --json FILE              also write the results (bench/results schema: card, date,
@@ -213,14 +229,16 @@ int run_bench(int argc, char** argv) {
   result.date = iso_date_utc();
   result.commit = source_commit(args.commit);
   result.software = software_versions(device->software());
-  std::printf("flare %s bench on %s, commit %s: %zu case(s), median of %d after %d warm-up, "
-              "peak = %s\n",
-              version(), result.card.c_str(), result.commit.c_str(), cases.size(), iters, warmup,
-              device->memory_kind());
+  std::printf(
+      "flare %s bench on %s, commit %s: %zu case(s), median of %d after %d warm-up, "
+      "peak = %s\n",
+      version(), result.card.c_str(), result.commit.c_str(), cases.size(), iters, warmup,
+      device->memory_kind());
   if (!fallback.empty()) std::printf("(on the CPU: %s)\n", fallback.c_str());
   if (!gpu && !args.s && !args.d)
-    std::printf("(the standard grid is too slow for a CPU: running the small CPU grid; see "
-                "flare help bench)\n");
+    std::printf(
+        "(the standard grid is too slow for a CPU: running the small CPU grid; see "
+        "flare help bench)\n");
 
   int failures = 0, skipped = 0;
   for (const Shape& shape : cases) {

@@ -124,8 +124,10 @@ void write_result_file(const std::string& path, const ResultFile& file) {
       << ", \"s_q\": " << s.s_q << ", \"s_k\": " << s.s_k << ", \"h\": " << s.h
       << ", \"h_kv\": " << s.h_kv << ", \"d\": " << s.d
       << ", \"causal\": " << (s.causal ? "true" : "false");
-    // Only packed rows carry the field, so fixed-length files stay as they were.
+    // Only packed and modified rows carry these fields, so other files stay as they were.
     if (s.varlen) j << ", \"varlen\": true";
+    if (s.softcap > 0.0f) j << ", \"softcap\": " << json_number(s.softcap);
+    if (s.alibi) j << ", \"alibi\": true";
     j << ", \"ms\": " << json_number(r.ms) << ", \"tflops\": " << json_number(r.tflops)
       << ", \"peak_mem_bytes\": " << r.peak_mem_bytes << "}";
   }

@@ -21,6 +21,8 @@ std::string Shape::describe() const {
   if (h_kv != h) s << "/" << h_kv;
   s << " d=" << d << (causal ? " causal " : " non-causal ") << short_dtype_name(dtype);
   if (varlen) s << " varlen";
+  if (softcap > 0.0f) s << " softcap=" << softcap;
+  if (alibi) s << " alibi";
   return s.str();
 }
 
@@ -56,9 +58,12 @@ int64_t Shape::total_k() const {
 
 const char* pass_name(Pass pass) {
   switch (pass) {
-    case Pass::kForward: return "fwd";
-    case Pass::kBackward: return "bwd";
-    case Pass::kForwardBackward: return "fwdbwd";
+    case Pass::kForward:
+      return "fwd";
+    case Pass::kBackward:
+      return "bwd";
+    case Pass::kForwardBackward:
+      return "fwdbwd";
   }
   return "?";
 }
@@ -83,20 +88,28 @@ double attention_flops(const Shape& s, Pass pass) {
     fwd = forward_flops(s, s.b, s.s_q, s.s_k);
   }
   switch (pass) {
-    case Pass::kForward: return fwd;
-    case Pass::kBackward: return 2.5 * fwd;
-    case Pass::kForwardBackward: return 3.5 * fwd;
+    case Pass::kForward:
+      return fwd;
+    case Pass::kBackward:
+      return 2.5 * fwd;
+    case Pass::kForwardBackward:
+      return 3.5 * fwd;
   }
   return fwd;
 }
 
 const char* short_dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "fp32";
-    case DType::kFloat16: return "fp16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kInt32: return "int32";
-    case DType::kUInt8: return "uint8";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kUInt8:
+      return "uint8";
   }
   return "?";
 }
@@ -118,6 +131,7 @@ double median(std::vector<double> v) {
 Workload::Workload(Device& device, const Shape& shape, uint64_t seed)
     : device_(device), shape_(shape) {
   options_.causal = shape.causal;
+  options_.softcap = shape.softcap;
   const Shape& s = shape;
   const int64_t total_q = s.total_q(), total_k = s.total_k();
   if (s.varlen && std::max(total_q, total_k) > INT32_MAX)
@@ -151,6 +165,13 @@ Workload::Workload(Device& device, const Shape& shape, uint64_t seed)
     t_.dq = q_like("dq");
     t_.dk = k_like("dk");
     t_.dv = k_like("dv");
+    if (s.alibi) {
+      std::vector<float> slopes(static_cast<std::size_t>(s.h));
+      for (int i = 0; i < s.h; ++i)
+        slopes[static_cast<std::size_t>(i)] = std::exp2(-8.0f * float(i + 1) / float(s.h));
+      options_.alibi_slopes = make(DType::kFloat32, {s.h}, "alibi_slopes");
+      device_.upload(options_.alibi_slopes.data, slopes.data(), slopes.size() * sizeof(float));
+    }
     if (s.varlen) {
       const std::vector<int> lengths_q = s.lengths_q(), lengths_k = s.lengths_k();
       varlen_.cu_seqlens_q = cu_seqlens(lengths_q, "cu_seqlens_q");
