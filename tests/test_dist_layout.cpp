@@ -176,6 +176,35 @@ TEST(RingStepTasks, BlocksTheWindowHidesAreSkipped) {
   }
 }
 
+// The ring stops after the last step that holds a visible block. Contiguous shards of 20 rows,
+// causal with a window of 4: every rank sees the rank before it, so 2 steps; a window of 25
+// reaches two ranks back, 3 steps. Zigzag pairs chunk i with 15 − i, whose keys arrive at the
+// last step, and windows open to the right reach the next rank's keys there too: all 8.
+TEST(VisibleRingSteps, StopAfterTheLastVisibleBlock) {
+  const int n = 8;
+  const int64_t s = 160;
+  auto every_shard = [&](Strategy st) {
+    std::vector<SequenceShard> shards;
+    for (int r = 0; r < n; ++r) shards.push_back(shard_of(st, s, n, r));
+    return shards;
+  };
+  const std::vector<SequenceShard> ring = every_shard(Strategy::kRing);
+  EXPECT_EQ(dist::visible_ring_steps(ring, {4, 0}), 2);
+  EXPECT_EQ(dist::visible_ring_steps(ring, {25, 0}), 3);
+  EXPECT_EQ(dist::visible_ring_steps(ring, {0, 0}), 1);  // each row sees itself only
+  EXPECT_EQ(dist::visible_ring_steps(ring, {-1, 0}), n);
+  EXPECT_EQ(dist::visible_ring_steps(ring, {4, 1}), n);
+  EXPECT_EQ(dist::visible_ring_steps(ring, {-1, -1}), n);
+  EXPECT_EQ(dist::visible_ring_steps(every_shard(Strategy::kZigzag), {4, 0}), n);
+  // Packed: the longest reach of any sequence decides.
+  std::vector<dist::VarlenShard> packed(n);
+  const std::vector<int32_t> cu = {0, 40, 160};
+  for (int r = 0; r < n; ++r)
+    ASSERT_TRUE(dist::varlen_shard(Strategy::kRing, cu, n, r, &packed[static_cast<size_t>(r)]).ok());
+  EXPECT_EQ(dist::visible_ring_steps(packed, {-1, 0}), n);
+  EXPECT_EQ(dist::visible_ring_steps(packed, {0, 0}), 1);
+}
+
 // Packed batches: uneven, short and empty sequences. Each call's segments, bottom-right aligned
 // one by one, must select exactly the pairs of one sequence inside the band, every such pair once.
 TEST(VarlenStepTasks, CoverEverySequencesMaskExactlyOnce) {

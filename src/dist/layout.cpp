@@ -333,4 +333,29 @@ std::vector<BlockTask> varlen_step_tasks(const VarlenShard& q, const VarlenShard
   return calls;
 }
 
+namespace {
+
+template <typename Shard, typename Tasks>
+int visible_steps(const std::vector<Shard>& shards, Tasks tasks) {
+  const int n = static_cast<int>(shards.size());
+  for (int step = n - 1; step > 0; --step)
+    for (int r = 0; r < n; ++r)
+      if (!tasks(shards[r], shards[((r - step) % n + n) % n]).empty()) return step + 1;
+  return 1;
+}
+
+}  // namespace
+
+int visible_ring_steps(const std::vector<SequenceShard>& shards, const MaskBand& mask) {
+  return visible_steps(shards, [&](const SequenceShard& q, const SequenceShard& kv) {
+    return ring_step_tasks(q, kv, mask, false);
+  });
+}
+
+int visible_ring_steps(const std::vector<VarlenShard>& shards, const MaskBand& mask) {
+  return visible_steps(shards, [&](const VarlenShard& q, const VarlenShard& kv) {
+    return varlen_step_tasks(q, kv, mask, false);
+  });
+}
+
 }  // namespace flare::dist

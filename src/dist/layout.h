@@ -75,6 +75,14 @@ std::vector<BlockTask> ring_step_tasks(const SequenceShard& q, const SequenceSha
 std::vector<BlockTask> varlen_step_tasks(const VarlenShard& q, const VarlenShard& kv,
                                          const MaskBand& mask, bool same_rank);
 
+// How many ring steps carry a call at some rank: 1 + the last step i at which a rank's queries see
+// a key of the block it then holds, rank (r − i) mod n's (shards[r] or varlen[r], every rank's,
+// so every rank counts the same). A ring may stop there: the blocks of later steps would travel
+// for nothing. Only a band bounded on the left and closed on the right (a causal window) stops
+// early: keys to the right of a rank's rows arrive last.
+int visible_ring_steps(const std::vector<SequenceShard>& shards, const MaskBand& mask);
+int visible_ring_steps(const std::vector<VarlenShard>& shards, const MaskBand& mask);
+
 // A run of rows to copy: src rows [src_row, src_row + rows) to dst rows from dst_row.
 struct RowRun {
   int64_t src_row = 0;

@@ -2,7 +2,9 @@
 // backward returns dK/dV to their owners. Written once for host memory and CUDA devices: the
 // element-wise passes, the workspace and the ordering of the two streams are CpOps' (cp_ops.h).
 //
-// Forward, at rank r of n, step i = 0 … n−1, holding the K/V block of src = (r − i) mod n:
+// Forward, at rank r of n, step i = 0 … T−1, holding the K/V block of src = (r − i) mod n, where
+// T ≤ n counts the steps that carry a call at some rank (layout.h: visible_ring_steps; under a
+// causal window the ring stops once every rank has seen the blocks its window reaches):
 //   1. the computation waits for the block it holds (received by step i−1's exchange);
 //   2. the next block's transfer starts on the communication stream: send the held block to r+1,
 //      receive r−1's (the block of src − 1) into the other receive buffer — once step i−1's
@@ -22,9 +24,10 @@
 // in fp32. dK and dV of the held block accumulate in an fp32 buffer that travels with the block:
 // step i's exchange also sends step i−1's buffer to r+1 (which holds that block at step i) and
 // receives, from r−1, the buffer of the block held at step i. So the block calls of step i run
-// while the buffer they add into is in flight, and only the additions wait for it. After step n−1
-// one more exchange brings this rank's own block's buffer home. Per rank: n−1 K/V transfers and n
-// dK/dV transfers (fp32, twice the bytes of bf16 K/V), every one to the next rank.
+// while the buffer they add into is in flight, and only the additions wait for it. After step T−1
+// one more exchange brings every block's buffer home: the one held goes to its owner, r − (T−1)
+// (the next rank when T = n), and this rank's own arrives from r + (T−1). Per rank: T−1 K/V
+// transfers and T dK/dV transfers (fp32, twice the bytes of bf16 K/V).
 //
 // Buffers: step i receives into K/V buffer i mod 2 and dK/dV buffer i mod 2; both were last read
 // by the computation of step i−1 or earlier, which the exchange waits for. Transfers of zero
@@ -140,6 +143,7 @@ class Ring {
   Status begun() const { return scope_.status(); }
   const Dims& dims() const { return m_; }
   int size() const { return ctx_.comm->size(); }
+  int steps() const { return static_cast<int>(ctx_.steps.size()); }  // T: see the top of the file
   int rank() const { return ctx_.comm->rank(); }
 
   // This rank's own block as dense views: the user's tensors when they are dense already
@@ -163,7 +167,7 @@ class Ring {
       FLARE_RETURN_IF_ERROR(ops_.compute_waits_comm());
     }
     std::vector<Transfer> t = extra;
-    if (step + 1 < size()) {
+    if (step + 1 < steps()) {
       const int n = size(), r = rank(), owner = mod(r - step - 1, n);
       incoming_ = dense_block(ctx_, m_, ctx_.at(ctx_.ws.kv_recv[step % 2]),
                               ctx_.shards[owner].length);
@@ -221,8 +225,10 @@ void plan_ring(CpContext& ctx, std::vector<int32_t>* tables) {
   }
   // Calls of each step, and in packed plans their tables (as int32 indices until the workspace
   // has a place for them).
-  ctx.steps.assign(static_cast<size_t>(n), {});
-  for (int step = 0; step < n; ++step) {
+  const int steps = ctx.packed ? visible_ring_steps(ctx.varlen, ctx.band)
+                                : visible_ring_steps(ctx.shards, ctx.band);
+  ctx.steps.assign(static_cast<size_t>(steps), {});
+  for (int step = 0; step < steps; ++step) {
     const int src = mod(r - step, n);
     const std::vector<BlockTask> tasks =
         ctx.packed ? varlen_step_tasks(ctx.varlen[r], ctx.varlen[src], ctx.band, src == r)
@@ -284,7 +290,7 @@ Status ring_forward(CpContext& ctx, const TensorView& q, const TensorView& k, co
   FLARE_RETURN_IF_ERROR(ops.fill(lse_acc, m.lse_elems(m.s_local), -INFINITY));  // no key seen yet
   FLARE_RETURN_IF_ERROR(ring.hold_own_block(k, v));
 
-  for (int step = 0; step < ring.size(); ++step) {
+  for (int step = 0; step < ring.steps(); ++step) {
     FLARE_RETURN_IF_ERROR(ring.start_step(step));
     const KvBlock& held = ring.held();
     for (const RingCall& call : step_calls(ctx, step)) {
@@ -312,7 +318,7 @@ Status ring_backward(CpContext& ctx, const TensorView& dout, const TensorView& q
   FLARE_RETURN_IF_ERROR(ring.begun());
   CpOps& ops = *ctx.ops;
   const Dims& m = ring.dims();
-  const int n = ring.size(), r = ring.rank();
+  const int n = ring.size(), r = ring.rank(), steps = ring.steps();
   auto* dq_acc = ctx.at<float>(ctx.ws.dq_acc);
   // A travelling fp32 dK/dV buffer: dK at 0, dV at kv_elems(s_max).
   const int64_t dv_at = m.kv_elems(m.s_max);
@@ -336,7 +342,7 @@ Status ring_backward(CpContext& ctx, const TensorView& dout, const TensorView& q
             Transfer::recv((r + n - 1) % n, in + dv_at, m.kv_elems(in_len) * 4)};
   };
 
-  for (int step = 0; step < n; ++step) {
+  for (int step = 0; step < steps; ++step) {
     FLARE_RETURN_IF_ERROR(ring.start_step(step, pass_dkv(step)));
     const KvBlock& held = ring.held();
     const std::vector<RingCall>& calls = step_calls(ctx, step);
@@ -378,13 +384,19 @@ Status ring_backward(CpContext& ctx, const TensorView& dout, const TensorView& q
     }
     prev_len = held.len;
   }
-  // The last step's buffer goes on; the one arriving is this rank's own block's.
-  if (n > 1) {
-    std::vector<Transfer> home = pass_dkv(n);
+  // The last step's buffer goes to its block's owner; the one arriving is this rank's own block's.
+  if (steps > 1) {
+    const int to = mod(r - (steps - 1), n), from = mod(r + steps - 1, n);
+    float* out = dkv[(steps - 1) % 2];
+    float* in = dkv[steps % 2];
+    const std::vector<Transfer> home = {Transfer::send(to, out, m.kv_elems(prev_len) * 4),
+                                        Transfer::send(to, out + dv_at, m.kv_elems(prev_len) * 4),
+                                        Transfer::recv(from, in, m.kv_elems(m.s_local) * 4),
+                                        Transfer::recv(from, in + dv_at, m.kv_elems(m.s_local) * 4)};
     FLARE_RETURN_IF_ERROR(ring.exchange(home));
     FLARE_RETURN_IF_ERROR(ops.compute_waits_comm());
   }
-  const float* own = dkv[n > 1 ? n % 2 : 0];
+  const float* own = dkv[steps > 1 ? steps % 2 : 0];
   FLARE_RETURN_IF_ERROR(ops.store_rows(dq_acc, dq));
   FLARE_RETURN_IF_ERROR(ops.store_rows(own, dk));
   return ops.store_rows(own + dv_at, dv);
