@@ -267,7 +267,7 @@ struct ContextParallelConfig {
   // A packed variable-length batch: the global pack's cu_seqlens (host, batch + 1 entries, 0 first,
   // non-decreasing; see varlen_shard for the rows each rank holds). Empty: fixed length. With it,
   // batch and seqlen are the number of sequences and the packed token count (0: taken from
-  // cu_seqlens; other values must match it). Ring and zigzag (all-to-all: kUnsupported).
+  // cu_seqlens; other values must match it). Every strategy.
   std::vector<int32_t> cu_seqlens;
 };
 

@@ -19,12 +19,18 @@
 // seen as a (b, S, heads, d) view, so that each source rank's rows form one contiguous region and
 // are received in place. LSE must be dense (b, heads, S) for the single-device call, so its rows
 // arrive in a staging buffer and are copied into place.
+//
+// Packed batches (a batch of one over the pack, as in the ring): rank p holds its chunk of every
+// sequence (varlen_shard), so its rows are runs scattered over the whole pack. They arrive in the
+// staging buffer and are copied run by run into place, and go back the same way; the call is
+// one varlen call over the whole pack, whose cu_seqlens were uploaded at create.
 #include "dist/all_to_all_attention.h"
 
 #include <algorithm>
 #include <vector>
 
 #include "dist/dist_internal.h"
+#include "dist/layout.h"
 
 namespace flare::dist {
 namespace {
@@ -46,15 +52,37 @@ struct Plan {
   int n, r;
   int64_t b, d, s_total, s_local;
   int64_t hq, hk;  // heads per rank
-  const std::vector<SequenceShard>* shards;
-  int64_t begin(int p) const { return (*shards)[p].chunk[0].global_begin; }
-  int64_t len(int p) const { return (*shards)[p].length; }
+  const CpContext* ctx;
+  int64_t len(int p) const { return ctx->shards[p].length; }
+  // Where rank p's rows sit among the slabs of every rank, in rank order.
+  int64_t slot(int p) const {
+    int64_t at = 0;
+    for (int i = 0; i < p; ++i) at += len(i);
+    return at;
+  }
+  // Rank p's rows in the full sequence: runs from its local row src_row to global row dst_row.
+  std::vector<RowRun> runs(int p) const {
+    if (!ctx->packed) return {{0, ctx->shards[p].chunk[0].global_begin, len(p)}};
+    std::vector<RowRun> out;
+    for (const SequenceShard& seq : ctx->varlen[p].sequences)
+      for (int c = 0; c < seq.count; ++c)
+        if (seq.chunk[c].length > 0)
+          out.push_back({seq.chunk[c].local_begin, seq.chunk[c].global_begin, seq.chunk[c].length});
+    return out;
+  }
 };
 
 Plan plan_of(const CpContext& ctx) {
   const int n = ctx.comm->size();
-  return {n,          ctx.comm->rank(), ctx.batch,           ctx.head_dim, ctx.s_total(),
-          ctx.s_local(), ctx.heads_q / n, ctx.heads_kv / n, &ctx.shards};
+  return {n,
+          ctx.comm->rank(),
+          ctx.packed ? 1 : ctx.batch,
+          ctx.head_dim,
+          ctx.s_total(),
+          ctx.s_local(),
+          ctx.heads_q / n,
+          ctx.heads_kv / n,
+          &ctx};
 }
 
 // `len` rows of `hh` heads as laid out in a slab or a full buffer: sequence-major (b, len, hh, d)
@@ -71,8 +99,9 @@ int64_t slab_bytes(const Plan& m, DType dt, Axes ax, int64_t len, int64_t hh) {
   return m.b * len * hh * (ax.seq == kLseAxes.seq ? 1 : m.d) * elem(dt);
 }
 
-// Rows-first full buffers receive in place; LSE goes through the staging buffer.
-bool in_place(Axes ax) { return ax.seq == kRowsFirst.seq; }
+// Rows-first full buffers of fixed-length plans receive in place (each rank's rows are one run);
+// LSE and packed plans go through the staging buffer.
+bool in_place(const Plan& m, Axes ax) { return ax.seq == kRowsFirst.seq && !m.ctx->packed; }
 
 // This rank's rows of every head of `local` → every row of its own hh heads in `full` (scatter),
 // or the reverse (gather). One trade of n sends and n receives.
@@ -87,22 +116,29 @@ Status trade(CpContext& ctx, const Plan& m, const TensorView& local, Axes ax, in
   const TensorView full_view = laid_out(ctx, m, full, dt, ax, m.s_total, hh);
   // Where rank p's rows of the full buffer travel from or to: in place, or a staging slot.
   auto region = [&](int p) {
-    return in_place(ax) ? whole + slab_bytes(m, dt, ax, m.begin(p), hh)
-                        : (scatter ? stage : send) + slab_bytes(m, dt, ax, m.begin(p), hh);
+    return in_place(m, ax) ? whole + slab_bytes(m, dt, ax, m.slot(p), hh)
+                           : (scatter ? stage : send) + slab_bytes(m, dt, ax, m.slot(p), hh);
+  };
+  // Rank p's rows between its slot (laid out as its local rows) and the full buffer.
+  auto copy_runs = [&](int p, bool into_full) -> Status {
+    const TensorView slot = laid_out(ctx, m, region(p), dt, ax, m.len(p), hh);
+    for (const RowRun& run : m.runs(p))
+      FLARE_RETURN_IF_ERROR(
+          into_full ? ops.copy_rows(slot, run.src_row, full_view, run.dst_row, run.rows, ax.seq)
+                    : ops.copy_rows(full_view, run.dst_row, slot, run.src_row, run.rows, ax.seq));
+    return {};
   };
   std::vector<Transfer> t;
   for (int p = 0; p < m.n; ++p) {
     const TensorView heads = rows(local, ax.head, p * hh, hh);
     if (scatter) {
-      FLARE_RETURN_IF_ERROR(ops.copy_rows(
-          heads, 0, laid_out(ctx, m, send + p * mine, dt, ax, m.s_local, hh), 0, m.s_local, ax.seq));
+      FLARE_RETURN_IF_ERROR(ops.copy_rows(heads, 0,
+                                          laid_out(ctx, m, send + p * mine, dt, ax, m.s_local, hh),
+                                          0, m.s_local, ax.seq));
       t.push_back(Transfer::send(p, send + p * mine, mine));
       t.push_back(Transfer::recv(p, region(p), slab_bytes(m, dt, ax, m.len(p), hh)));
     } else {
-      if (!in_place(ax))
-        FLARE_RETURN_IF_ERROR(ops.copy_rows(full_view, m.begin(p),
-                                            laid_out(ctx, m, region(p), dt, ax, m.len(p), hh), 0,
-                                            m.len(p), ax.seq));
+      if (!in_place(m, ax)) FLARE_RETURN_IF_ERROR(copy_runs(p, false));
       t.push_back(Transfer::send(p, region(p), slab_bytes(m, dt, ax, m.len(p), hh)));
       t.push_back(Transfer::recv(p, stage + p * mine, mine));
     }
@@ -111,9 +147,7 @@ Status trade(CpContext& ctx, const Plan& m, const TensorView& local, Axes ax, in
   FLARE_RETURN_IF_ERROR(ops.compute_waits_comm());
   for (int p = 0; p < m.n; ++p) {
     if (scatter) {
-      if (!in_place(ax))
-        FLARE_RETURN_IF_ERROR(ops.copy_rows(laid_out(ctx, m, region(p), dt, ax, m.len(p), hh), 0,
-                                            full_view, m.begin(p), m.len(p), ax.seq));
+      if (!in_place(m, ax)) FLARE_RETURN_IF_ERROR(copy_runs(p, true));
     } else {
       FLARE_RETURN_IF_ERROR(ops.copy_rows(laid_out(ctx, m, stage + p * mine, dt, ax, m.s_local, hh),
                                           0, rows(local, ax.head, p * hh, hh), 0, m.s_local,
@@ -137,17 +171,43 @@ struct FullViews {
   TensorView lse() const {
     return laid_out(ctx, m, at(kLse), DType::kFloat32, kLseAxes, m.s_total, m.hq);
   }
+  // A full buffer as the call takes it: the packed layout for packed plans.
+  TensorView arg(const TensorView& t) const { return ctx.packed ? unbatched(t) : t; }
+  // The call's sequences: the whole pack's (none for fixed-length plans).
+  VarlenArgs varlen() const {
+    VarlenArgs a;
+    if (!ctx.packed) return a;
+    const int64_t entries = static_cast<int64_t>(ctx.varlen[0].cu_seqlens.size());
+    a.cu_seqlens_q = a.cu_seqlens_k = ctx.dense(ctx.at(ctx.ws.a2a_pack), DType::kInt32, {entries});
+    a.max_seqlen_q = a.max_seqlen_k = ctx.pack_max_seqlen;
+    return a;
+  }
 };
 
 }  // namespace
 
-void plan_all_to_all_workspace(const CpContext& ctx, CpWorkspace* ws) {
+void plan_all_to_all(CpContext& ctx, const std::vector<int32_t>& cu_seqlens,
+                     std::vector<int32_t>* tables) {
+  tables->clear();
+  if (ctx.packed) {
+    const std::vector<int32_t>& own = ctx.varlen[ctx.comm->rank()].cu_seqlens;
+    tables->insert(tables->end(), own.begin(), own.end());  // the local pack, for validation
+    tables->insert(tables->end(), cu_seqlens.begin(), cu_seqlens.end());
+    ctx.pack_max_seqlen = 0;
+    for (size_t i = 0; i + 1 < cu_seqlens.size(); ++i)
+      ctx.pack_max_seqlen = std::max(ctx.pack_max_seqlen, cu_seqlens[i + 1] - cu_seqlens[i]);
+  }
+  CpWorkspace* ws = &ctx.ws;
   const Plan m = plan_of(ctx);
   const int64_t el = elem(ctx.dtype);
   // A slab set (n slabs of this rank's rows, or every row of this rank's heads) of the largest
   // tensor traded: q-like rows, or LSE.
   const int64_t q_rows = std::max(m.b * m.hq * m.d * el, m.b * m.hq * int64_t{4});
   WorkspaceCursor c;
+  ws->tables = c.take(static_cast<int64_t>(tables->size()) * 4);
+  ws->a2a_pack =
+      ws->tables +
+      (ctx.packed ? 4 * static_cast<int64_t>(ctx.varlen[ctx.comm->rank()].cu_seqlens.size()) : 0);
   ws->a2a_send = c.take(std::max(m.n * m.s_local, m.s_total) * q_rows);
   ws->a2a_stage = c.take(std::max(m.n * m.s_local, m.s_total) * q_rows);
   for (int f = 0; f < kFullCount; ++f) {
@@ -157,9 +217,10 @@ void plan_all_to_all_workspace(const CpContext& ctx, CpWorkspace* ws) {
   ws->bytes = c.end;
 }
 
-Status all_to_all_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
-                                    const TensorView& v, const TensorView& o,
-                                    const TensorView& lse, Stream stream) {
+namespace {
+
+Status forward(CpContext& ctx, const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& o, const TensorView& lse, Stream stream) {
   OpsScope scope(*ctx.ops, stream);
   FLARE_RETURN_IF_ERROR(scope.status());
   const Plan m = plan_of(ctx);
@@ -167,18 +228,16 @@ Status all_to_all_attention_forward(CpContext& ctx, const TensorView& q, const T
   FLARE_RETURN_IF_ERROR(trade(ctx, m, q, kRowsFirst, m.hq, f.at(kQ), true));
   FLARE_RETURN_IF_ERROR(trade(ctx, m, k, kRowsFirst, m.hk, f.at(kK), true));
   FLARE_RETURN_IF_ERROR(trade(ctx, m, v, kRowsFirst, m.hk, f.at(kV), true));
-  FLARE_RETURN_IF_ERROR(attention_forward(f.q_like(kQ), f.kv_like(kK), f.kv_like(kV),
-                                          f.q_like(kO), f.lse(), ctx.block_options, {},
-                                          ctx.ops->compute_stream()));
+  FLARE_RETURN_IF_ERROR(attention_forward(
+      f.arg(f.q_like(kQ)), f.arg(f.kv_like(kK)), f.arg(f.kv_like(kV)), f.arg(f.q_like(kO)),
+      f.arg(f.lse()), ctx.block_options, f.varlen(), ctx.ops->compute_stream()));
   FLARE_RETURN_IF_ERROR(trade(ctx, m, o, kRowsFirst, m.hq, f.at(kO), false));
   return trade(ctx, m, lse, kLseAxes, m.hq, f.at(kLse), false);
 }
 
-Status all_to_all_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
-                                     const TensorView& k, const TensorView& v,
-                                     const TensorView& o, const TensorView& lse,
-                                     const TensorView& dq, const TensorView& dk,
-                                     const TensorView& dv, Stream stream) {
+Status backward(CpContext& ctx, const TensorView& dout, const TensorView& q, const TensorView& k,
+                const TensorView& v, const TensorView& o, const TensorView& lse,
+                const TensorView& dq, const TensorView& dk, const TensorView& dv, Stream stream) {
   OpsScope scope(*ctx.ops, stream);
   FLARE_RETURN_IF_ERROR(scope.status());
   const Plan m = plan_of(ctx);
@@ -190,12 +249,31 @@ Status all_to_all_attention_backward(CpContext& ctx, const TensorView& dout, con
   FLARE_RETURN_IF_ERROR(trade(ctx, m, o, kRowsFirst, m.hq, f.at(kO), true));
   FLARE_RETURN_IF_ERROR(trade(ctx, m, lse, kLseAxes, m.hq, f.at(kLse), true));
   FLARE_RETURN_IF_ERROR(attention_backward(
-      f.q_like(kDout), f.q_like(kQ), f.kv_like(kK), f.kv_like(kV), f.q_like(kO), f.lse(),
-      f.q_like(kDq), f.kv_like(kDk), f.kv_like(kDv), ctx.block_options, {},
-      ctx.ops->compute_stream()));
+      f.arg(f.q_like(kDout)), f.arg(f.q_like(kQ)), f.arg(f.kv_like(kK)), f.arg(f.kv_like(kV)),
+      f.arg(f.q_like(kO)), f.arg(f.lse()), f.arg(f.q_like(kDq)), f.arg(f.kv_like(kDk)),
+      f.arg(f.kv_like(kDv)), ctx.block_options, f.varlen(), ctx.ops->compute_stream()));
   FLARE_RETURN_IF_ERROR(trade(ctx, m, dq, kRowsFirst, m.hq, f.at(kDq), false));
   FLARE_RETURN_IF_ERROR(trade(ctx, m, dk, kRowsFirst, m.hk, f.at(kDk), false));
   return trade(ctx, m, dv, kRowsFirst, m.hk, f.at(kDv), false);
+}
+
+}  // namespace
+
+// Packed plans run as a batch of one over the pack (the ring's convention).
+Status all_to_all_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
+                                    const TensorView& v, const TensorView& o, const TensorView& lse,
+                                    Stream stream) {
+  if (!ctx.packed) return forward(ctx, q, k, v, o, lse, stream);
+  return forward(ctx, batched(q), batched(k), batched(v), batched(o), batched(lse), stream);
+}
+
+Status all_to_all_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
+                                     const TensorView& k, const TensorView& v, const TensorView& o,
+                                     const TensorView& lse, const TensorView& dq,
+                                     const TensorView& dk, const TensorView& dv, Stream stream) {
+  if (!ctx.packed) return backward(ctx, dout, q, k, v, o, lse, dq, dk, dv, stream);
+  return backward(ctx, batched(dout), batched(q), batched(k), batched(v), batched(o), batched(lse),
+                  batched(dq), batched(dk), batched(dv), stream);
 }
 
 }  // namespace flare::dist

@@ -120,10 +120,6 @@ Status check_packed(ContextParallelConfig* c) {
   if (c->seqlen != 0 && c->seqlen != cu.back())
     return invalid("config.seqlen: ", c->seqlen, " must be 0 or the packed token count "
                    "cu_seqlens ends at, ", cu.back());
-  if (c->strategy == Strategy::kAllToAll)
-    return Status::unsupported(
-        "config.cu_seqlens: packed variable-length batches are not supported by the all-to-all "
-        "strategy yet; use ring or zigzag");
   c->batch = static_cast<int>(sequences);
   c->seqlen = cu.back();
   return {};
@@ -318,7 +314,7 @@ Status ContextParallelAttention::create(Communicator* comm, const ContextParalle
   // The workspace, once, from the plan: no call allocates after this.
   std::vector<int32_t> tables;
   if (cfg.strategy == Strategy::kAllToAll)
-    plan_all_to_all_workspace(ring, &ring.ws);
+    plan_all_to_all(ring, cfg.cu_seqlens, &tables);
   else
     plan_ring(ring, &tables);
   if (ring.device == DeviceType::kCUDA)

@@ -20,26 +20,27 @@ namespace flare::dist {
 // or the caller's synchronisation), as their outputs would be anyway.
 struct CpWorkspace {
   // Ring and zigzag, both passes.
-  int64_t kv_send = 0;    // this rank's K then V packed, when the user's are not dense
+  int64_t kv_send = 0;          // this rank's K then V packed, when the user's are not dense
   int64_t kv_recv[2] = {0, 0};  // K then V of an incoming block, double-buffered
   // Ring forward.
-  int64_t o_acc = 0;      // fp32 (b, s_local, h_q, d)
-  int64_t lse_acc = 0;    // fp32 (b, h_q, s_local)
-  int64_t o_blk = 0;      // dtype (b, rows, h_q, d): one block call's output
-  int64_t lse_blk = 0;    // fp32 (b, h_q, rows)
+  int64_t o_acc = 0;    // fp32 (b, s_local, h_q, d)
+  int64_t lse_acc = 0;  // fp32 (b, h_q, s_local)
+  int64_t o_blk = 0;    // dtype (b, rows, h_q, d): one block call's output
+  int64_t lse_blk = 0;  // fp32 (b, h_q, rows)
   // Ring backward.
-  int64_t dq_acc = 0;     // fp32 (b, s_local, h_q, d)
+  int64_t dq_acc = 0;       // fp32 (b, s_local, h_q, d)
   int64_t dkv[2] = {0, 0};  // fp32 dK then dV travelling with a block, double-buffered
-  int64_t grad_blk = 0;   // dtype dQ of one call, then dK, dV of every call of a step
-  int64_t lse_rows = 0;   // fp32 (b, h_q, rows): a call's rows of the forward's LSE
-  // Packed plans: int32 cu_seqlens of this rank's pack, then of every call (RingCall), uploaded at
-  // create.
+  int64_t grad_blk = 0;     // dtype dQ of one call, then dK, dV of every call of a step
+  int64_t lse_rows = 0;     // fp32 (b, h_q, rows): a call's rows of the forward's LSE
+  // Packed plans: int32 cu_seqlens of this rank's pack, then of every call (RingCall) or, for
+  // all-to-all, of the whole pack (at a2a_pack), uploaded at create.
   int64_t tables = 0;
+  int64_t a2a_pack = 0;
   // All-to-all.
-  int64_t a2a_send = 0;   // slabs to send, one per rank
-  int64_t a2a_stage = 0;  // slabs received, one per rank
+  int64_t a2a_send = 0;      // slabs to send, one per rank
+  int64_t a2a_stage = 0;     // slabs received, one per rank
   int64_t a2a_full[9] = {};  // full-sequence tensors of this rank's heads
-  int64_t bytes = 0;      // the whole workspace
+  int64_t bytes = 0;         // the whole workspace
 };
 
 // One single-device call of a ring step, with where its packed sequences' tables sit.
@@ -56,7 +57,8 @@ struct CpContext {
   // varlen[r]'s.
   std::vector<SequenceShard> shards;
   bool packed = false;
-  std::vector<VarlenShard> varlen;   // packed plans: every rank's rows of every sequence
+  std::vector<VarlenShard> varlen;           // packed plans: every rank's rows of every sequence
+  int pack_max_seqlen = 0;                   // all-to-all's packed plans: the whole pack's longest
   std::vector<std::vector<RingCall>> steps;  // ring and zigzag: steps[i], the calls of ring step i
   int batch = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
   DType dtype = DType::kFloat32;
@@ -89,6 +91,32 @@ struct CpContext {
     return TensorView::contiguous(data, dt, shape, device, device_index);
   }
 };
+
+// A packed (total, …) tensor as a batch of one, (1, total, …), and back: the strategies index
+// packed and fixed-length plans alike, and give the calls the packed views.
+inline TensorView batched(const TensorView& t) {
+  TensorView r = t;
+  r.ndim = t.ndim + 1;
+  for (int i = t.ndim; i >= 1; --i) {
+    r.shape[i] = t.shape[i - 1];
+    r.stride[i] = t.stride[i - 1];
+  }
+  r.shape[0] = 1;
+  r.stride[0] = t.shape[0] * t.stride[0];  // a dense tensor stays dense
+  return r;
+}
+
+inline TensorView unbatched(const TensorView& t) {
+  TensorView r = t;
+  r.ndim = t.ndim - 1;
+  for (int i = 0; i < r.ndim; ++i) {
+    r.shape[i] = t.shape[i + 1];
+    r.stride[i] = t.stride[i + 1];
+  }
+  r.shape[r.ndim] = 0;
+  r.stride[r.ndim] = 0;
+  return r;
+}
 
 // Hands out the workspace's buffers in order, each aligned to 256 bytes (vector loads, and the
 // alignment the CUDA kernels check for their fastest paths).

@@ -63,30 +63,6 @@ Dims dims_of(const CpContext& ctx) {
           ctx.s_max(), ctx.dtype};
 }
 
-TensorView batched(const TensorView& t) {
-  TensorView r = t;
-  r.ndim = t.ndim + 1;
-  for (int i = t.ndim; i >= 1; --i) {
-    r.shape[i] = t.shape[i - 1];
-    r.stride[i] = t.stride[i - 1];
-  }
-  r.shape[0] = 1;
-  r.stride[0] = t.shape[0] * t.stride[0];  // a dense tensor stays dense
-  return r;
-}
-
-TensorView unbatched(const TensorView& t) {
-  TensorView r = t;
-  r.ndim = t.ndim - 1;
-  for (int i = 0; i < r.ndim; ++i) {
-    r.shape[i] = t.shape[i + 1];
-    r.stride[i] = t.stride[i + 1];
-  }
-  r.shape[r.ndim] = 0;
-  r.stride[r.ndim] = 0;
-  return r;
-}
-
 int mod(int a, int n) { return (a % n + n) % n; }
 
 // The calls of step `step` at this rank (the block of rank src = r − step).
