@@ -263,17 +263,17 @@ Status backward(CpContext& ctx, const TensorView& dout, const TensorView& q, con
 Status all_to_all_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
                                     const TensorView& v, const TensorView& o, const TensorView& lse,
                                     Stream stream) {
-  if (!ctx.packed) return forward(ctx, q, k, v, o, lse, stream);
-  return forward(ctx, batched(q), batched(k), batched(v), batched(o), batched(lse), stream);
+  return on_batch_views(
+      ctx, [&](const auto&... t) { return forward(ctx, t..., stream); }, q, k, v, o, lse);
 }
 
 Status all_to_all_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
                                      const TensorView& k, const TensorView& v, const TensorView& o,
                                      const TensorView& lse, const TensorView& dq,
                                      const TensorView& dk, const TensorView& dv, Stream stream) {
-  if (!ctx.packed) return backward(ctx, dout, q, k, v, o, lse, dq, dk, dv, stream);
-  return backward(ctx, batched(dout), batched(q), batched(k), batched(v), batched(o), batched(lse),
-                  batched(dq), batched(dk), batched(dv), stream);
+  return on_batch_views(
+      ctx, [&](const auto&... t) { return backward(ctx, t..., stream); }, dout, q, k, v, o, lse, dq,
+      dk, dv);
 }
 
 }  // namespace flare::dist

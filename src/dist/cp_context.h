@@ -118,6 +118,13 @@ inline TensorView unbatched(const TensorView& t) {
   return r;
 }
 
+// `pass` over the tensors as given, or as batches of one for a packed plan: how each strategy's
+// entry points hand both kinds of plan to one implementation.
+template <typename Pass, typename... Views>
+Status on_batch_views(const CpContext& ctx, Pass pass, const Views&... views) {
+  return ctx.packed ? pass(batched(views)...) : pass(views...);
+}
+
 // Hands out the workspace's buffers in order, each aligned to 256 bytes (vector loads, and the
 // alignment the CUDA kernels check for their fastest paths).
 struct WorkspaceCursor {

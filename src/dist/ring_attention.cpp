@@ -59,8 +59,13 @@ struct Dims {
 // as (1, total, h, d) and (1, h, total), so that the merge, the accumulations and the copies index
 // both kinds of plan alike; its block calls get the packed views back (unbatched).
 Dims dims_of(const CpContext& ctx) {
-  return {ctx.packed ? 1 : ctx.batch, ctx.heads_q, ctx.heads_kv, ctx.head_dim, ctx.s_local(),
-          ctx.s_max(), ctx.dtype};
+  return {ctx.packed ? 1 : ctx.batch,
+          ctx.heads_q,
+          ctx.heads_kv,
+          ctx.head_dim,
+          ctx.s_local(),
+          ctx.s_max(),
+          ctx.dtype};
 }
 
 int mod(int a, int n) { return (a % n + n) % n; }
@@ -145,8 +150,8 @@ class Ring {
     std::vector<Transfer> t = extra;
     if (step + 1 < steps()) {
       const int n = size(), r = rank(), owner = mod(r - step - 1, n);
-      incoming_ = dense_block(ctx_, m_, ctx_.at(ctx_.ws.kv_recv[step % 2]),
-                              ctx_.shards[owner].length);
+      incoming_ =
+          dense_block(ctx_, m_, ctx_.at(ctx_.ws.kv_recv[step % 2]), ctx_.shards[owner].length);
       t.push_back(Transfer::send((r + 1) % n, held_.k.data, m_.kv_bytes(held_.len)));
       t.push_back(Transfer::send((r + 1) % n, held_.v.data, m_.kv_bytes(held_.len)));
       t.push_back(Transfer::recv((r + n - 1) % n, incoming_.k.data, m_.kv_bytes(incoming_.len)));
@@ -202,7 +207,7 @@ void plan_ring(CpContext& ctx, std::vector<int32_t>* tables) {
   // Calls of each step, and in packed plans their tables (as int32 indices until the workspace
   // has a place for them).
   const int steps = ctx.packed ? visible_ring_steps(ctx.varlen, ctx.band)
-                                : visible_ring_steps(ctx.shards, ctx.band);
+                               : visible_ring_steps(ctx.shards, ctx.band);
   ctx.steps.assign(static_cast<size_t>(steps), {});
   for (int step = 0; step < steps; ++step) {
     const int src = mod(r - step, n);
@@ -277,8 +282,8 @@ Status ring_forward(CpContext& ctx, const TensorView& q, const TensorView& k, co
           ring.arg(ctx.dense(o_blk, m.dtype, {m.b, t.q_len, m.hq, m.d})),
           ring.arg(ctx.dense(lse_blk, DType::kFloat32, {m.b, m.hq, t.q_len})), ring.options(call),
           ring.varlen(call), ops.compute_stream()));
-      FLARE_RETURN_IF_ERROR(ops.merge_block(
-          {o_acc, lse_acc, o_blk, lse_blk, m.b, m.hq, m.d, m.s_local, t.q_begin, t.q_len, m.dtype}));
+      FLARE_RETURN_IF_ERROR(ops.merge_block({o_acc, lse_acc, o_blk, lse_blk, m.b, m.hq, m.d,
+                                             m.s_local, t.q_begin, t.q_len, m.dtype}));
     }
   }
   FLARE_RETURN_IF_ERROR(ops.store_rows(o_acc, o));
@@ -365,10 +370,11 @@ Status ring_backward(CpContext& ctx, const TensorView& dout, const TensorView& q
     const int to = mod(r - (steps - 1), n), from = mod(r + steps - 1, n);
     float* out = dkv[(steps - 1) % 2];
     float* in = dkv[steps % 2];
-    const std::vector<Transfer> home = {Transfer::send(to, out, m.kv_elems(prev_len) * 4),
-                                        Transfer::send(to, out + dv_at, m.kv_elems(prev_len) * 4),
-                                        Transfer::recv(from, in, m.kv_elems(m.s_local) * 4),
-                                        Transfer::recv(from, in + dv_at, m.kv_elems(m.s_local) * 4)};
+    const std::vector<Transfer> home = {
+        Transfer::send(to, out, m.kv_elems(prev_len) * 4),
+        Transfer::send(to, out + dv_at, m.kv_elems(prev_len) * 4),
+        Transfer::recv(from, in, m.kv_elems(m.s_local) * 4),
+        Transfer::recv(from, in + dv_at, m.kv_elems(m.s_local) * 4)};
     FLARE_RETURN_IF_ERROR(ring.exchange(home));
     FLARE_RETURN_IF_ERROR(ops.compute_waits_comm());
   }
@@ -383,17 +389,17 @@ Status ring_backward(CpContext& ctx, const TensorView& dout, const TensorView& q
 Status ring_attention_forward(CpContext& ctx, const TensorView& q, const TensorView& k,
                               const TensorView& v, const TensorView& o, const TensorView& lse,
                               Stream stream) {
-  if (!ctx.packed) return ring_forward(ctx, q, k, v, o, lse, stream);
-  return ring_forward(ctx, batched(q), batched(k), batched(v), batched(o), batched(lse), stream);
+  return on_batch_views(
+      ctx, [&](const auto&... t) { return ring_forward(ctx, t..., stream); }, q, k, v, o, lse);
 }
 
 Status ring_attention_backward(CpContext& ctx, const TensorView& dout, const TensorView& q,
                                const TensorView& k, const TensorView& v, const TensorView& o,
                                const TensorView& lse, const TensorView& dq, const TensorView& dk,
                                const TensorView& dv, Stream stream) {
-  if (!ctx.packed) return ring_backward(ctx, dout, q, k, v, o, lse, dq, dk, dv, stream);
-  return ring_backward(ctx, batched(dout), batched(q), batched(k), batched(v), batched(o),
-                       batched(lse), batched(dq), batched(dk), batched(dv), stream);
+  return on_batch_views(
+      ctx, [&](const auto&... t) { return ring_backward(ctx, t..., stream); }, dout, q, k, v, o,
+      lse, dq, dk, dv);
 }
 
 }  // namespace flare::dist
