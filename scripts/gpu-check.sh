@@ -12,7 +12,8 @@
 #    standard grid and bench/torch_sdpa.py (PyTorch SDPA flash and cuDNN backends, same grid, same
 #    card, same call) into DIR/flare.json and DIR/torch.json; 4. one side-by-side table
 #    (bench/compare_table.py); 5. the same grid as packed batches (`flare bench --varlen`:
-#    DIR/flare-varlen.json) and the 128k-token long-sequence run (DIR/long.json); 6. the Python
+#    DIR/flare-varlen.json), the d 128 grid with softcap and ALiBi (DIR/flare-mods.json) and the
+#    128k-token long-sequence run (DIR/long.json); 6. the Python
 #    package's tests with torch on the GPU; then, unless --no-bench, through the Python package:
 #    bench/compare.py (flare against SDPA's flash, cuDNN, efficient and math backends on the
 #    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png),
@@ -150,6 +151,11 @@ if [[ $bench -eq 1 && $native_bench -eq 1 ]]; then
   "$build/apps/flare/flare" bench --device cuda --varlen --pass all --json "$out/flare-varlen.json" \
     > "$out/bench_flare_varlen.log" 2>&1 ||
     { status=1; log "flare bench --varlen FAILED"; tail -20 "$out/bench_flare_varlen.log"; }
+  # Score modifiers (softcap 30 and ALiBi) at d 128: the kernels' modified path, whichever runs it.
+  log "flare bench --device cuda --softcap 30 --alibi --d 128 (fwd, bwd)"
+  "$build/apps/flare/flare" bench --device cuda --softcap 30 --alibi --d 128 --pass all \
+    --json "$out/flare-mods.json" > "$out/bench_flare_mods.log" 2>&1 ||
+    { status=1; log "flare bench --softcap --alibi FAILED"; tail -20 "$out/bench_flare_mods.log"; }
   # Long sequences: no O(s^2) buffer anywhere, so 128k tokens fit; peak memory is recorded.
   log "long sequence: b=1 s=131072 h=16 d=128 bf16 causal, fwd+bwd"
   "$build/apps/flare/flare" bench --device cuda --b 1 --s 131072 --h 16 --d 128 --causal \
