@@ -18,6 +18,7 @@
 #include "flare/dist.h"
 #include "test_c_api_util.h"
 #include "test_dist_util.h"
+#include "test_dist_varlen_util.h"
 #include "test_util.h"
 
 extern "C" int flare_c_cp_rank(flare_comm* comm, int32_t strategy, int32_t causal, int64_t seqlen,
@@ -54,6 +55,9 @@ flare_cp_config to_c(const dist::ContextParallelConfig& cfg) {
   c.attention.window_left = cfg.attention.window_left;
   c.attention.window_right = cfg.attention.window_right;
   c.attention.deterministic = cfg.attention.deterministic;
+  // A packed plan's offsets stay in cfg, which must outlive the C config.
+  c.cu_seqlens = cfg.cu_seqlens.empty() ? nullptr : cfg.cu_seqlens.data();
+  c.num_cu_seqlens = static_cast<int32_t>(cfg.cu_seqlens.size());
   return c;
 }
 
@@ -107,9 +111,9 @@ int c_forward_backward(flare_comm* comm, const flare_cp_config& config, Local& l
   flare_cp* cp = nullptr;
   int code = flare_cp_create(comm, &config, &cp);
   if (code != FLARE_OK) return code;
-  const flare_tensor q = to_c(l.q.view), k = to_c(l.k.view), v = to_c(l.v.view),
-                     o = to_c(l.o.view), lse = to_c(l.lse.view), dout = to_c(l.dout.view),
-                     dq = to_c(l.dq.view), dk = to_c(l.dk.view), dv = to_c(l.dv.view);
+  const flare_tensor q = to_c(l.q.view), k = to_c(l.k.view), v = to_c(l.v.view), o = to_c(l.o.view),
+                     lse = to_c(l.lse.view), dout = to_c(l.dout.view), dq = to_c(l.dq.view),
+                     dk = to_c(l.dk.view), dv = to_c(l.dv.view);
   if (timing != nullptr) code = flare_cp_set_timing(cp, 1);
   if (code == FLARE_OK) code = flare_cp_forward(cp, &q, &k, &v, &o, &lse, nullptr);
   if (code == FLARE_OK)
@@ -124,7 +128,8 @@ std::vector<Local> cpp_locals(const CpCase& c, const Problem& pr) {
   std::vector<Local> locals = make_locals(c, pr);
   auto comms = in_process_group(c.world, kTimeoutMs);
   const std::vector<Status> st = run_ranks_forward_backward(c, comms, locals);
-  for (int r = 0; r < c.world; ++r) EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+  for (int r = 0; r < c.world; ++r)
+    EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
   return locals;
 }
 
@@ -155,8 +160,8 @@ void fill_sentinel(Local& l) {
 // ---- results --------------------------------------------------------------------------------
 
 TEST(CApiDist, ForwardBackwardMatchCppApiByteForByte) {
-  for (dist::Strategy st : {dist::Strategy::kRing, dist::Strategy::kZigzag,
-                            dist::Strategy::kAllToAll}) {
+  for (dist::Strategy st :
+       {dist::Strategy::kRing, dist::Strategy::kZigzag, dist::Strategy::kAllToAll}) {
     for (int world : {2, 3}) {
       CpCase c;
       c.world = world;
@@ -169,13 +174,76 @@ TEST(CApiDist, ForwardBackwardMatchCppApiByteForByte) {
       std::vector<Local> locals = make_locals(c, pr);
       CGroup group(world, kTimeoutMs);
       const flare_cp_config config = to_c(config_of(c));
-      const auto res = run_c_ranks(world, [&](int r) {
-        return c_forward_backward(group.comms[r], config, locals[r]);
-      });
+      const auto res = run_c_ranks(
+          world, [&](int r) { return c_forward_backward(group.comms[r], config, locals[r]); });
       for (int r = 0; r < world; ++r) ASSERT_EQ(res[r].code, FLARE_OK) << res[r].error;
       EXPECT_TRUE(same_outputs(locals, expected));
     }
   }
+}
+
+// Packed batches through the C API (config.cu_seqlens): the C++ API's bytes under every strategy,
+// and the packed shard helpers' rows.
+TEST(CApiDist, PackedBatchesMatchCppApiByteForByte) {
+  for (dist::Strategy st :
+       {dist::Strategy::kRing, dist::Strategy::kZigzag, dist::Strategy::kAllToAll}) {
+    VarlenCpCase c;
+    c.strategy = st;
+    c.world = 2;
+    c.seqlens = {9, 0, 14, 1};
+    SCOPED_TRACE(describe(c));
+    Problem pr = make_problem(spec_of(c));
+    std::vector<Local> expected = make_locals(c, pr);
+    {
+      auto comms = in_process_group(c.world, kTimeoutMs);
+      const std::vector<Status> s = run_ranks_forward_backward(c, comms, expected);
+      for (int r = 0; r < c.world; ++r) ASSERT_TRUE(s[r].ok()) << s[r].to_string();
+    }
+    std::vector<Local> locals = make_locals(c, pr);
+    CGroup group(c.world, kTimeoutMs);
+    const dist::ContextParallelConfig cfg = config_of(c);
+    const flare_cp_config config = to_c(cfg);
+    const auto res = run_c_ranks(
+        c.world, [&](int r) { return c_forward_backward(group.comms[r], config, locals[r]); });
+    for (int r = 0; r < c.world; ++r) ASSERT_EQ(res[r].code, FLARE_OK) << res[r].error;
+    EXPECT_TRUE(same_outputs(locals, expected));
+
+    // flare_shard_varlen gives each rank the rows make_local took through the C++ helper, and
+    // flare_unshard_varlen puts them back.
+    const std::vector<int32_t> cu = cu_seqlens_of(c);
+    HostTensor back = HostTensor::make(
+        pr.q.view.dtype, {pr.q.view.shape[0], pr.q.view.shape[1], pr.q.view.shape[2]});
+    back.poison();
+    for (int r = 0; r < c.world; ++r) {
+      const TensorView& want = expected[r].q.view;
+      HostTensor mine = HostTensor::make(want.dtype, {want.shape[0], want.shape[1], want.shape[2]});
+      mine.poison();
+      const flare_tensor full = to_c(pr.q.view), local = to_c(mine.view), into = to_c(back.view);
+      ASSERT_EQ(flare_shard_varlen(&full, 0, static_cast<int32_t>(st), cu.data(),
+                                   static_cast<int32_t>(cu.size()), c.world, r, &local),
+                FLARE_OK)
+          << flare_last_error();
+      EXPECT_EQ(mine.bytes, expected[r].q.bytes) << "rank " << r;
+      ASSERT_EQ(flare_unshard_varlen(&local, 0, static_cast<int32_t>(st), cu.data(),
+                                     static_cast<int32_t>(cu.size()), c.world, r, &into),
+                FLARE_OK)
+          << flare_last_error();
+    }
+    EXPECT_EQ(back.bytes, pr.q.bytes);
+  }
+  // Offsets named when they cannot be read.
+  CGroup one(1, kTimeoutMs);
+  flare_cp_config config = to_c(config_of(VarlenCpCase{}));
+  config.cu_seqlens = nullptr;
+  config.num_cu_seqlens = 3;
+  flare_cp* cp = nullptr;
+  EXPECT_EQ(flare_cp_create(one.comms[0], &config, &cp), FLARE_INVALID_ARGUMENT);
+  expect_last_error("config.cu_seqlens", "pass both or neither");
+  const int32_t cu[] = {0, 4};
+  config.cu_seqlens = cu;
+  config.num_cu_seqlens = -1;
+  EXPECT_EQ(flare_cp_create(one.comms[0], &config, &cp), FLARE_INVALID_ARGUMENT);
+  expect_last_error("config.num_cu_seqlens", "must be >= 0");
 }
 
 TEST(CApiDist, MatchesSingleDeviceReference) {
@@ -187,9 +255,8 @@ TEST(CApiDist, MatchesSingleDeviceReference) {
   std::vector<Local> locals = make_locals(c, pr);
   CGroup group(c.world, kTimeoutMs);
   const flare_cp_config config = to_c(config_of(c));
-  const auto res = run_c_ranks(c.world, [&](int r) {
-    return c_forward_backward(group.comms[r], config, locals[r]);
-  });
+  const auto res = run_c_ranks(
+      c.world, [&](int r) { return c_forward_backward(group.comms[r], config, locals[r]); });
   for (int r = 0; r < c.world; ++r) ASSERT_EQ(res[r].code, FLARE_OK) << res[r].error;
   gather_outputs(c, locals, &pr);
   expect_matches_reference(pr);
@@ -249,7 +316,8 @@ TEST(CApiDist, SequenceShardMatchesCpp) {
           flare_sequence_shard c;
           dist::SequenceShard cpp;
           ASSERT_EQ(flare_get_sequence_shard(strategy, s, world, r, &c), FLARE_OK);
-          ASSERT_TRUE(dist::sequence_shard(static_cast<dist::Strategy>(strategy), s, world, r, &cpp).ok());
+          ASSERT_TRUE(
+              dist::sequence_shard(static_cast<dist::Strategy>(strategy), s, world, r, &cpp).ok());
           EXPECT_EQ(c.count, cpp.count);
           EXPECT_EQ(c.length, cpp.length);
           for (int i = 0; i < cpp.count; ++i) {
@@ -282,8 +350,8 @@ TEST(CApiDist, ShardUnshardRoundTrip) {
     const flare_tensor clocal = to_c(c_local.view);
     ASSERT_EQ(flare_shard_sequence(&cfull, 1, FLARE_CP_ZIGZAG, world, r, &clocal), FLARE_OK)
         << flare_last_error();
-    ASSERT_TRUE(dist::shard_sequence(full.view, 1, dist::Strategy::kZigzag, world, r,
-                                     cpp_local.view).ok());
+    ASSERT_TRUE(
+        dist::shard_sequence(full.view, 1, dist::Strategy::kZigzag, world, r, cpp_local.view).ok());
     EXPECT_EQ(c_local.bytes, cpp_local.bytes);
     ASSERT_EQ(flare_unshard_sequence(&clocal, 1, FLARE_CP_ZIGZAG, world, r, &cback), FLARE_OK)
         << flare_last_error();
@@ -292,9 +360,11 @@ TEST(CApiDist, ShardUnshardRoundTrip) {
 
   flare_tensor bad = cfull;
   bad.ndim = 9;
-  EXPECT_EQ(flare_shard_sequence(&bad, 1, FLARE_CP_ZIGZAG, world, 0, &cback), FLARE_INVALID_ARGUMENT);
+  EXPECT_EQ(flare_shard_sequence(&bad, 1, FLARE_CP_ZIGZAG, world, 0, &cback),
+            FLARE_INVALID_ARGUMENT);
   expect_last_error("full:", "ndim = 9 must be in [0, 4]");
-  EXPECT_EQ(flare_unshard_sequence(&bad, 1, FLARE_CP_ZIGZAG, world, 0, &cback), FLARE_INVALID_ARGUMENT);
+  EXPECT_EQ(flare_unshard_sequence(&bad, 1, FLARE_CP_ZIGZAG, world, 0, &cback),
+            FLARE_INVALID_ARGUMENT);
   expect_last_error("local:", "ndim = 9 must be in [0, 4]");
 }
 

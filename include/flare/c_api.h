@@ -142,6 +142,12 @@ typedef struct flare_cp_config {
   int32_t head_dim;
   int32_t dtype;         /* enum flare_dtype */
   flare_attention_options attention;
+  /* A packed variable-length batch: the global pack's cu_seqlens, host int32, num_cu_seqlens =
+   * batch + 1 entries (copied at create). NULL and 0: one fixed-length batch. With them, a rank's
+   * local tensors hold its rows of every sequence (flare_shard_varlen's layout): q-like
+   * (local rows, heads, d), lse (heads_q, local rows); batch and seqlen are 0 or the pack's. */
+  const int32_t* cu_seqlens;
+  int32_t num_cu_seqlens;
 } flare_cp_config;
 
 /* Sums over the calls since the last flare_cp_take_timing (times on CUDA devices only). */
@@ -188,6 +194,17 @@ int flare_shard_sequence(const flare_tensor* full, int32_t seq_dim, int32_t stra
                          int32_t size, int32_t rank, const flare_tensor* local);
 int flare_unshard_sequence(const flare_tensor* local, int32_t seq_dim, int32_t strategy,
                            int32_t size, int32_t rank, const flare_tensor* full);
+
+/* Copies rank `rank`'s rows of a packed tensor `full` (global pack cu_seqlens, num_cu_seqlens
+ * entries) into `local` (shard) or back (unshard): every sequence cut across the ranks on its
+ * own, in `strategy`'s layout. seq_dim 0 for (total, h, d) tensors, 1 for lse (h, total). CPU
+ * tensors of one dtype. */
+int flare_shard_varlen(const flare_tensor* full, int32_t seq_dim, int32_t strategy,
+                       const int32_t* cu_seqlens, int32_t num_cu_seqlens, int32_t size,
+                       int32_t rank, const flare_tensor* local);
+int flare_unshard_varlen(const flare_tensor* local, int32_t seq_dim, int32_t strategy,
+                         const int32_t* cu_seqlens, int32_t num_cu_seqlens, int32_t size,
+                         int32_t rank, const flare_tensor* full);
 
 /* Zigzag, bfloat16, default attention options, sizes 0 (to be filled in). */
 flare_cp_config flare_default_cp_config(void);

@@ -56,8 +56,8 @@ Status wrap(std::unique_ptr<dist::Communicator> comm, flare_comm** out) {
 
 Status copy_field(const std::string& value, char* field, size_t capacity, const char* name) {
   if (value.size() >= capacity)
-    return Status::invalid_argument(flare::cat(name, ": '", value, "' is longer than ",
-                                               capacity - 1, " characters"));
+    return Status::invalid_argument(
+        flare::cat(name, ": '", value, "' is longer than ", capacity - 1, " characters"));
   std::memcpy(field, value.c_str(), value.size() + 1);
   return {};
 }
@@ -68,8 +68,8 @@ Status to_c(const dist::LaunchInfo& in, flare_launch_info* out) {
   c.size = in.size;
   c.local_rank = in.local_rank;
   c.master_port = in.master_port;
-  FLARE_RETURN_IF_ERROR(copy_field(in.master_addr, c.master_addr, sizeof c.master_addr,
-                                   "MASTER_ADDR"));
+  FLARE_RETURN_IF_ERROR(
+      copy_field(in.master_addr, c.master_addr, sizeof c.master_addr, "MASTER_ADDR"));
   FLARE_RETURN_IF_ERROR(copy_field(in.source, c.source, sizeof c.source, "launch source"));
   *out = c;
   return {};
@@ -172,8 +172,8 @@ int flare_comm_get_info(const flare_comm* comm, flare_comm_info* info) {
     FLARE_RETURN_IF_ERROR(not_null(comm, "comm", "handle"));
     FLARE_RETURN_IF_ERROR(not_null(info, "info", "output pointer"));
     const dist::Communicator& c = *comm->impl;
-    *info = {c.rank(), c.size(), static_cast<int32_t>(c.device()), c.device_index(),
-             c.timeout_ms(), c.kind()};
+    *info = {c.rank(),         c.size(),       static_cast<int32_t>(c.device()),
+             c.device_index(), c.timeout_ms(), c.kind()};
     return {};
   });
 }
@@ -212,8 +212,8 @@ int flare_get_sequence_shard(int32_t strategy, int64_t seqlen, int32_t size, int
   });
 }
 
-int flare_shard_sequence(const flare_tensor* full, int32_t seq_dim, int32_t strategy,
-                         int32_t size, int32_t rank, const flare_tensor* local) {
+int flare_shard_sequence(const flare_tensor* full, int32_t seq_dim, int32_t strategy, int32_t size,
+                         int32_t rank, const flare_tensor* local) {
   return guarded([&]() -> Status {
     FLARE_RETURN_IF_ERROR(rank_error({{"full", full}, {"local", local}}, nullptr, nullptr));
     return dist::shard_sequence(to_view(full), seq_dim, to_strategy(strategy), size, rank,
@@ -227,6 +227,47 @@ int flare_unshard_sequence(const flare_tensor* local, int32_t seq_dim, int32_t s
     FLARE_RETURN_IF_ERROR(rank_error({{"local", local}, {"full", full}}, nullptr, nullptr));
     return dist::unshard_sequence(to_view(local), seq_dim, to_strategy(strategy), size, rank,
                                   to_view(full));
+  });
+}
+
+namespace {
+
+// A host int32 array of `count` entries from the C side, named `name` in errors.
+Status host_offsets(const int32_t* data, int32_t count, const char* name, const char* count_name,
+                    std::vector<int32_t>* out) {
+  out->clear();
+  if (count < 0) return flare::invalid(count_name, ": must be >= 0, got ", count);
+  if (data == nullptr && count > 0)
+    return flare::invalid(name, ": NULL with ", count_name, " = ", count, "; pass both or neither");
+  if (data != nullptr) out->assign(data, data + count);
+  return {};
+}
+
+}  // namespace
+
+int flare_shard_varlen(const flare_tensor* full, int32_t seq_dim, int32_t strategy,
+                       const int32_t* cu_seqlens, int32_t num_cu_seqlens, int32_t size,
+                       int32_t rank, const flare_tensor* local) {
+  return guarded([&]() -> Status {
+    FLARE_RETURN_IF_ERROR(rank_error({{"full", full}, {"local", local}}, nullptr, nullptr));
+    std::vector<int32_t> cu;
+    FLARE_RETURN_IF_ERROR(
+        host_offsets(cu_seqlens, num_cu_seqlens, "cu_seqlens", "num_cu_seqlens", &cu));
+    return dist::shard_varlen(to_view(full), seq_dim, to_strategy(strategy), cu, size, rank,
+                              to_view(local));
+  });
+}
+
+int flare_unshard_varlen(const flare_tensor* local, int32_t seq_dim, int32_t strategy,
+                         const int32_t* cu_seqlens, int32_t num_cu_seqlens, int32_t size,
+                         int32_t rank, const flare_tensor* full) {
+  return guarded([&]() -> Status {
+    FLARE_RETURN_IF_ERROR(rank_error({{"local", local}, {"full", full}}, nullptr, nullptr));
+    std::vector<int32_t> cu;
+    FLARE_RETURN_IF_ERROR(
+        host_offsets(cu_seqlens, num_cu_seqlens, "cu_seqlens", "num_cu_seqlens", &cu));
+    return dist::unshard_varlen(to_view(local), seq_dim, to_strategy(strategy), cu, size, rank,
+                                to_view(full));
   });
 }
 
@@ -254,8 +295,12 @@ int flare_cp_create(flare_comm* comm, const flare_cp_config* config, flare_cp** 
     c.head_dim = config->head_dim;
     c.dtype = static_cast<flare::DType>(config->dtype);
     c.attention = flare::c_api::to_options(&config->attention);
+    FLARE_RETURN_IF_ERROR(host_offsets(config->cu_seqlens, config->num_cu_seqlens,
+                                       "config.cu_seqlens", "config.num_cu_seqlens",
+                                       &c.cu_seqlens));
     auto handle = std::make_unique<flare_cp>();
-    FLARE_RETURN_IF_ERROR(dist::ContextParallelAttention::create(comm->impl.get(), c, &handle->impl));
+    FLARE_RETURN_IF_ERROR(
+        dist::ContextParallelAttention::create(comm->impl.get(), c, &handle->impl));
     *cp = handle.release();
     return {};
   });
@@ -289,8 +334,15 @@ int flare_cp_backward(flare_cp* cp, const flare_tensor* dout, const flare_tensor
                       const flare_tensor* dv, void* stream) {
   return guarded([&]() -> Status {
     FLARE_RETURN_IF_ERROR(not_null(cp, "cp", "handle"));
-    FLARE_RETURN_IF_ERROR(rank_error({{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"o", o},
-                                      {"lse", lse}, {"dq", dq}, {"dk", dk}, {"dv", dv}},
+    FLARE_RETURN_IF_ERROR(rank_error({{"dout", dout},
+                                      {"q", q},
+                                      {"k", k},
+                                      {"v", v},
+                                      {"o", o},
+                                      {"lse", lse},
+                                      {"dq", dq},
+                                      {"dk", dk},
+                                      {"dv", dv}},
                                      nullptr, nullptr));
     return cp->impl->backward(to_view(dout), to_view(q), to_view(k), to_view(v), to_view(o),
                               to_view(lse), to_view(dq), to_view(dk), to_view(dv), stream);
