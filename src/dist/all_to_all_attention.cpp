@@ -62,12 +62,10 @@ struct Plan {
   }
   // Rank p's rows in the full sequence: runs from its local row src_row to global row dst_row.
   std::vector<RowRun> runs(int p) const {
-    if (!ctx->packed) return {{0, ctx->shards[p].chunk[0].global_begin, len(p)}};
     std::vector<RowRun> out;
-    for (const SequenceShard& seq : ctx->varlen[p].sequences)
-      for (int c = 0; c < seq.count; ++c)
-        if (seq.chunk[c].length > 0)
-          out.push_back({seq.chunk[c].local_begin, seq.chunk[c].global_begin, seq.chunk[c].length});
+    if (!ctx->packed) add_runs(ctx->shards[p], false, &out);
+    if (ctx->packed)
+      for (const SequenceShard& seq : ctx->varlen[p].sequences) add_runs(seq, false, &out);
     return out;
   }
 };

@@ -118,7 +118,8 @@ Status check_local_rows(const TensorView& local, int seq_dim, int64_t rows, int6
   return {};
 }
 
-// The runs of a rank's chunks, from the full tensor to the local one (or the reverse).
+}  // namespace
+
 void add_runs(const SequenceShard& shard, bool to_local, std::vector<RowRun>* runs) {
   for (int c = 0; c < shard.count; ++c) {
     const SequenceChunk& ch = shard.chunk[c];
@@ -127,6 +128,8 @@ void add_runs(const SequenceShard& shard, bool to_local, std::vector<RowRun>* ru
                              : RowRun{ch.local_begin, ch.global_begin, ch.length});
   }
 }
+
+namespace {
 
 Status copy_runs(const TensorView& src, const TensorView& dst, int seq_dim,
                  const std::vector<RowRun>& runs, Stream stream) {

@@ -90,6 +90,10 @@ struct RowRun {
   int64_t rows = 0;
 };
 
+// Appends the runs of a shard's non-empty chunks: from the full tensor's rows to the local ones
+// (to_local), or the reverse.
+void add_runs(const SequenceShard& shard, bool to_local, std::vector<RowRun>* runs);
+
 // Copies `rows` rows along seq_dim from src (from row src_row) to dst (from row dst_row), element
 // by element through any strides. Host memory; one dtype; the other dimensions must agree.
 void copy_rows(const TensorView& src, int64_t src_row, const TensorView& dst, int64_t dst_row,
