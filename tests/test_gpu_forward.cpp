@@ -372,15 +372,25 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
 // ---- the sm90 (Hopper) forward -----------------------------------------------------------------
 
 // The problems the sm90 forward takes (sm90/fwd_tiles.h: fixed-length batches, any mask, GQA,
-// 16-byte aligned strides, no dropout or score modifiers), one named test per (compiled sm90
+// 16-byte aligned strides, softcap and ALiBi, no dropout), one named test per (compiled sm90
 // variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
 //
 // The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
 // keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, 1025 tokens
 // of magnitude 1e3 (causal at the bucket's own head dim), and 200 queries over 2500 keys (past the
-// persistent kernel's lengths: the one-CTA kernel's tile, sm90/fwd_tiles.h).
-const char* const kSm90Shapes[] = {"s197",       "causal_97x300", "causal_300x97", "window_gqa",
-                                   "mqa_padded", "one_token",     "large_1025",    "causal_200x2500"};
+// persistent kernel's lengths: the one-CTA kernel's tile, sm90/fwd_tiles.h); then both score
+// modifiers (softcap 5 on magnitude-3 scores, so that the cap bites, and ALiBi slopes per sequence
+// and head) on a window under GQA with s_q > s_k, and causal over 200 × 2500 (each kernel).
+const char* const kSm90Shapes[] = {"s197",          "causal_97x300",  "causal_300x97",
+                                   "window_gqa",    "mqa_padded",     "one_token",
+                                   "large_1025",    "causal_200x2500", "mods_window_gqa",
+                                   "mods_causal_200x2500"};
+
+// Softcap and ALiBi (per sequence and head) on scores large enough for the cap to matter.
+ProblemSpec with_score_mods(ProblemSpec s) {
+  return problem_cases::alibi(
+      problem_cases::softcap(problem_cases::magnitude(std::move(s), 3.0f), 5.0f), true);
+}
 
 ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
   const ProblemSpec base = base_spec(c.dtype, c.head_dim, 60 + static_cast<uint64_t>(c.shape));
@@ -410,6 +420,8 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
       return large;
     }
     case 7: return causal_shape(base, 200, 2500);
+    case 8: return with_score_mods(window_gqa(base, 310, 290, 40, 9));
+    case 9: return with_score_mods(causal_shape(base, 200, 2500));
     default: return base;
   }
 }

@@ -98,11 +98,23 @@ struct ElementMask {
         lo(window_left >= 0 ? -window_left : INT32_MIN),
         hi(window_right >= 0 ? window_right : INT32_MAX) {}
 
+  // The element's key minus its row's aligned key position: ALiBi's distance, up to sign.
+  FLARE_HD int rel(int dk, int dr) const { return rel0 + dk - dr; }
+
   FLARE_HD bool masked(int dk, int dr) const {
-    const int rel = rel0 + dk - dr;
-    return dk >= room || rel < lo || rel > hi;
+    const int r = rel(dk, dr);
+    return dk >= room || r < lo || r > hi;
   }
 };
+
+// The score modifiers on a scaled score x, in the order of attention.h: softcap
+// (c·tanh(x / c), off when c ≤ 0), then ALiBi (−slope·|rel|, off when `alibi` is false), with rel
+// the key's offset from the row's aligned key position (ElementMask::rel).
+FLARE_HD float modify_score(float x, float softcap, bool alibi, float slope, int rel) {
+  if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+  if (alibi) x -= slope * static_cast<float>(rel < 0 ? -rel : rel);
+  return x;
+}
 
 // The ALiBi bias for (row, col): −slope · |row + len_k − len_q − col|.
 FLARE_HD float alibi_bias(float slope, int row, int col, int len_q, int len_k) {

@@ -10,8 +10,8 @@
 //     its registers back (setmaxnreg) to the consumers.
 //   - Each consumer warpgroup owns 64 query rows and runs, per key step,
 //       S = Q·K_jᵀ   wgmma m64n{kBlockN}k16, Q and K from shared memory (K-major)
-//       mask, online softmax on S in registers (the accumulator layout is mma.sync's, so the
-//       row max and sum are quad shuffles as in sm80)
+//       score modifiers and mask (on boundary steps), online softmax on S in registers (the
+//       accumulator layout is mma.sync's, so the row max and sum are quad shuffles as in sm80)
 //       O += P·V_j   wgmma m64n{d}k16, P from registers (the accumulator rounded in place), V from
 //       shared memory (MN-major)
 //     with no CTA-wide barrier: warpgroups drift apart, so one's softmax runs beside another's
@@ -298,19 +298,21 @@ __device__ __forceinline__ void load_steps(const KvRing<Cfg>& ring, int r_first,
 // ring step r_first on, into this thread's acc_o, row_max and row_sum: per step S_j = Q·K_jᵀ, the
 // mask, the online softmax and O += P_j·V_j. key_tile(stage, j) names step j's key tile, read
 // once K_j has landed; keys in [last_lo, first_hi) are visible to every row of the tile, so a
-// step inside needs no mask.
+// step inside needs no mask. `slope` is the head's ALiBi slope (alibi_slope, core/score_mod.h).
 // Where the bucket overlaps its steps (Fwd90Tile::overlap_steps), iteration j issues S_j, then
 // O += P_{j-1}·V_{j-1}, and runs step j's mask and softmax while the tensor cores work on the
 // latter; once that is done, O is rescaled for step j and P_j rounded for the next iteration, so
 // the softmax's exponentials do not wait for the products of the same rows. Elsewhere the steps
 // run one after another, and the overlap is only between warpgroups.
-template <class Cfg, typename KeyTile>
+// kScoreMods: the problem has softcap or ALiBi (a kernel of its own, so that the plain steps keep
+// the code they had: with a runtime branch they ran 2% slower, d 64 and 256, H200).
+template <class Cfg, bool kScoreMods, typename KeyTile>
 __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], float (&row_max)[2],
                                              float (&row_sum)[2], const AttentionParams& p,
                                              const KvRing<Cfg>& ring, int r_first, int steps,
                                              uint32_t q_rows, KeyTile key_tile, int last_lo,
-                                             int first_hi, int m0, int len_q, int len_k, int r0,
-                                             int t) {
+                                             int first_hi, int m0, int len_q, int len_k,
+                                             float slope, int r0, int t) {
   using Element = typename Cfg::Element;
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   float s[kBlockN / 2];          // S_j, then exp2 of it
@@ -351,20 +353,35 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], 
     }
     ptx::wgmma_commit();
   };
-  // S_j is done: K_j's buffer goes back; the mask on boundary steps (ElementMask,
-  // core/score_mod.h) and the online softmax for the thread's two rows, with `correction` the
-  // factor O waits for.
+  // S_j is done: K_j's buffer goes back; the score modifiers, the mask on boundary steps
+  // (modify_score, ElementMask: core/score_mod.h) and the online softmax for the thread's two rows,
+  // with `correction` the factor O waits for.
   auto softmax = [&](int j, int n0, float (&correction)[2]) {
     ptx::fence_operands(s);
     if constexpr (Cfg::kOverlapSteps) ptx::mbarrier_arrive(ring.k_empty((r_first + j) % kStages));
-    if (n0 < last_lo || n0 + kBlockN > first_hi) {
+    const bool boundary = n0 < last_lo || n0 + kBlockN > first_hi;
+    if (kScoreMods || boundary) {
       // Element 4jj + i: key n0 + 2t + 8jj + i % 2, row r0 + 8·(i / 2) of the tile.
       const ElementMask mask(n0, 2 * t, m0 + r0, len_q, len_k, p.window_left, p.window_right);
+      if constexpr (kScoreMods) {
+        // Modified in scaled units, then back to raw ones for the softmax's one FFMA with
+        // scale·log2(e).
+        const float to_raw = 1.0f / p.scale;
 #pragma unroll
-      for (int jj = 0; jj < kBlockN / 8; ++jj)
+        for (int jj = 0; jj < kBlockN / 8; ++jj)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          if (mask.masked(jj * 8 + (i & 1), (i >> 1) * 8)) s[4 * jj + i] = -INFINITY;
+          for (int i = 0; i < 4; ++i)
+            s[4 * jj + i] = to_raw * modify_score(s[4 * jj + i] * p.scale, p.softcap,
+                                                  p.alibi_slopes != nullptr, slope,
+                                                  mask.rel(jj * 8 + (i & 1), (i >> 1) * 8));
+      }
+      if (boundary) {
+#pragma unroll
+        for (int jj = 0; jj < kBlockN / 8; ++jj)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (mask.masked(jj * 8 + (i & 1), (i >> 1) * 8)) s[4 * jj + i] = -INFINITY;
+      }
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -510,7 +527,7 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
 
 // One CTA per query tile: the Q tile, then the tile's steps (load_steps, attend_steps) and its
 // epilogue (write_tile), as the persistent kernel runs them for each of its tiles.
-template <DType kDType, int kHeadDim>
+template <DType kDType, int kHeadDim, bool kScoreMods>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads, 1)
     attention_forward_sm90_kernel(const __grid_constant__ AttentionParams p,
                                   const __grid_constant__ CUtensorMap tm_q,
@@ -590,12 +607,12 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   ptx::mbarrier_wait(q_full, 0);
-  attend_steps<Cfg>(
+  attend_steps<Cfg, kScoreMods>(
       acc_o, row_max, row_sum, p, ring, 0, steps, sQ + c * 64 * 128,
       [&](int stage, int j) {
         return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + j;
       },
-      w.last_lo, w.first_hi, m0, p.seqlen_q, p.seqlen_k, r0, t);
+      w.last_lo, w.first_hi, m0, p.seqlen_q, p.seqlen_k, alibi_slope(p, b, h), r0, t);
   write_tile<Cfg>(acc_o, row_max, row_sum, p, smem, b, h, 0, m0, rows_q, p.seqlen_k, r0, t, c, warp,
                   lane);
 #else
@@ -606,7 +623,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 #endif
 }
 
-template <DType kDType, int kHeadDim>
+template <DType kDType, int kHeadDim, bool kScoreMods>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads, 1)
     attention_forward_sm90_persistent_kernel(const __grid_constant__ AttentionParams p,
                                              const __grid_constant__ CUtensorMap tm_q,
@@ -765,12 +782,12 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
     const int steps =
         sparse() ? *static_cast<volatile int*>(&s_tile_steps[qb]) : w.n_end - w.n_begin;
 
-    attend_steps<Cfg>(
+    attend_steps<Cfg, kScoreMods>(
         acc_o, row_max, row_sum, p, ring, ring_step, steps, q_rows,
         [&](int stage, int j) {
           return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : w.n_begin + j;
         },
-        w.last_lo, w.first_hi, w.m0, w.len_q, w.len_k, r0, t);
+        w.last_lo, w.first_hi, w.m0, w.len_q, w.len_k, alibi_slope(p, w.b, w.h), r0, t);
     ring_step += steps;
 
     write_tile<Cfg>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes, w.b, w.h, w.q_row0, w.m0,
@@ -792,14 +809,14 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
 template <DType kDType, int kHeadDim>
 bool forward_runs_on_device() {
   return runs_sm90a_code(
-      reinterpret_cast<const void*>(attention_forward_sm90_kernel<kDType, kHeadDim>));
+      reinterpret_cast<const void*>(attention_forward_sm90_kernel<kDType, kHeadDim, false>));
 }
 
 // The persistent kernel over `tiles` query tiles: one CTA per SM, or one per tile when there are
 // fewer (the tests may cap it lower). Its tile counter is the stream's (tile_counter.h), or while
 // the stream captures a graph one of the launch's own, from the stream-ordered allocator, zeroed
 // and freed in stream order: nothing waits for the device.
-template <DType kDType, int kHeadDim>
+template <DType kDType, int kHeadDim, bool kScoreMods>
 Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                          const CUtensorMap& tm_v, int64_t tiles, cudaStream_t stream) {
   using Cfg = Fwd90Config<kDType, kHeadDim, true>;
@@ -808,8 +825,9 @@ Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, cons
   const int ctas = testing::forced_forward_ctas() > 0 ? testing::forced_forward_ctas() : device.sms;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, ctas)));
   auto run = [&](int* counter) {
-    return launch(attention_forward_sm90_persistent_kernel<kDType, kHeadDim>, "forward", kHeadDim,
-                  grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v, counter);
+    return launch(attention_forward_sm90_persistent_kernel<kDType, kHeadDim, kScoreMods>, "forward",
+                  kHeadDim, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v,
+                  counter);
   };
   int* counter = nullptr;
   FLARE_RETURN_IF_ERROR(stream_tile_counter(stream, &counter));
@@ -822,6 +840,23 @@ Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, cons
   if (status.ok()) status = run(static_cast<int*>(own));
   const Status freed = cuda_status("forward", "cudaFreeAsync", cudaFreeAsync(own, stream));
   return status.ok() ? freed : status;
+}
+
+// The one-CTA or the persistent kernel (fwd90_row), with or without score modifiers.
+template <DType kDType, int kHeadDim, bool kScoreMods>
+Status launch_tiles(const AttentionParams& p, const Fwd90Tile& row, const CUtensorMap& tm_q,
+                    const CUtensorMap& tm_k, const CUtensorMap& tm_v, int64_t tiles,
+                    cudaStream_t stream) {
+  if constexpr (fwd90_tile(kHeadDim, true).head_dim != 0) {
+    if (row.persistent)
+      return launch_persistent<kDType, kHeadDim, kScoreMods>(p, tm_q, tm_k, tm_v, tiles, stream);
+  }
+  using Cfg = Fwd90Config<kDType, kHeadDim, false>;
+  const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
+                  static_cast<unsigned>(p.batch));
+  return launch(attention_forward_sm90_kernel<kDType, kHeadDim, kScoreMods>, "forward", kHeadDim,
+                grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v);
 }
 
 template <DType kDType, int kHeadDim>
@@ -841,16 +876,9 @@ Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
   st = encode_map(&tm_v, kDType, p.v, p.head_dim, static_cast<int>(rows.k), p.heads_kv, batch,
                   p.v_row_stride, p.v_head_stride, p.v_batch_stride, row.block_n, "v");
   if (!st.ok()) return st;
-  if constexpr (fwd90_tile(kHeadDim, true).head_dim != 0) {
-    if (row.persistent)
-      return launch_persistent<kDType, kHeadDim>(p, tm_q, tm_k, tm_v, tiles, stream);
-  }
-  using Cfg = Fwd90Config<kDType, kHeadDim, false>;
-  const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
-                  static_cast<unsigned>(p.batch));
-  return launch(attention_forward_sm90_kernel<kDType, kHeadDim>, "forward", kHeadDim, grid,
-                Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v);
+  if (p.softcap > 0.0f || p.alibi_slopes != nullptr)
+    return launch_tiles<kDType, kHeadDim, true>(p, row, tm_q, tm_k, tm_v, tiles, stream);
+  return launch_tiles<kDType, kHeadDim, false>(p, row, tm_q, tm_k, tm_v, tiles, stream);
 }
 
 }  // namespace flare::cuda::sm90
