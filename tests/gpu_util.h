@@ -101,12 +101,12 @@ inline std::vector<int> sm90_forward_test_head_dims(int bucket) {
 }
 
 // The backward's (sm90/bwd_tiles.h): its 128 bucket takes d 65-128 (96, 80 and 72 zero-filled)
-// and its 256 bucket only d 193-256.
+// and its 256 bucket d 129-160 and 193-256 (160 and 136 zero-filled).
 inline std::vector<int> sm90_backward_test_head_dims(int bucket) {
   switch (bucket) {
     case 64: return {64, 40};
     case 128: return {128, 104, 96, 80, 72};
-    case 256: return {256, 232};
+    case 256: return {256, 232, 160, 136};
     default: return {bucket};
   }
 }

@@ -38,11 +38,13 @@ constexpr Bwd90Tile bwd90_tile(int bucket) {
 }
 
 // The sm90 backward bucket of a head_dim, else 0. d 65-96 runs zero-filled in the 128 bucket:
-// 1.11-1.33x sm80's 96 bucket on an H200 (d 80 1.19-1.33x; sm90/notes.md). d 129-192 stays on
-// sm80: zero-filled to 256 it ran 0.87-0.91x on an H100.
+// 1.11-1.33x sm80's 96 bucket on an H200 (d 80 1.19-1.33x; sm90/notes.md), and d 129-160 in the
+// 256 bucket: d 160 1.02-1.07x sm80's 192 bucket on an H200, where d 192 ran 0.93-0.97x, so
+// d 161-192 stays on sm80.
 constexpr int bwd90_bucket(int head_dim) {
   if (head_dim > 32 && head_dim <= 64) return 64;
   if (head_dim > 64 && head_dim <= 128) return 128;
+  if (head_dim > 128 && head_dim <= 160) return 256;
   if (head_dim > 192 && head_dim <= 256) return 256;
   return 0;
 }
