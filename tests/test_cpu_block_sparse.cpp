@@ -47,7 +47,7 @@ void check_case(const ProblemSpec& spec, const HostTensor& mask, int bm, int bn)
                                         pr.options, pr.varlen, &bp);
   ASSERT_TRUE(s.ok()) << s.to_string();
   expect_gradients_match(pr, bp, cpu::reference_backward(bp, cpu::RefPrecision::kFloat64),
-                         cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision));
+                         naive_backward(bp));
 }
 
 // A per-(batch, head) random mask of the spec's shape at `density`.

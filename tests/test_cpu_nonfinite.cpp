@@ -240,8 +240,7 @@ void run_and_check(Problem& pr, Check check = Check::kPatternAndValues,
   const AttentionParams bp = pr.backward_params();
   const cpu::RefBackward ref = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
   if (check == Check::kPatternAndValues) {
-    const cpu::RefBackward naive = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
-    expect_gradients_match_nonfinite(pr, bp, ref, naive, budget);
+    expect_gradients_match_nonfinite(pr, bp, ref, naive_backward(bp), budget);
   } else {
     EXPECT_TRUE(same_nonfinite_pattern("dQ", pr.read_dq(), ref.dq));
     EXPECT_TRUE(same_nonfinite_pattern("dK", pr.read_dk(), ref.dk));

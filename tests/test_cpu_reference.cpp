@@ -265,6 +265,39 @@ TEST(Reference, LowPrecisionErrorOrdering) {
   EXPECT_LT(err[1], err[2]);
 }
 
+// The reversed naive backward (test_util.h's NaiveBackward) is a second realisation of the same
+// rounding: it differs from the in-order one somewhere, both stay near the truth, and the
+// forward ignores the order.
+TEST(Reference, ReversedLowPrecisionBackwardIsAnotherRealisation) {
+  ProblemSpec spec;
+  spec.seqlen_q = spec.seqlen_k = 64;
+  spec.head_dim = 32;
+  spec.options.softcap = 5.0f;
+  spec.seed = test_seed();
+  Problem pr = make_problem(spec);
+  const Status s = attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view, pr.lse.view,
+                                     pr.options, pr.varlen);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  const AttentionParams fp = pr.forward_params();
+  EXPECT_EQ(cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision).o,
+            cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecisionReversed).o);
+  const AttentionParams bp = pr.backward_params();
+  const cpu::RefBackward truth = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
+  const NaiveBackward naive = naive_backward(bp);
+  const std::vector<double>* in_order[3] = {&naive.in_order.dq, &naive.in_order.dk,
+                                            &naive.in_order.dv};
+  const std::vector<double>* reversed[3] = {&naive.reversed.dq, &naive.reversed.dk,
+                                            &naive.reversed.dv};
+  const std::vector<double>* exact[3] = {&truth.dq, &truth.dk, &truth.dv};
+  for (int g = 0; g < 3; ++g) {
+    SCOPED_TRACE(g);
+    EXPECT_NE(*in_order[g], *reversed[g]);
+    const double scale = max_abs(*exact[g]);
+    EXPECT_LT(naive_error(*in_order[g], *exact[g]), 1e-5 * scale);
+    EXPECT_LT(naive_error(*reversed[g], *exact[g]), 1e-5 * scale);
+  }
+}
+
 // ElementMask (the GPU kernels' per-element mask) against visible_keys, the one definition: every
 // (fragment start, element offset) over small shapes and every window kind, keys past len_k
 // included.

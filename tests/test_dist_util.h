@@ -461,13 +461,20 @@ inline void expect_all_match_reference(const std::vector<CheckedResult>& results
   const AttentionParams fp = inputs.forward_params();
   SlicedReference<cpu::RefForward> forward(fp, false), naive_forward(fp, false);
   SlicedReference<cpu::RefBackward> backward(inputs.backward_params(), false);
-  std::vector<std::unique_ptr<SlicedReference<cpu::RefBackward>>> naive_backward;
-  for (const CheckedResult& r : results)
-    naive_backward.push_back(
+  // The naive backward of each result in both summation orders (test_util.h: NaiveBackward).
+  std::vector<std::unique_ptr<SlicedReference<cpu::RefBackward>>> naive_in_order, naive_reversed;
+  for (const CheckedResult& r : results) {
+    naive_in_order.push_back(
         std::make_unique<SlicedReference<cpu::RefBackward>>(r.pr->backward_params(), true));
+    naive_reversed.push_back(
+        std::make_unique<SlicedReference<cpu::RefBackward>>(r.pr->backward_params(), true));
+  }
   std::vector<std::function<void()>> calls;  // the longest first
-  for (auto& naive : naive_backward)
-    naive->add_calls(cpu::reference_backward, cpu::RefPrecision::kLowPrecision, &calls);
+  for (size_t i = 0; i < results.size(); ++i) {
+    naive_in_order[i]->add_calls(cpu::reference_backward, cpu::RefPrecision::kLowPrecision, &calls);
+    naive_reversed[i]->add_calls(cpu::reference_backward, cpu::RefPrecision::kLowPrecisionReversed,
+                                 &calls);
+  }
   backward.add_calls(cpu::reference_backward, cpu::RefPrecision::kFloat64, &calls);
   forward.add_calls(cpu::reference_forward, cpu::RefPrecision::kFloat64, &calls);
   naive_forward.add_calls(cpu::reference_forward, cpu::RefPrecision::kLowPrecision, &calls);
@@ -479,8 +486,9 @@ inline void expect_all_match_reference(const std::vector<CheckedResult>& results
     SCOPED_TRACE(results[i].name);
     const Problem& pr = *results[i].pr;
     expect_forward_matches(pr, ref_forward, ref_naive_forward);
-    expect_gradients_match(pr, naive_backward[i]->whole, ref_backward,
-                           naive_backward[i]->merged_backward());
+    expect_gradients_match(pr, naive_in_order[i]->whole, ref_backward,
+                           {naive_in_order[i]->merged_backward(),
+                            naive_reversed[i]->merged_backward()});
   }
 }
 

@@ -56,8 +56,7 @@ std::vector<std::vector<unsigned char>> check_backward(const ProblemSpec& spec) 
   if (::testing::Test::HasFatalFailure()) return {};
   const AttentionParams bp = pr.backward_params();
   const cpu::RefBackward ref = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
-  const cpu::RefBackward naive = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
-  expect_gradients_match(pr, bp, ref, naive);
+  expect_gradients_match(pr, bp, ref, naive_backward(bp));
   return {pr.dq.bytes, pr.dk.bytes, pr.dv.bytes};
 }
 

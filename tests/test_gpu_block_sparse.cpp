@@ -169,7 +169,8 @@ struct GpuSparseProblem {
 struct References {
   AttentionParams fp, bp;
   cpu::RefForward f, f_naive;
-  cpu::RefBackward b, b_naive;
+  cpu::RefBackward b;
+  NaiveBackward b_naive;
 };
 
 // The host references take most of this binary's time; given the stored forward the other three
@@ -192,7 +193,7 @@ struct References {
   auto b = std::async(std::launch::async, [&] {
     return cpu::reference_backward(r->bp, cpu::RefPrecision::kFloat64);
   });
-  r->b_naive = cpu::reference_backward(r->bp, cpu::RefPrecision::kLowPrecision);
+  r->b_naive = naive_backward(r->bp);
   r->f_naive = f_naive.get();
   r->b = b.get();
   return ::testing::AssertionSuccess();

@@ -139,9 +139,8 @@ NaiveErrors twin_budget(const ProblemSpec& spec) {
   with_reference_forward(&twin);
   const AttentionParams bp = twin.backward_params();
   const cpu::RefBackward rb = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
-  const cpu::RefBackward nb = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
-  return {naive_error(naive.o, ref.o), naive_error(naive.lse, ref.lse), naive_error(nb.dq, rb.dq),
-          naive_error(nb.dk, rb.dk), naive_error(nb.dv, rb.dv)};
+  const GradientErrors g = gradient_errors(naive_backward(bp), rb);
+  return {naive_error(naive.o, ref.o), naive_error(naive.lse, ref.lse), g.dq, g.dk, g.dv};
 }
 
 void check_forward(const ProblemSpec& spec, const Injection& inj, uint64_t salt,
@@ -173,8 +172,7 @@ void check_backward(const ProblemSpec& spec, const Injection& inj, uint64_t salt
   }
   const AttentionParams bp = pr.backward_params();
   const cpu::RefBackward ref = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
-  const cpu::RefBackward naive = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
-  expect_gradients_match_nonfinite(pr, bp, ref, naive, &budget);
+  expect_gradients_match_nonfinite(pr, bp, ref, naive_backward(bp), &budget);
 }
 
 // Every injection into `spec`, forward (not for dO, which the forward does not read) and backward.

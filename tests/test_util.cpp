@@ -260,11 +260,11 @@ struct GradientScales {
 };
 
 void check_gradients(const cpu::RefBackward& fast, const cpu::RefBackward& ref,
-                     const cpu::RefBackward& naive, const AttentionParams& bp, DType dtype,
+                     const NaiveBackward& naive, const AttentionParams& bp, DType dtype,
                      const GradientScales& in, const NaiveErrors* budget = nullptr) {
-  const double dq_err = budget ? budget->dq : naive_error(naive.dq, ref.dq);
-  const double dk_err = budget ? budget->dk : naive_error(naive.dk, ref.dk);
-  const double dv_err = budget ? budget->dv : naive_error(naive.dv, ref.dv);
+  const GradientErrors naive_err =
+      budget ? GradientErrors{budget->dq, budget->dk, budget->dv} : gradient_errors(naive, ref);
+  const double dq_err = naive_err.dq, dk_err = naive_err.dk, dv_err = naive_err.dv;
   const int64_t n = reduction_length(bp);
   const double d = bp.head_dim;
   const double ds_bound = 2.0 * d * d * std::ldexp(1.0, -24) * in.dout * in.v * bp.dropout_scale;
@@ -284,8 +284,23 @@ void check_gradients(const cpu::RefBackward& fast, const cpu::RefBackward& ref,
 
 }  // namespace
 
+NaiveBackward naive_backward(const AttentionParams& bp) {
+  return {cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision),
+          cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecisionReversed)};
+}
+
+GradientErrors gradient_errors(const NaiveBackward& naive, const cpu::RefBackward& ref) {
+  auto larger = [](const std::vector<double>& a, const std::vector<double>& b,
+                   const std::vector<double>& r) {
+    return std::max(naive_error(a, r), naive_error(b, r));
+  };
+  return {larger(naive.in_order.dq, naive.reversed.dq, ref.dq),
+          larger(naive.in_order.dk, naive.reversed.dk, ref.dk),
+          larger(naive.in_order.dv, naive.reversed.dv, ref.dv)};
+}
+
 void expect_gradients_match(const Problem& pr, const AttentionParams& bp,
-                            const cpu::RefBackward& ref, const cpu::RefBackward& naive) {
+                            const cpu::RefBackward& ref, const NaiveBackward& naive) {
   check_gradients({pr.read_dq(), pr.read_dk(), pr.read_dv()}, ref, naive, bp, pr.spec.dtype,
                   {max_abs(pr.read_packed(pr.dout)), max_abs(pr.read_packed(pr.v)),
                    max_abs(pr.read_packed(pr.k)), max_abs(pr.read_packed(pr.q))});
@@ -316,9 +331,8 @@ void check_against_reference(const ProblemSpec& spec, bool backward) {
                          pr.dq.view, pr.dk.view, pr.dv.view, pr.options, pr.varlen);
   ASSERT_TRUE(s.ok()) << s.to_string();
   const AttentionParams bp = pr.backward_params();
-  const cpu::RefBackward rb = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
-  const cpu::RefBackward nb = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
-  expect_gradients_match(pr, bp, rb, nb);
+  expect_gradients_match(pr, bp, cpu::reference_backward(bp, cpu::RefPrecision::kFloat64),
+                         naive_backward(bp));
 }
 
 // ---- inputs holding NaN or ±Inf -----------------------------------------------------------------
@@ -382,9 +396,8 @@ NaiveErrors naive_errors(Problem& twin) {
   const cpu::RefForward naive = cpu::reference_forward(fp, cpu::RefPrecision::kLowPrecision);
   const AttentionParams bp = twin.backward_params();
   const cpu::RefBackward rb = cpu::reference_backward(bp, cpu::RefPrecision::kFloat64);
-  const cpu::RefBackward nb = cpu::reference_backward(bp, cpu::RefPrecision::kLowPrecision);
-  return {naive_error(naive.o, ref.o), naive_error(naive.lse, ref.lse), naive_error(nb.dq, rb.dq),
-          naive_error(nb.dk, rb.dk), naive_error(nb.dv, rb.dv)};
+  const GradientErrors g = gradient_errors(naive_backward(bp), rb);
+  return {naive_error(naive.o, ref.o), naive_error(naive.lse, ref.lse), g.dq, g.dk, g.dv};
 }
 
 void expect_forward_matches_nonfinite(const Problem& pr, const NaiveErrors* budget) {
@@ -405,17 +418,20 @@ void expect_forward_matches_nonfinite(const Problem& pr, const NaiveErrors* budg
 }
 
 void expect_gradients_match_nonfinite(const Problem& pr, const AttentionParams& bp,
-                                      const cpu::RefBackward& ref, const cpu::RefBackward& naive,
+                                      const cpu::RefBackward& ref, const NaiveBackward& naive,
                                       const NaiveErrors* budget) {
   const cpu::RefBackward fast{pr.read_dq(), pr.read_dk(), pr.read_dv()};
   EXPECT_TRUE(same_nonfinite_pattern("dQ", fast.dq, ref.dq));
   EXPECT_TRUE(same_nonfinite_pattern("dK", fast.dk, ref.dk));
   EXPECT_TRUE(same_nonfinite_pattern("dV", fast.dv, ref.dv));
-  const FinitePart dq = finite_part(fast.dq, ref.dq, naive.dq);
-  const FinitePart dk = finite_part(fast.dk, ref.dk, naive.dk);
-  const FinitePart dv = finite_part(fast.dv, ref.dv, naive.dv);
+  const FinitePart dq = finite_part(fast.dq, ref.dq, naive.in_order.dq);
+  const FinitePart dk = finite_part(fast.dk, ref.dk, naive.in_order.dk);
+  const FinitePart dv = finite_part(fast.dv, ref.dv, naive.in_order.dv);
+  const cpu::RefBackward reversed{finite_part(fast.dq, ref.dq, naive.reversed.dq).naive,
+                                  finite_part(fast.dk, ref.dk, naive.reversed.dk).naive,
+                                  finite_part(fast.dv, ref.dv, naive.reversed.dv).naive};
   check_gradients({dq.fast, dk.fast, dv.fast}, {dq.ref, dk.ref, dv.ref},
-                  {dq.naive, dk.naive, dv.naive}, bp, pr.spec.dtype,
+                  {{dq.naive, dk.naive, dv.naive}, reversed}, bp, pr.spec.dtype,
                   {max_abs_finite(pr.read_packed(pr.dout)), max_abs_finite(pr.read_packed(pr.v)),
                    max_abs_finite(pr.read_packed(pr.k)), max_abs_finite(pr.read_packed(pr.q))},
                   budget);

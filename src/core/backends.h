@@ -27,8 +27,11 @@ namespace cpu {
 // How the reference computes: float64 throughout (the ground truth), or "naive low precision":
 // scores and softmax in fp32, P rounded to the input dtype before P·V (and dS before dS·K, dSᵀ·Q
 // in the backward). The second gives the error budget of the tolerance rule
-// (docs/architecture.md, "Tolerance rule").
-enum class RefPrecision { kFloat64, kLowPrecision };
+// (docs/architecture.md, "Tolerance rule"). kLowPrecisionReversed is the same naive backward with
+// its sums in the opposite order (dot products, and the sums over keys and over query rows): a
+// second, equally valid fp32 realisation of its rounding, for the budget to take the larger of
+// two where a few summed terms decide an output (the forward treats it as kLowPrecision).
+enum class RefPrecision { kFloat64, kLowPrecision, kLowPrecisionReversed };
 
 // Dense reference outputs in packed logical order, whatever the input strides:
 // o (total_q, h_q, d), lse (h_q, total_q), dq like o, dk / dv (total_k, h_kv, d).

@@ -71,6 +71,14 @@ T dot(const T* a, const T* b, int d) {
   return s;
 }
 
+// The same dot product summed from the last term to the first.
+template <typename T>
+T dot_reversed(const T* a, const T* b, int d) {
+  T s = 0;
+  for (int c = d - 1; c >= 0; --c) s += a[c] * b[c];
+  return s;
+}
+
 // Everything about one query row that the forward computes and the backward reuses.
 template <typename T>
 struct RowScores {
@@ -182,8 +190,10 @@ RefForward forward_impl(const AttentionParams& p, const KeyRows& keys, bool low)
   return out;
 }
 
+// `reversed` (low precision only): every sum in the opposite order (RefPrecision).
 template <typename T>
-RefBackward backward_impl(const AttentionParams& p, bool low) {
+RefBackward backward_impl(const AttentionParams& p, bool low, bool reversed) {
+  const auto product = reversed ? dot_reversed<T> : dot<T>;
   RefBackward out;
   const int d = p.head_dim;
   out.dq.assign(static_cast<size_t>(p.total_q) * p.heads_q * d, 0.0);
@@ -215,7 +225,8 @@ RefBackward backward_impl(const AttentionParams& p, bool low) {
         for (int i = 0; i < seq.len_q; ++i)
           stored_lse[i] = static_cast<T>(p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i]);
       }
-      for (int i = 0; i < seq.len_q; ++i) {
+      for (int step = 0; step < seq.len_q; ++step) {
+        const int i = reversed ? seq.len_q - 1 - step : step;
         const RowScores<T> r = hd.scores(i, low ? &stored_lse[i] : nullptr);
         const int n = r.hi - r.lo;
         const T* doi = &dout[i * d];
@@ -227,14 +238,15 @@ RefBackward backward_impl(const AttentionParams& p, bool low) {
             for (int c = 0; c < d; ++c)
               if (r.on[jj]) o[c] += r.prob[jj] * r.drop[jj] * hd.v[(r.lo + jj) * d + c];
         }
-        const T D = dot(doi, o.data(), d);
+        const T D = product(doi, o.data(), d);
         std::vector<T> dq(d, T(0));
-        for (int jj = 0; jj < n; ++jj) {
+        for (int key = 0; key < n; ++key) {
+          const int jj = reversed ? n - 1 - key : key;
           if (!r.on[jj]) continue;
           const int j = r.lo + jj;
           const T pz = hd.operand(r.prob[jj] * r.drop[jj], low);
           for (int c = 0; c < d; ++c) dv[j * d + c] += pz * doi[c];
-          const T dp = r.drop[jj] * dot(doi, &hd.v[j * d], d);
+          const T dp = r.drop[jj] * product(doi, &hd.v[j * d], d);
           T ds = r.prob[jj] * (dp - D);
           if (p.softcap > 0.0f) {
             const T th = std::tanh(r.t[jj] / static_cast<T>(p.softcap));
@@ -294,8 +306,8 @@ RefForward reference_forward(const AttentionParams& p, RefPrecision precision) {
 }
 
 RefBackward reference_backward(const AttentionParams& p, RefPrecision precision) {
-  return precision == RefPrecision::kFloat64 ? backward_impl<double>(p, false)
-                                             : backward_impl<float>(p, true);
+  if (precision == RefPrecision::kFloat64) return backward_impl<double>(p, false, false);
+  return backward_impl<float>(p, true, precision == RefPrecision::kLowPrecisionReversed);
 }
 
 void store_forward(const AttentionParams& p, const RefForward& r) {
