@@ -319,13 +319,17 @@ class ContextParallelAttention:
 
     Creating it is collective (every rank, same arguments; checked across ranks). Local tensors:
     q, out (b, s_local, heads_q, d); k, v (b, s_local, heads_kv, d); softmax_lse float32
-    (b, heads_q, s_local), the rows in .chunks' order. ring_flash_attn_func is the torch autograd
-    road over the same plans.
+    (b, heads_q, s_local), the rows in .chunks' order. With cu_seqlens (the global pack's offsets,
+    host ints, batch + 1 of them; batch and seqlen are then left out) the batch is packed: every
+    sequence is split across the ranks on its own (shard_varlen), and the local tensors are this
+    rank's pack, q, out (local rows, heads_q, d), k, v (local rows, heads_kv, d), softmax_lse
+    (heads_q, local rows). ring_flash_attn_func and ring_flash_attn_varlen_func are the torch
+    autograd roads over the same plans.
     """
 
-    def __init__(self, comm, *, batch, seqlen, heads_q, heads_kv, head_dim, dtype,
-                 strategy="zigzag", causal=False, softmax_scale=None, window_size=(-1, -1),
-                 softcap=0.0, deterministic=False, backend="auto"):
+    def __init__(self, comm, *, heads_q, heads_kv, head_dim, dtype, batch=None, seqlen=None,
+                 cu_seqlens=None, strategy="zigzag", causal=False, softmax_scale=None,
+                 window_size=(-1, -1), softcap=0.0, deterministic=False, backend="auto"):
         if not isinstance(comm, Communicator):
             raise TypeError(f"comm: expected a flare.dist.Communicator, got "
                             f"{_core.describe(comm)}")
@@ -334,12 +338,26 @@ class ContextParallelAttention:
             strategy=strategy, batch=batch, seqlen=seqlen, heads_q=heads_q, heads_kv=heads_kv,
             head_dim=head_dim, dtype=_dtype_code(dtype), causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-            deterministic=deterministic, backend=backend))
+            deterministic=deterministic, backend=backend, cu_seqlens=cu_seqlens))
+        self._cu_seqlens = _host_offsets(cu_seqlens) if cu_seqlens is not None else None
+        self._strategy = strategy
 
     @property
     def chunks(self):
-        """This rank's rows: [(global_begin, local_begin, length), ...] in local order."""
+        """This rank's rows: [(global_begin, local_begin, length), ...] in local order (packed:
+        rows of the global pack and of this rank's pack, sequence by sequence)."""
+        if self._cu_seqlens is not None:
+            return _varlen_chunks(strategy_code(self._strategy), self._cu_seqlens,
+                                  self.comm.world_size, self.comm.rank)[0]
         return [tuple(c) for c in self._plan.shard()]
+
+    @property
+    def local_cu_seqlens(self):
+        """A packed plan's local offsets: sequence i at local rows [c[i], c[i + 1])."""
+        if self._cu_seqlens is None:
+            raise ValueError("local_cu_seqlens: this plan is not packed (made without cu_seqlens)")
+        return _varlen_chunks(strategy_code(self._strategy), self._cu_seqlens,
+                              self.comm.world_size, self.comm.rank)[1]
 
     @property
     def local_seqlen(self):
@@ -367,23 +385,37 @@ class ContextParallelAttention:
 
 
 def plan_key(*, strategy, batch, seqlen, heads_q, heads_kv, head_dim, dtype, causal,
-             softmax_scale, window_size, softcap, deterministic, backend):
+             softmax_scale, window_size, softcap, deterministic, backend, cu_seqlens=None):
     """The arguments of _ext.plan after the communicator, checked (each bad one raises TypeError
-    or ValueError naming it); also the plan cache's key."""
+    or ValueError naming it); also the plan cache's key. A packed plan (cu_seqlens) takes its
+    batch and length from the offsets: batch and seqlen must be None."""
     options = _core.Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                             softcap=softcap, dropout_p=0.0, deterministic=deterministic,
                             backend=backend)
-    return (strategy_code(strategy), _int_arg(batch, "batch", 1),
-            _core.integer(seqlen, "seqlen", 1, (1 << 62)), _int_arg(heads_q, "heads_q", 1),
+    if cu_seqlens is None:
+        cu = ()
+        for name, value in (("batch", batch), ("seqlen", seqlen)):
+            if value is None:
+                raise ValueError(f"{name}: required for a fixed-length plan (or pass cu_seqlens "
+                                 f"for a packed one)")
+        batch = _int_arg(batch, "batch", 1)
+        seqlen = _core.integer(seqlen, "seqlen", 1, (1 << 62))
+    else:
+        cu = _host_offsets(cu_seqlens)
+        for name, value in (("batch", batch), ("seqlen", seqlen)):
+            if value is not None:
+                raise ValueError(f"{name}: a packed plan takes it from cu_seqlens; pass None")
+        batch = seqlen = 0
+    return (strategy_code(strategy), batch, seqlen, _int_arg(heads_q, "heads_q", 1),
             _int_arg(heads_kv, "heads_kv", 1), _int_arg(head_dim, "head_dim", 1), dtype,
             options.softmax_scale, options.causal, options.window_left, options.window_right,
-            options.softcap, options.deterministic, options.backend)
+            options.softcap, options.deterministic, options.backend, cu)
 
 
 def _forward(plan, frame, q, k, v):
     q, k, v = frame.prepare(q), frame.prepare(k), frame.prepare(v)
     out = frame.empty(q.shape, q.dtype)
-    lse = frame.empty(_core.lse_shape(q, False), frame.float32())
+    lse = frame.empty(_core.lse_shape(q, len(q.shape) == 3), frame.float32())  # 3-D: packed
     with frame.device_guard():
         plan.forward(q, k, v, out, lse, frame.stream)
     return out, lse
@@ -411,14 +443,41 @@ def _resolve_group(group, q):
     return _process_group_communicator(group, q.device.index, None)
 
 
-def _local_shapes(q, k, v):
+def _local_shapes(q, k, v, packed=False):
     import torch
+    dims, layout = (3, "(local rows, heads, head_dim)") if packed else (
+        4, "(batch, local seqlen, heads, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor, got {_core.describe(t)}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dimensions (batch, local seqlen, heads, "
-                             f"head_dim), got shape {tuple(t.shape)}")
+        if t.dim() != dims:
+            raise ValueError(f"{name}: expected {dims} dimensions {layout}, got shape "
+                             f"{tuple(t.shape)}")
+
+
+def _check_unsupported(group, dropout_p, alibi_slopes):
+    """The arguments context parallelism refuses, each named."""
+    if group is not None and not isinstance(group, Communicator):
+        import torch.distributed as tdist
+        if not (tdist.is_available() and isinstance(group, tdist.ProcessGroup)):
+            raise TypeError(f"group: expected a torch.distributed ProcessGroup, a "
+                            f"flare.dist.Communicator or None, got {_core.describe(group)}")
+    if _core.real(dropout_p, "dropout_p") != 0.0:
+        raise NotImplementedError("dropout_p: dropout is not supported by context parallelism "
+                                  "yet; pass 0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not supported by context parallelism "
+                                  "yet; pass None")
+
+
+def _attend(q, k, v, plan, return_attn_probs):
+    """The autograd road when a gradient is wanted, else the forward alone."""
+    import torch
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = RingFlashAttention.function().apply(q, k, v, plan)
+    else:
+        out, lse = _forward(plan, _core._Frame("torch", q, None), q, k, v)
+    return (out, lse, None) if return_attn_probs else out
 
 
 class RingFlashAttention:
@@ -472,19 +531,8 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     flare.dist.Communicator. Dropout and ALiBi are not supported across ranks yet
     (NotImplementedError); sliding windows where the strategy supports them.
     """
-    import torch
     _local_shapes(q, k, v)
-    if group is not None and not isinstance(group, Communicator):
-        import torch.distributed as tdist
-        if not (tdist.is_available() and isinstance(group, tdist.ProcessGroup)):
-            raise TypeError(f"group: expected a torch.distributed ProcessGroup, a "
-                            f"flare.dist.Communicator or None, got {_core.describe(group)}")
-    if _core.real(dropout_p, "dropout_p") != 0.0:
-        raise NotImplementedError("dropout_p: dropout is not supported by context parallelism "
-                                  "yet; pass 0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not supported by context parallelism "
-                                  "yet; pass None")
+    _check_unsupported(group, dropout_p, alibi_slopes)
     return_attn_probs = _core.flag(return_attn_probs, "return_attn_probs")
     comm = _resolve_group(group, q)
     b, s_local, heads_q, head_dim = q.shape
@@ -503,11 +551,36 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
             raise ValueError(f"seqlen: the ranks hold different numbers of rows, so the global "
                              f"length cannot be s_local * world_size; pass seqlen= ({e})") from None
         raise
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = RingFlashAttention.function().apply(q, k, v, plan)
-    else:
-        out, lse = _forward(plan, _core._Frame("torch", q, None), q, k, v)
-    return (out, lse, None) if return_attn_probs else out
+    return _attend(q, k, v, plan, return_attn_probs)
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, dropout_p=0.0,
+                                softmax_scale=None, causal=False, window_size=(-1, -1),
+                                alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                group=None, *, strategy="zigzag", softcap=0.0):
+    """Context-parallel attention over a packed batch of sequences, with autograd.
+
+    cu_seqlens: the global pack's offsets (host ints: a list, a NumPy array or a CPU tensor;
+    batch + 1 of them, the same on every rank); every sequence is split across the ranks on its
+    own in `strategy`'s layout (shard_varlen). q (local rows, nheads, headdim), k / v (local
+    rows, nheads_k, headdim): this rank's pack, sequence after sequence (varlen_local_cu_seqlens
+    gives its offsets). max_seqlen is taken for ring-flash-attn's signature and checked (None or
+    an int); the plan reads the offsets. Returns this rank's rows of out, or (out, softmax_lse,
+    None) with return_attn_probs; softmax_lse is float32 (nheads, local rows). The rest as
+    ring_flash_attn_func.
+    """
+    _local_shapes(q, k, v, packed=True)
+    _check_unsupported(group, dropout_p, alibi_slopes)
+    if max_seqlen is not None:
+        _core.integer(max_seqlen, "max_seqlen", 0, (1 << 31) - 1)
+    return_attn_probs = _core.flag(return_attn_probs, "return_attn_probs")
+    comm = _resolve_group(group, q)
+    key = plan_key(strategy=strategy, batch=None, seqlen=None, heads_q=q.shape[1],
+                   heads_kv=k.shape[1], head_dim=q.shape[2], dtype=_ext.dtype_code(q, "q"),
+                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, deterministic=deterministic, backend="auto",
+                   cu_seqlens=cu_seqlens)
+    return _attend(q, k, v, comm._plan(key), return_attn_probs)
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -578,6 +651,99 @@ def unshard_sequence(shards, *, strategy="zigzag", dim=1):
     return _concat([_rows(shards[r], dim, lb, n) for _, r, lb, n in pieces], dim, shards[0])
 
 
+# ---- packed batches: every sequence split on its own -------------------------------------------
+
+def _host_offsets(cu_seqlens):
+    """cu_seqlens as a tuple of ints: a list or tuple of ints, a 1-D integer NumPy array or CPU
+    tensor, at least two entries (the library checks the values: 0 first, non-decreasing)."""
+    if _core.is_torch(cu_seqlens):
+        if cu_seqlens.is_cuda:
+            raise ValueError("cu_seqlens: must be host memory (a list, a NumPy array or a CPU "
+                             "tensor): every rank's plan is built from it on the host")
+        cu_seqlens = cu_seqlens.detach().numpy()
+    np = _core._numpy()
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool)
+                   for c in cu_seqlens):
+            raise TypeError("cu_seqlens: expected integers")
+        values = tuple(int(c) for c in cu_seqlens)
+    elif isinstance(cu_seqlens, np.ndarray) and cu_seqlens.dtype.kind in "iu":
+        if cu_seqlens.ndim != 1:
+            raise ValueError(f"cu_seqlens: expected 1 dimension, got shape {cu_seqlens.shape}")
+        values = tuple(int(c) for c in cu_seqlens)
+    else:
+        raise TypeError(f"cu_seqlens: expected a list of ints, an integer NumPy array or a CPU "
+                        f"tensor, got {_core.describe(cu_seqlens)}")
+    if len(values) < 2:
+        raise ValueError(f"cu_seqlens: expected batch + 1 >= 2 offsets, got {len(values)}")
+    for i, (a, b) in enumerate(zip(values, values[1:])):
+        if values[0] != 0 or b < a or b >= (1 << 31):
+            raise ValueError(f"cu_seqlens: must start at 0 and not decrease, within int32 "
+                             f"(entries {i}, {i + 1}: {a}, {b})")
+    return values
+
+
+def _varlen_chunks(code, cu, world_size, rank):
+    """Rank `rank`'s rows of a pack: [(global_begin, local_begin, length), ...] sequence by
+    sequence, each sequence cut by sequence_shard on its own (include/flare/dist.h), and the
+    local pack's offsets."""
+    chunks, local_cu, at = [], [0], 0
+    for begin, end in zip(cu, cu[1:]):
+        for g, _, n in _ext.sequence_shard(code, end - begin, world_size, rank):
+            chunks.append((begin + g, at, n))
+            at += n
+        local_cu.append(at)
+    return chunks, local_cu
+
+
+def varlen_local_cu_seqlens(cu_seqlens, rank, world_size, *, strategy="zigzag"):
+    """The offsets of rank `rank`'s pack (shard_varlen's rows): sequence i at local rows
+    [c[i], c[i + 1])."""
+    world_size = _int_arg(world_size, "world_size", 1)
+    rank = _core.integer(rank, "rank", 0, world_size - 1)
+    return _varlen_chunks(strategy_code(strategy), _host_offsets(cu_seqlens), world_size,
+                          rank)[1]
+
+
+def shard_varlen(x, cu_seqlens, rank, world_size, *, strategy="zigzag", dim=0):
+    """Rank `rank`'s rows of a packed tensor x along `dim` (0 for (total, h, d); 1 for an lse
+    (h, total)): every sequence of the pack (cu_seqlens, the global offsets) cut across the ranks
+    on its own in `strategy`'s layout, this rank's pieces one sequence after another. A new
+    tensor of the same framework (differentiable for torch)."""
+    world_size = _int_arg(world_size, "world_size", 1)
+    rank = _core.integer(rank, "rank", 0, world_size - 1)
+    dim = _seq_dim(x, dim, "x")
+    cu = _host_offsets(cu_seqlens)
+    if x.shape[dim] != cu[-1]:
+        raise ValueError(f"x: {x.shape[dim]} rows along dim {dim}, but cu_seqlens ends at "
+                         f"{cu[-1]}")
+    chunks = _varlen_chunks(strategy_code(strategy), cu, world_size, rank)[0]
+    return _concat([_rows(x, dim, g, n) for g, _, n in chunks], dim, x)
+
+
+def unshard_varlen(shards, cu_seqlens, *, strategy="zigzag", dim=0):
+    """The packed tensor from every rank's rows (shards[r] is rank r's, as shard_varlen gives
+    them): the inverse of shard_varlen. Differentiable for torch."""
+    if not isinstance(shards, (list, tuple)) or not shards:
+        raise TypeError(f"shards: expected a non-empty list of every rank's tensors, got "
+                        f"{_core.describe(shards)}")
+    world = len(shards)
+    dim = _seq_dim(shards[0], dim, "shards[0]")
+    for r, s in enumerate(shards[1:], 1):
+        _seq_dim(s, dim, f"shards[{r}]")
+    cu = _host_offsets(cu_seqlens)
+    code = strategy_code(strategy)
+    pieces = []  # (global_begin, rank, local_begin, length)
+    for r, s in enumerate(shards):
+        chunks, local_cu = _varlen_chunks(code, cu, world, r)
+        if s.shape[dim] != local_cu[-1]:
+            raise ValueError(f"shards[{r}]: {s.shape[dim]} rows along dim {dim}, but rank {r} of "
+                             f"{world} holds {local_cu[-1]} of the pack ({strategy})")
+        pieces += [(g, r, lb, n) for g, lb, n in chunks]
+    pieces.sort()
+    return _concat([_rows(shards[r], dim, lb, n) for _, r, lb, n in pieces], dim, shards[0])
+
+
 def zigzag_shard(x, rank, world_size, dim=1):
     """shard_sequence in the zigzag layout: rank r gets chunks r and 2n-1-r of 2n."""
     return shard_sequence(x, rank, world_size, strategy="zigzag", dim=dim)
@@ -596,8 +762,12 @@ __all__ = [
     "nccl_unique_id",
     "release_process_group_communicators",
     "ring_flash_attn_func",
+    "ring_flash_attn_varlen_func",
     "shard_sequence",
+    "shard_varlen",
     "unshard_sequence",
+    "unshard_varlen",
+    "varlen_local_cu_seqlens",
     "zigzag_ring_flash_attn_func",
     "zigzag_shard",
     "zigzag_unshard",

@@ -26,6 +26,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <cstring>
@@ -552,7 +553,7 @@ struct Plan {
 Plan* make_plan(nb::object comm, int strategy, int batch, int64_t seqlen, int heads_q,
                 int heads_kv, int head_dim, int dtype, float softmax_scale, bool causal,
                 int window_left, int window_right, float softcap, bool deterministic,
-                int backend) {
+                int backend, const std::vector<int32_t>& cu_seqlens) {
   flare_cp_config c = flare_default_cp_config();
   c.strategy = strategy;
   c.batch = batch;
@@ -568,6 +569,9 @@ Plan* make_plan(nb::object comm, int strategy, int batch, int64_t seqlen, int he
   c.attention.softcap = softcap;
   c.attention.deterministic = deterministic ? 1 : 0;
   c.attention.backend = backend;
+  // A packed batch: the global pack's offsets, copied by flare_cp_create (empty: fixed length).
+  c.cu_seqlens = cu_seqlens.empty() ? nullptr : cu_seqlens.data();
+  c.num_cu_seqlens = static_cast<int32_t>(cu_seqlens.size());
   flare_comm* h = nb::cast<Comm&>(comm).get();
   flare_cp* cp = nullptr;
   int code;
@@ -814,7 +818,7 @@ NB_MODULE(_ext, m) {
         nb::arg("seqlen"), nb::arg("heads_q"), nb::arg("heads_kv"), nb::arg("head_dim"),
         nb::arg("dtype"), nb::arg("softmax_scale"), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("softcap"), nb::arg("deterministic"),
-        nb::arg("backend"), nb::rv_policy::take_ownership);
+        nb::arg("backend"), nb::arg("cu_seqlens"), nb::rv_policy::take_ownership);
 
   m.attr("BACKEND_AUTO") = static_cast<int>(FLARE_BACKEND_AUTO);
   m.attr("BACKEND_REFERENCE") = static_cast<int>(FLARE_BACKEND_REFERENCE);

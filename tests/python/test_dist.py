@@ -287,6 +287,122 @@ def test_numpy_forward_backward(rng, seed):
         ref.check_close(name, g, t, n, np.float32, seed, mags[name])
 
 
+# ---- packed batches (every sequence split across the ranks on its own) -------------------------
+
+# Uneven and empty sequences, and one shorter than the chunk count of 3 ranks.
+PACK = [0, 5, 5, 19, 20, 33]
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "ring", "a2a"])
+def test_numpy_packed_forward_backward(strategy, rng, seed):
+    world, d = 3, 16
+    h, hk = heads_for(strategy, world)
+    total = PACK[-1]
+    q, dout = (rng.standard_normal((total, h, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((total, hk, d)).astype(np.float32) for _ in range(2))
+    comms = fd.Communicator.in_process_group(world, timeout=TIMEOUT)
+
+    def rank_fn(r, comm):
+        cp = fd.ContextParallelAttention(comm, cu_seqlens=np.array(PACK, np.int32), heads_q=h,
+                                         heads_kv=hk, head_dim=d, dtype=np.float32, causal=True,
+                                         strategy=strategy, softcap=4.0)
+        local = [fd.shard_varlen(x, PACK, r, world, strategy=strategy) for x in (q, k, v, dout)]
+        assert cp.local_cu_seqlens == fd.varlen_local_cu_seqlens(PACK, r, world,
+                                                                 strategy=strategy)
+        assert cp.local_seqlen == local[0].shape[0] == cp.local_cu_seqlens[-1]
+        out, lse = cp.forward(*local[:3])
+        assert lse.shape == (h, local[0].shape[0])
+        return (out, lse) + tuple(cp.backward(local[3], *local[:3], out, lse))
+
+    per_rank = run_ranks(comms, rank_fn)
+    got = [fd.unshard_varlen([x[i] for x in per_rank], PACK, strategy=strategy,
+                             dim=1 if i == 1 else 0) for i in range(5)]
+    kw = dict(causal=True, softcap=4.0, cu_seqlens_q=PACK, cu_seqlens_k=PACK)
+    truth_o, truth_lse, truth_g, mags = ref.attention(q, k, v, dout, magnitudes=True, **kw)
+    naive_o, naive_lse, naive_g = ref.attention(q, k, v, dout, compute=np.float32,
+                                                round_to=np.float32, **kw)
+    for name, g, t, n in zip(("o", "lse", "dq", "dk", "dv"), got, (truth_o, truth_lse) + truth_g,
+                             (naive_o, naive_lse) + naive_g):
+        ref.check_close(name, g, t, n, np.float32, seed, mags[name])
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "ring", "a2a"])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_shard_varlen_is_each_sequence_sharded(strategy, world, rng):
+    # Each rank's pack is shard_sequence of every sequence on its own, in batch order; and
+    # unshard_varlen puts the packs back.
+    for cu in ([0, 0], [0, 7], PACK, [0, 1, 1, 2, 40]):
+        x = rng.standard_normal((cu[-1], 3, 4))
+        lse = rng.standard_normal((3, cu[-1]))
+        shards, lses = [], []
+        for r in range(world):
+            shards.append(fd.shard_varlen(x, cu, r, world, strategy=strategy))
+            lses.append(fd.shard_varlen(lse, cu, r, world, strategy=strategy, dim=1))
+            per_sequence = [fd.shard_sequence(x[None, a:b], r, world, strategy=strategy)[0]
+                            for a, b in zip(cu, cu[1:])]
+            np.testing.assert_array_equal(shards[-1], np.concatenate(per_sequence))
+            local_cu = fd.varlen_local_cu_seqlens(cu, r, world, strategy=strategy)
+            assert local_cu == [0] + list(np.cumsum([p.shape[0] for p in per_sequence]))
+        np.testing.assert_array_equal(fd.unshard_varlen(shards, cu, strategy=strategy), x)
+        np.testing.assert_array_equal(fd.unshard_varlen(lses, cu, strategy=strategy, dim=1), lse)
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "ring"])
+def test_ring_flash_attn_varlen_matches_single_device(strategy, seed):
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(seed)
+    world, h, hk, d = 3, 4, 2, 16
+    total = PACK[-1]
+    q, k, v, dout = (torch.randn(shape, generator=gen)
+                     for shape in ((total, h, d), (total, hk, d), (total, hk, d), (total, h, d)))
+    comms = fd.Communicator.in_process_group(world, timeout=TIMEOUT)
+
+    def rank_fn(r, comm):
+        local = [fd.shard_varlen(x, PACK, r, world, strategy=strategy).requires_grad_()
+                 for x in (q, k, v)]
+        out, lse, none = fd.ring_flash_attn_varlen_func(
+            *local, torch.tensor(PACK, dtype=torch.int32), max(np.diff(PACK)), causal=True,
+            group=comm, strategy=strategy, return_attn_probs=True)
+        assert none is None and lse.shape == (h, out.shape[0])
+        out.backward(fd.shard_varlen(dout, PACK, r, world, strategy=strategy))
+        return out.detach(), lse, local[0].grad, local[1].grad, local[2].grad
+
+    per_rank = run_ranks(comms, rank_fn)
+    got = [fd.unshard_varlen([x[i] for x in per_rank], PACK, strategy=strategy,
+                             dim=1 if i == 1 else 0) for i in range(5)]
+    arrays = [x.numpy() for x in (q, k, v, dout)]
+    kw = dict(causal=True, cu_seqlens_q=PACK, cu_seqlens_k=PACK)
+    truth_o, truth_lse, truth_g, mags = ref.attention(*arrays, magnitudes=True, **kw)
+    naive_o, naive_lse, naive_g = ref.attention(*arrays, compute=np.float32, round_to=np.float32,
+                                                **kw)
+    for name, g, t, n in zip(("o", "lse", "dq", "dk", "dv"), got, (truth_o, truth_lse) + truth_g,
+                             (naive_o, naive_lse) + naive_g):
+        ref.check_close(name, g.numpy(), t, n, np.float32, seed, mags[name])
+
+
+def test_packed_bad_arguments():
+    comm = fd.Communicator.in_process_group(1, timeout=TIMEOUT)[0]
+    common = dict(heads_q=2, heads_kv=2, head_dim=8, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"^batch: a packed plan"):
+        fd.ContextParallelAttention(comm, batch=2, cu_seqlens=[0, 3, 4], **common)
+    with pytest.raises(TypeError, match=r"^cu_seqlens: "):
+        fd.ContextParallelAttention(comm, cu_seqlens=[0, 3.0], **common)
+    with pytest.raises(TypeError, match=r"^cu_seqlens: "):
+        fd.shard_varlen(np.zeros((4, 1)), "0,4", 0, 1)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: must start at 0"):
+        fd.shard_varlen(np.zeros((4, 1)), [0, 3, 2, 4], 0, 1)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected batch"):
+        fd.varlen_local_cu_seqlens([0], 0, 1)
+    with pytest.raises(ValueError, match=r"^x: 4 rows .* ends at 5"):
+        fd.shard_varlen(np.zeros((4, 1)), [0, 5], 0, 1)
+    with pytest.raises(ValueError, match=r"^shards\[1\]: "):
+        fd.unshard_varlen([np.zeros((2, 1)), np.zeros((3, 1))], [0, 4], strategy="ring")
+    with pytest.raises(ValueError, match=r"^local_cu_seqlens: "):
+        _ = fd.ContextParallelAttention(comm, batch=1, seqlen=4, **common).local_cu_seqlens
+    with pytest.raises(ValueError, match=r"^batch: "):
+        fd.ContextParallelAttention(comm, **common)  # neither a batch nor cu_seqlens
+
+
 # ---- sequence layout helpers ------------------------------------------------------------------
 
 def test_zigzag_layout_rows():
