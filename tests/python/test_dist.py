@@ -403,6 +403,24 @@ def test_packed_bad_arguments():
         fd.ContextParallelAttention(comm, **common)  # neither a batch nor cu_seqlens
 
 
+def test_ring_flash_attn_varlen_bad_arguments():
+    torch = pytest.importorskip("torch")
+    comm = fd.Communicator.in_process_group(1, timeout=TIMEOUT)[0]
+    q = torch.zeros(6, 2, 8)
+    cases = [
+        (ValueError, r"^q: expected 3 dimensions", (q[None], q, q, [0, 6]), {}),
+        (ValueError, r"^max_seqlen: ", (q, q, q, [0, 6], -1), {}),
+        (NotImplementedError, r"^dropout_p: ", (q, q, q, [0, 6], None, 0.1), {}),
+        (NotImplementedError, r"^alibi_slopes: ", (q, q, q, [0, 6]),
+         {"alibi_slopes": torch.ones(2)}),
+        (ValueError, r"^cu_seqlens: must start at 0", (q, q, q, [1, 6]), {}),
+        (TypeError, r"^group: ", (q, q, q, [0, 6]), {"group": 3}),
+    ]
+    for error, pattern, args, kwargs in cases:
+        with pytest.raises(error, match=pattern):
+            fd.ring_flash_attn_varlen_func(*args, **{"group": comm, **kwargs})
+
+
 # ---- sequence layout helpers ------------------------------------------------------------------
 
 def test_zigzag_layout_rows():
