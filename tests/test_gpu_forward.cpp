@@ -508,8 +508,9 @@ TEST(GpuForwardSm90, PersistentCtasWalkManyTiles) {
 // one, at its width and its narrowest head dim, through the automatic choice and forced to sm80:
 // empty sequences on either side, one-row sequences, rows that see no key, a window with GQA,
 // 40 sequences (the tile walk reads cu_seqlens 32 at a time) and a sequence past the automatic
-// choice's 2048 keys beside short ones; then with the grid capped at 2 CTAs, each walking many
-// tiles. Key tiles run on into the next sequence's rows, which the mask must keep out.
+// choice's 2048 keys beside short ones, the window again with softcap and ALiBi; then with the
+// grid capped at 2 CTAs, each walking many tiles. Key tiles run on into the next sequence's rows,
+// which the mask must keep out.
 TEST(GpuForwardSm90, PackedBatchesEveryPersistentBucket) {
   FLARE_SKIP_WITHOUT_CUDA();
   std::vector<int> many_q, many_k;
@@ -539,6 +540,9 @@ TEST(GpuForwardSm90, PackedBatchesEveryPersistentBucket) {
       window.options.window_left = 40;
       window.options.window_right = 3;
       check_sm90_and_forced_sm80(window, check_forward, cuda::testing::sm90_forward_launches);
+      // Softcap and ALiBi slopes per (sequence, head): each tile takes its own sequence's slope.
+      check_sm90_and_forced_sm80(with_score_mods(window), check_forward,
+                                 cuda::testing::sm90_forward_launches);
       ProblemSpec many = packed(many_q, many_k, 97);
       many.options.causal = true;
       check_sm90_and_forced_sm80(many, check_forward, cuda::testing::sm90_forward_launches);
