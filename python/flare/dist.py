@@ -339,25 +339,24 @@ class ContextParallelAttention:
             head_dim=head_dim, dtype=_dtype_code(dtype), causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             deterministic=deterministic, backend=backend, cu_seqlens=cu_seqlens))
-        self._cu_seqlens = _host_offsets(cu_seqlens) if cu_seqlens is not None else None
-        self._strategy = strategy
+        # A packed plan's layout at this rank (_varlen_chunks): fixed for the plan's life.
+        self._varlen = None if cu_seqlens is None else _varlen_chunks(
+            strategy_code(strategy), _host_offsets(cu_seqlens), comm.world_size, comm.rank)
 
     @property
     def chunks(self):
         """This rank's rows: [(global_begin, local_begin, length), ...] in local order (packed:
         rows of the global pack and of this rank's pack, sequence by sequence)."""
-        if self._cu_seqlens is not None:
-            return _varlen_chunks(strategy_code(self._strategy), self._cu_seqlens,
-                                  self.comm.world_size, self.comm.rank)[0]
+        if self._varlen is not None:
+            return list(self._varlen[0])
         return [tuple(c) for c in self._plan.shard()]
 
     @property
     def local_cu_seqlens(self):
         """A packed plan's local offsets: sequence i at local rows [c[i], c[i + 1])."""
-        if self._cu_seqlens is None:
+        if self._varlen is None:
             raise ValueError("local_cu_seqlens: this plan is not packed (made without cu_seqlens)")
-        return _varlen_chunks(strategy_code(self._strategy), self._cu_seqlens,
-                              self.comm.world_size, self.comm.rank)[1]
+        return list(self._varlen[1])
 
     @property
     def local_seqlen(self):
@@ -627,28 +626,41 @@ def shard_sequence(x, rank, world_size, *, strategy="zigzag", dim=1):
     return _concat([_rows(x, dim, g, n) for g, _, n in chunks], dim, x)
 
 
-def unshard_sequence(shards, *, strategy="zigzag", dim=1):
-    """The full tensor from every rank's rows (shards[r] is rank r's, as shard_sequence gives
-    them): the inverse of shard_sequence. Differentiable for torch."""
+def _shards_dim(shards, dim):
+    """`dim` normalised against every rank's tensor; shards must be a non-empty list of them."""
     if not isinstance(shards, (list, tuple)) or not shards:
         raise TypeError(f"shards: expected a non-empty list of every rank's tensors, got "
                         f"{_core.describe(shards)}")
-    world = len(shards)
     dim = _seq_dim(shards[0], dim, "shards[0]")
     for r, s in enumerate(shards[1:], 1):
         _seq_dim(s, dim, f"shards[{r}]")
-    total = sum(int(s.shape[dim]) for s in shards)
-    code = strategy_code(strategy)
+    return dim
+
+
+def _assemble(shards, dim, chunks_of, whole):
+    """The whole tensor from every rank's rows, chunks_of(r) giving rank r's
+    [(global_begin, local_begin, length), ...]; a shard of another row count is named, against
+    `whole` (what the ranks share)."""
     pieces = []  # (global_begin, rank, local_begin, length)
     for r, s in enumerate(shards):
-        chunks = _ext.sequence_shard(code, total, world, r)
+        chunks = chunks_of(r)
         want = sum(c[2] for c in chunks)
         if s.shape[dim] != want:
             raise ValueError(f"shards[{r}]: {s.shape[dim]} rows along dim {dim}, but rank {r} of "
-                             f"{world} holds {want} of a {total}-row sequence ({strategy})")
+                             f"{len(shards)} holds {want} of {whole}")
         pieces += [(g, r, lb, n) for g, lb, n in chunks]
     pieces.sort()
     return _concat([_rows(shards[r], dim, lb, n) for _, r, lb, n in pieces], dim, shards[0])
+
+
+def unshard_sequence(shards, *, strategy="zigzag", dim=1):
+    """The full tensor from every rank's rows (shards[r] is rank r's, as shard_sequence gives
+    them): the inverse of shard_sequence. Differentiable for torch."""
+    dim = _shards_dim(shards, dim)
+    total = sum(int(s.shape[dim]) for s in shards)
+    code = strategy_code(strategy)
+    return _assemble(shards, dim, lambda r: _ext.sequence_shard(code, total, len(shards), r),
+                     f"a {total}-row sequence ({strategy})")
 
 
 # ---- packed batches: every sequence split on its own -------------------------------------------
@@ -724,24 +736,11 @@ def shard_varlen(x, cu_seqlens, rank, world_size, *, strategy="zigzag", dim=0):
 def unshard_varlen(shards, cu_seqlens, *, strategy="zigzag", dim=0):
     """The packed tensor from every rank's rows (shards[r] is rank r's, as shard_varlen gives
     them): the inverse of shard_varlen. Differentiable for torch."""
-    if not isinstance(shards, (list, tuple)) or not shards:
-        raise TypeError(f"shards: expected a non-empty list of every rank's tensors, got "
-                        f"{_core.describe(shards)}")
-    world = len(shards)
-    dim = _seq_dim(shards[0], dim, "shards[0]")
-    for r, s in enumerate(shards[1:], 1):
-        _seq_dim(s, dim, f"shards[{r}]")
+    dim = _shards_dim(shards, dim)
     cu = _host_offsets(cu_seqlens)
     code = strategy_code(strategy)
-    pieces = []  # (global_begin, rank, local_begin, length)
-    for r, s in enumerate(shards):
-        chunks, local_cu = _varlen_chunks(code, cu, world, r)
-        if s.shape[dim] != local_cu[-1]:
-            raise ValueError(f"shards[{r}]: {s.shape[dim]} rows along dim {dim}, but rank {r} of "
-                             f"{world} holds {local_cu[-1]} of the pack ({strategy})")
-        pieces += [(g, r, lb, n) for g, lb, n in chunks]
-    pieces.sort()
-    return _concat([_rows(shards[r], dim, lb, n) for _, r, lb, n in pieces], dim, shards[0])
+    return _assemble(shards, dim, lambda r: _varlen_chunks(code, cu, len(shards), r)[0],
+                     f"the pack ({strategy})")
 
 
 def zigzag_shard(x, rank, world_size, dim=1):
