@@ -370,12 +370,13 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
 
   // Score modifiers and the mask of the step at key n0.
   auto modify_and_mask = [&](STile& s, int n0) {
-    // Score modifiers (modify_score, core/score_mod.h) after the scale. The result goes back
+    // Score modifiers (ScoreMods, core/score_mod.h) after the scale. The result goes back
     // to raw units (÷ scale) so every path leaves S for the same FFMA with scale·log2(e), which
     // the hardware reads straight from the parameter bank — no register held across the loop.
     if (score_mods) {
       const Where at = where();
       const float slope = alibi_slope(p, at.batch, at.head);
+      const ScoreMods mods(p);
       const float to_raw = 1.0f / p.scale;
       // ElementMask::rel of each element: rel0 plus a compile-time offset.
       const int rel0 = n0 + 2 * t - (at.m0 + warp_row0 + g + seq.len_k - seq.len_q);
@@ -386,8 +387,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int rel = rel0 + nf * 8 + (i & 1) - mf * 16 - (i >> 1) * 8;
-            const float x = modify_score(s[mf][nf][i] * p.scale, p.softcap,
-                                         p.alibi_slopes != nullptr, slope, rel);
+            const float x = mods.apply(s[mf][nf][i] * p.scale, slope, rel);
             // 16-row warps divide: holding the reciprocal costs the d=256 kernel its last free
             // register on sm_80 (ptxas spills 8 bytes); 32-row warps multiply, cheaper in FLOPs.
             s[mf][nf][i] = kMFrags == 1 ? x / p.scale : x * to_raw;

@@ -354,7 +354,7 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], 
     ptx::wgmma_commit();
   };
   // S_j is done: K_j's buffer goes back; the score modifiers, the mask on boundary steps
-  // (modify_score, ElementMask: core/score_mod.h) and the online softmax for the thread's two rows,
+  // (ScoreMods, ElementMask: core/score_mod.h) and the online softmax for the thread's two rows,
   // with `correction` the factor O waits for.
   auto softmax = [&](int j, int n0, float (&correction)[2]) {
     ptx::fence_operands(s);
@@ -367,13 +367,13 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], 
         // Modified in scaled units, then back to raw ones for the softmax's one FFMA with
         // scale·log2(e).
         const float to_raw = 1.0f / p.scale;
+        const ScoreMods mods(p);
 #pragma unroll
         for (int jj = 0; jj < kBlockN / 8; ++jj)
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            s[4 * jj + i] = to_raw * modify_score(s[4 * jj + i] * p.scale, p.softcap,
-                                                  p.alibi_slopes != nullptr, slope,
-                                                  mask.rel(jj * 8 + (i & 1), (i >> 1) * 8));
+            s[4 * jj + i] = to_raw * mods.apply(s[4 * jj + i] * p.scale, slope,
+                                                mask.rel(jj * 8 + (i & 1), (i >> 1) * 8));
       }
       if (boundary) {
 #pragma unroll
