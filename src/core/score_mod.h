@@ -107,25 +107,28 @@ struct ElementMask {
   }
 };
 
-// The score modifiers of one problem on a scaled score x, in the order of attention.h: softcap
-// (c·tanh(x / c), off when c ≤ 0), then ALiBi (−slope·|rel|, off without slopes), with rel the
-// key's offset from the row's aligned key position (ElementMask::rel). The softcap's reciprocal is
-// taken once, here: a division per element is a subroutine call in CUDA (IEEE rounding), which
-// made up a fifth of the modified sm90 step's instructions at d 128.
+// The score modifiers of one head, in the order of attention.h: softcap (c·tanh(x / c) on the
+// scaled score x, off when c ≤ 0), then ALiBi (−slope·|rel|, off without slopes), with rel the
+// key's offset from the row's aligned key position (ElementMask::rel). The kernels hold raw scores
+// (q·k before the softmax scale) and leave them raw for the softmax's one FFMA with scale·log2(e),
+// so the constants take the scale in and out once, here: raw ↦ (c / scale)·tanh(raw · scale / c)
+// − (slope / scale)·|rel|. A division per element is a subroutine call in CUDA; and the kernels
+// run each modifier as a loop of its own over the tile, so no branch sits between its elements.
 struct ScoreMods {
-  float softcap, softcap_inverse;
-  bool alibi;
+  float cap_in, cap_out, slope_raw;
+  bool capped, alibi;
 
-  FLARE_HD explicit ScoreMods(const AttentionParams& p)
-      : softcap(p.softcap),
-        softcap_inverse(p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f),
+  FLARE_HD ScoreMods(const AttentionParams& p, float slope)
+      : cap_in(p.softcap > 0.0f ? p.scale / p.softcap : 0.0f),
+        cap_out(p.softcap / p.scale),
+        slope_raw(slope / p.scale),
+        capped(p.softcap > 0.0f),
         alibi(p.alibi_slopes != nullptr) {}
 
-  FLARE_HD float apply(float x, float slope, int rel) const {
-    if (softcap > 0.0f) x = softcap * tanhf(x * softcap_inverse);
-    if (alibi) x -= slope * static_cast<float>(rel < 0 ? -rel : rel);
-    return x;
-  }
+  FLARE_HD float cap(float raw) const { return cap_out * tanhf(raw * cap_in); }
+  // `rel` as a float: the kernels add their compile-time offsets to it in floating point, exact
+  // below 2^24 (beyond, within an ulp of a bias of at least 2^24 slopes).
+  FLARE_HD float bias(float raw, float rel) const { return raw - slope_raw * fabsf(rel); }
 };
 
 // The ALiBi bias for (row, col): −slope · |row + len_k − len_q − col|.

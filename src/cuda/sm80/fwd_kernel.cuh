@@ -370,28 +370,34 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
 
   // Score modifiers and the mask of the step at key n0.
   auto modify_and_mask = [&](STile& s, int n0) {
-    // Score modifiers (ScoreMods, core/score_mod.h) after the scale. The result goes back
-    // to raw units (÷ scale) so every path leaves S for the same FFMA with scale·log2(e), which
-    // the hardware reads straight from the parameter bank — no register held across the loop.
+    // Score modifiers (ScoreMods, core/score_mod.h), raw scores in and out, so every path leaves
+    // S for the same FFMA with scale·log2(e), which the hardware reads straight from the parameter
+    // bank. Each modifier a loop of its own: no branch between the elements.
     if (score_mods) {
       const Where at = where();
-      const float slope = alibi_slope(p, at.batch, at.head);
-      const ScoreMods mods(p);
-      const float to_raw = 1.0f / p.scale;
-      // ElementMask::rel of each element: rel0 plus a compile-time offset.
-      const int rel0 = n0 + 2 * t - (at.m0 + warp_row0 + g + seq.len_k - seq.len_q);
+      const ScoreMods mods(p, alibi_slope(p, at.batch, at.head));
+      if (mods.capped) {
 #pragma unroll
-      for (int mf = 0; mf < kMFrags; ++mf)
+        for (int mf = 0; mf < kMFrags; ++mf)
 #pragma unroll
-        for (int nf = 0; nf < kNFrags; ++nf)
+          for (int nf = 0; nf < kNFrags; ++nf)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int rel = rel0 + nf * 8 + (i & 1) - mf * 16 - (i >> 1) * 8;
-            const float x = mods.apply(s[mf][nf][i] * p.scale, slope, rel);
-            // 16-row warps divide: holding the reciprocal costs the d=256 kernel its last free
-            // register on sm_80 (ptxas spills 8 bytes); 32-row warps multiply, cheaper in FLOPs.
-            s[mf][nf][i] = kMFrags == 1 ? x / p.scale : x * to_raw;
-          }
+            for (int i = 0; i < 4; ++i) s[mf][nf][i] = mods.cap(s[mf][nf][i]);
+      }
+      if (mods.alibi) {
+        // ElementMask::rel of each element: rel0 plus a compile-time offset.
+        const float rel0 =
+            static_cast<float>(n0 + 2 * t - (at.m0 + warp_row0 + g + seq.len_k - seq.len_q));
+#pragma unroll
+        for (int mf = 0; mf < kMFrags; ++mf)
+#pragma unroll
+          for (int nf = 0; nf < kNFrags; ++nf)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              s[mf][nf][i] = mods.bias(
+                  s[mf][nf][i],
+                  rel0 + static_cast<float>(nf * 8 + (i & 1) - mf * 16 - (i >> 1) * 8));
+      }
     }
     const int full_lo = kBoundsInSmem ? *static_cast<volatile int*>(&s_full_keys[0]) : last.lo;
     const int full_hi = kBoundsInSmem ? *static_cast<volatile int*>(&s_full_keys[1]) : first.hi;

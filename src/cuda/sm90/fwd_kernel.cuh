@@ -315,6 +315,7 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], 
                                              float slope, int r0, int t) {
   using Element = typename Cfg::Element;
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  const ScoreMods mods(p, slope);
   float s[kBlockN / 2];          // S_j, then exp2 of it
   uint32_t pa[kBlockN / 16][4];  // P_j rounded: the A fragments of O += P·V (k slice kk is n8
                                  // blocks 2kk and 2kk + 1)
@@ -364,16 +365,20 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], 
       // Element 4jj + i: key n0 + 2t + 8jj + i % 2, row r0 + 8·(i / 2) of the tile.
       const ElementMask mask(n0, 2 * t, m0 + r0, len_q, len_k, p.window_left, p.window_right);
       if constexpr (kScoreMods) {
-        // Modified in scaled units, then back to raw ones for the softmax's one FFMA with
-        // scale·log2(e).
-        const float to_raw = 1.0f / p.scale;
-        const ScoreMods mods(p);
+        // Each modifier a loop of its own (ScoreMods): no branch between the elements.
+        if (mods.capped) {
 #pragma unroll
-        for (int jj = 0; jj < kBlockN / 8; ++jj)
+          for (int e = 0; e < kBlockN / 2; ++e) s[e] = mods.cap(s[e]);
+        }
+        if (mods.alibi) {
+          const float rel0 = static_cast<float>(mask.rel(0, 0));
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            s[4 * jj + i] = to_raw * mods.apply(s[4 * jj + i] * p.scale, slope,
-                                                mask.rel(jj * 8 + (i & 1), (i >> 1) * 8));
+          for (int jj = 0; jj < kBlockN / 8; ++jj)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              s[4 * jj + i] = mods.bias(s[4 * jj + i],
+                                        rel0 + static_cast<float>(jj * 8 + (i & 1) - (i >> 1) * 8));
+        }
       }
       if (boundary) {
 #pragma unroll
