@@ -112,8 +112,8 @@ struct ElementMask {
 // key's offset from the row's aligned key position (ElementMask::rel). The kernels hold raw scores
 // (q·k before the softmax scale) and leave them raw for the softmax's one FFMA with scale·log2(e),
 // so the constants take the scale in and out once, here: raw ↦ (c / scale)·tanh(raw · scale / c)
-// − (slope / scale)·|rel|. A division per element is a subroutine call in CUDA; and the kernels
-// run each modifier as a loop of its own over the tile, so no branch sits between its elements.
+// − (slope / scale)·|rel|. A division per element is a subroutine call in CUDA; and the sm90
+// kernels run each modifier as a loop of its own over the tile, with no branch between elements.
 struct ScoreMods {
   float cap_in, cap_out, slope_raw;
   bool capped, alibi;
