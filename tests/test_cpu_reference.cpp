@@ -320,6 +320,49 @@ TEST(ElementMask, AgreesWithVisibleKeys) {
             }
 }
 
+// ScoreMods (the GPU kernels' softcap and ALiBi, on raw scores with the softmax scale folded into
+// their constants) against attention.h's definition on the scaled score, in double:
+// scale·mods(raw) = c·tanh(scale·raw / c) − slope·|rel|, the bias's |rel| being alibi_bias's
+// distance for the element ElementMask::rel names. fp32 rounds the folded constants, the products
+// and tanhf once each: a few ulps of the terms' magnitude.
+TEST(ScoreMods, RawUnitsAgreeWithTheScaledDefinition) {
+  static const float slopes[1] = {};
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (float scale : {0.0883883f, 0.125f, 1.0f, 3.7f})
+    for (float cap : {0.0f, 0.5f, 5.0f, 30.0f})
+      for (float slope : {0.0f, 0.0625f, 2.0f}) {
+        AttentionParams p;
+        p.scale = scale;
+        p.softcap = cap;
+        p.alibi_slopes = slope > 0.0f ? slopes : nullptr;
+        const ScoreMods mods(p, slope);
+        EXPECT_EQ(mods.capped, cap > 0.0f);
+        EXPECT_EQ(mods.alibi, slope > 0.0f);
+        for (int n = 0; n < 2000; ++n) {
+          const float raw = unit(rng) * (n % 3 == 0 ? 1e3f : 8.0f);
+          const int len_q = 1 + n % 37, len_k = 1 + (n * 7) % 53;
+          const int row = n % len_q, key = (n * 3) % len_k;
+          const ElementMask mask(key, 0, row, len_q, len_k, -1, -1);
+          float x = mods.capped ? mods.cap(raw) : raw;
+          if (mods.alibi) x = mods.bias(x, static_cast<float>(mask.rel(0, 0)));
+          double want = static_cast<double>(scale) * raw;
+          if (cap > 0.0f) want = cap * std::tanh(want / cap);
+          if (slope > 0.0f) want += alibi_bias(slope, row, key, len_q, len_k);
+          const double magnitude = std::fabs(want) + std::fabs(alibi_bias(slope, row, key, len_q,
+                                                                          len_k)) + 1e-30;
+          EXPECT_NEAR(static_cast<double>(scale) * x, want, 8 * 0x1p-24 * magnitude)
+              << "scale " << scale << " cap " << cap << " slope " << slope << " raw " << raw
+              << " row " << row << " key " << key;
+        }
+        // The cap holds infinite scores at ±c and keeps NaN.
+        if (cap > 0.0f) {
+          EXPECT_NEAR(scale * mods.cap(std::numeric_limits<float>::infinity()), cap, 4e-7 * cap);
+          EXPECT_TRUE(std::isnan(mods.cap(std::numeric_limits<float>::quiet_NaN())));
+        }
+      }
+}
+
 // rows_seeing and tile_sees_all (the backward kernels' walk and boundary tests) against
 // visible_keys row by row, windows up to INT_MAX included (the bounds' sums pass 2^31 there).
 TEST(TileMask, RowsSeeingAgreeWithVisibleKeys) {
