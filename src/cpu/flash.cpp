@@ -154,34 +154,48 @@ struct Product {
 };
 
 // One register block: R rows, N vectors. The sum over `inner` is one FMA chain per element,
-// starting from 0, in order; the destination is met once at the end.
+// starting from 0, in order; the destination is met once at the end. Not inlined, and its
+// fixed-count loops unrolled with the destination's fields read once, so the accumulators never
+// leave the registers: inlined into the forward's loop, GCC stored the pinned B vectors to the
+// stack on every step (4 stores per 24 FMAs), and the epilogue's loop over rows, not unrolled,
+// sent every accumulator through the stack and reloaded m.c and m.ldc for each store.
 template <Store kMode, int R, int N>
-void mm_block(const Product& m) {
+[[gnu::noinline]] void mm_block(const Product& m) {
+  float* const c = m.c;
+  const int64_t ldc = m.ldc;
+  const float* const col_scale = m.col_scale;
   Vec acc[R][N];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int n = 0; n < N; ++n) acc[r][n] = Vec{};
   const float* a = m.a;
   const float* b = m.b;
   for (int i = 0; i < m.inner; ++i, a += m.a_inner, b += m.ldb) {
     Vec bv[N];
+#pragma GCC unroll 8
     for (int n = 0; n < N; ++n) {
       bv[n] = simd::load(b + n * kLanes);
       pin(bv[n]);
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const Vec x = simd::splat(a[r * m.a_row]);
+#pragma GCC unroll 8
       for (int n = 0; n < N; ++n) acc[r][n] = simd::fma(x, bv[n], acc[r][n]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int n = 0; n < N; ++n) {
-      float* out = m.c + r * m.ldc + n * kLanes;
+      float* out = c + r * ldc + n * kLanes;
       if constexpr (kMode == Store::kSet) {
         simd::store(out, acc[r][n]);
       } else if constexpr (kMode == Store::kAdd) {
         simd::store(out, simd::load(out) + acc[r][n]);
       } else {
-        simd::store(out, simd::load(out) * simd::load(m.col_scale + n * kLanes) + acc[r][n]);
+        simd::store(out, simd::load(out) * simd::load(col_scale + n * kLanes) + acc[r][n]);
       }
     }
 }
