@@ -88,6 +88,8 @@ struct AttentionParams {
 
   FLARE_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FLARE_HD bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  // Softcap or ALiBi: the scores are modified (core/score_mod.h) before the softmax.
+  FLARE_HD bool has_score_mods() const { return softcap > 0.0f || alibi_slopes != nullptr; }
 };
 
 // Where one sequence of the batch lives: row offsets into the packed token dimension (0 for fixed

@@ -405,7 +405,7 @@ Head make_head(const AttentionParams& p, int b, int h) {
   hd.scale = p.scale;
   hd.softcap = p.softcap;
   hd.inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-  hd.plain = p.softcap <= 0.0f && p.alibi_slopes == nullptr;
+  hd.plain = !p.has_score_mods();
   hd.shift = hd.seq.len_k - hd.seq.len_q;
   return hd;
 }

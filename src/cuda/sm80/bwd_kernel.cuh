@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
   const int d = p.head_dim;
   const int64_t q_packed0 = packed_q_row0(p, b, seq);
   float* const dq_accum = w.dq_accum + slot.rank * w.dq_split_stride;
-  const bool has_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  const bool has_mod = p.has_score_mods();
   const bool has_dropout = p.dropout_p > 0.0f;
 
   // Per-lane fragment addresses (stage 0 for Q and dO). V, dO and dS sit a fixed multiple of 128

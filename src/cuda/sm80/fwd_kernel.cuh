@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(FwdConfig<kDType, kHeadDim, false, kShort>::kT
       stats.sum(mf, half) = 0.0f;
     }
 
-  const bool score_mods = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  const bool score_mods = p.has_score_mods();
 
   // Per-lane ldmatrix addresses at fragment (0, 0) of buffer 0; fragment offsets are compile-time
   // constants.

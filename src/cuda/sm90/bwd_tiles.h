@@ -58,8 +58,7 @@ constexpr int bwd90_bucket(int head_dim) {
 inline bool backward_supported(const AttentionParams& p) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
   if (bwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
-  if (p.dropout_p > 0.0f || p.softcap > 0.0f || p.alibi_slopes != nullptr || p.deterministic)
-    return false;
+  if (p.dropout_p > 0.0f || p.has_score_mods() || p.deterministic) return false;
   if (!packed_batch_fits(p)) return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   if (int64_t{p.heads_q} * p.total_q >= (int64_t{1} << 31)) return false;  // TMA row coordinates

@@ -881,7 +881,7 @@ Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
   st = encode_map(&tm_v, kDType, p.v, p.head_dim, static_cast<int>(rows.k), p.heads_kv, batch,
                   p.v_row_stride, p.v_head_stride, p.v_batch_stride, row.block_n, "v");
   if (!st.ok()) return st;
-  if (p.softcap > 0.0f || p.alibi_slopes != nullptr)
+  if (p.has_score_mods())
     return launch_tiles<kDType, kHeadDim, true>(p, row, tm_q, tm_k, tm_v, tiles, stream);
   return launch_tiles<kDType, kHeadDim, false>(p, row, tm_q, tm_k, tm_v, tiles, stream);
 }
