@@ -91,6 +91,11 @@ inline ProblemSpec magnitude(ProblemSpec s, float m) {
   s.magnitude = m;
   return s;
 }
+// Both score modifiers where they bite: softcap 5 on magnitude-3 scores, and ALiBi slopes per
+// (sequence, head).
+inline ProblemSpec with_score_mods(ProblemSpec s) {
+  return alibi(softcap(magnitude(std::move(s), 3.0f), 5.0f), true);
+}
 
 // ---- block masks ---------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ using problem_cases::causal;
 using problem_cases::fixed;
 using problem_cases::window;
 using problem_cases::with_run_seed;
+using problem_cases::with_score_mods;
 
 class GpuBackward : public ::testing::Test {
  protected:
@@ -100,17 +101,21 @@ std::vector<int> head_dims_of(int bucket) {
 // ---- the sm90 (Hopper) backward ----------------------------------------------------------------
 
 // The problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length and packed batches, any
-// mask, GQA, 16-byte aligned strides; no dropout, score modifiers or deterministic mode), one named
-// test per (compiled sm90 variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
+// mask, GQA, 16-byte aligned strides, softcap and ALiBi; no dropout or deterministic mode), one
+// named test per (compiled sm90 variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
 //
 // The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
 // keys (203 rows see no key), a window under GQA, MQA with padded rows, one token, 700 tokens
 // (causal at head dims that fill their 64-column panels), and packed batches: empty sequences on
 // either side, causal and not (query and key tiles run on into the next sequence's rows); a window
-// under GQA; 40 sequences beside one of 300 × 700.
-const char* const kSm90Shapes[] = {"s197",          "causal_97x300", "causal_300x97", "window_gqa",
-                                   "mqa_padded",    "one_token",     "s700",          "packed",
-                                   "packed_causal", "packed_window", "packed_many"};
+// under GQA; 40 sequences beside one of 300 × 700; then both score modifiers
+// (problem_cases::with_score_mods) on a window under GQA with more queries than keys, and on a
+// causal packed batch (each sequence its own ALiBi slopes).
+const char* const kSm90Shapes[] = {"s197",          "causal_97x300",   "causal_300x97",
+                                   "window_gqa",    "mqa_padded",      "one_token",
+                                   "s700",          "packed",          "packed_causal",
+                                   "packed_window", "packed_many",     "mods_window_gqa",
+                                   "mods_packed_causal"};
 
 // A packed batch of `s` with these sequence lengths.
 ProblemSpec packed(ProblemSpec s, std::vector<int> lengths_q, std::vector<int> lengths_k) {
@@ -158,6 +163,10 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
       k.push_back(700);
       return causal(packed(with_run_seed(fixed(0, 0, 0, 2, 2, d, dt)), q, k));
     }
+    case 11: return with_score_mods(window(with_run_seed(fixed(1, 310, 290, 4, 2, d, dt)), 40, 9));
+    case 12:
+      return with_score_mods(causal(packed(with_run_seed(fixed(0, 0, 0, 4, 2, d, dt)),
+                                           {37, 0, 130, 5, 64}, {50, 20, 0, 130, 64})));
     default: return with_run_seed(fixed(2, 197, 197, 2, 2, d, dt));
   }
 }

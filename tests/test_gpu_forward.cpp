@@ -386,12 +386,6 @@ const char* const kSm90Shapes[] = {"s197",          "causal_97x300",  "causal_30
                                    "large_1025",    "causal_200x2500", "mods_window_gqa",
                                    "mods_causal_200x2500"};
 
-// Softcap and ALiBi (per sequence and head) on scores large enough for the cap to matter.
-ProblemSpec with_score_mods(ProblemSpec s) {
-  return problem_cases::alibi(
-      problem_cases::softcap(problem_cases::magnitude(std::move(s), 3.0f), 5.0f), true);
-}
-
 ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
   const ProblemSpec base = base_spec(c.dtype, c.head_dim, 60 + static_cast<uint64_t>(c.shape));
   switch (c.shape) {
@@ -420,8 +414,8 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
       return large;
     }
     case 7: return causal_shape(base, 200, 2500);
-    case 8: return with_score_mods(window_gqa(base, 310, 290, 40, 9));
-    case 9: return with_score_mods(causal_shape(base, 200, 2500));
+    case 8: return problem_cases::with_score_mods(window_gqa(base, 310, 290, 40, 9));
+    case 9: return problem_cases::with_score_mods(causal_shape(base, 200, 2500));
     default: return base;
   }
 }
@@ -541,7 +535,7 @@ TEST(GpuForwardSm90, PackedBatchesEveryPersistentBucket) {
       window.options.window_right = 3;
       check_sm90_and_forced_sm80(window, check_forward, cuda::testing::sm90_forward_launches);
       // Softcap and ALiBi slopes per (sequence, head): each tile takes its own sequence's slope.
-      check_sm90_and_forced_sm80(with_score_mods(window), check_forward,
+      check_sm90_and_forced_sm80(problem_cases::with_score_mods(window), check_forward,
                                  cuda::testing::sm90_forward_launches);
       ProblemSpec many = packed(many_q, many_k, 97);
       many.options.causal = true;

@@ -125,7 +125,9 @@ struct ScoreMods {
         capped(p.softcap > 0.0f),
         alibi(p.alibi_slopes != nullptr) {}
 
-  FLARE_HD float cap(float raw) const { return cap_out * tanhf(raw * cap_in); }
+  // tanh(scale·raw / c): the backward's softcap derivative is 1 − its square.
+  FLARE_HD float tanh_of(float raw) const { return tanhf(raw * cap_in); }
+  FLARE_HD float cap(float raw) const { return cap_out * tanh_of(raw); }
   // `rel` as a float: the kernels add their compile-time offsets to it in floating point, exact
   // below 2^24 (beyond, within an ulp of a bias of at least 2^24 slopes).
   FLARE_HD float bias(float raw, float rel) const { return raw - slope_raw * fabsf(rel); }

@@ -12,8 +12,8 @@
 // arrive on the same `full` barrier as the TMA loads. Warpgroups 1 and 2 each own 64 of the keys
 // and per step run
 //   Sᵀ  = K·Q_iᵀ, dPᵀ = V·dO_iᵀ        wgmma, both operands K-major in shared memory
-//   Pᵀ  = 2^(Sᵀ·scale·log2e − LSE₂)      masked on boundary steps
-//   dSᵀ = Pᵀ∘(dPᵀ − D)
+//   Pᵀ  = 2^(Sᵀ·scale·log2e − LSE₂)      masked on boundary steps; softcap and ALiBi on Sᵀ first
+//   dSᵀ = Pᵀ∘(dPᵀ − D)                   times the softcap's 1 − tanh²
 //   dV += Pᵀ·dO_i, dK += dSᵀ·Q_i          wgmma with Pᵀ, dSᵀ in registers (the accumulator layout
 //                                         rounded in place is the A fragment), B MN-major
 //   dSᵀ → shared memory; the two warpgroups meet at a named barrier
@@ -117,7 +117,9 @@ enum Bwd90Barrier : int {
   kOwnDqStage = 3,         // + c: warpgroup c's dQ staging (its own 128 threads)
 };
 
-template <DType kDType, int kHeadDim>
+// kScoreMods: the problem has softcap or ALiBi (a kernel of its own, as in the forward, so that
+// the plain steps keep their code).
+template <DType kDType, int kHeadDim, bool kScoreMods>
 __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     attention_backward_sm90_kernel(const __grid_constant__ AttentionParams p,
                                    const sm80::BwdWorkspace w,
@@ -326,6 +328,11 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
                            p.window_right);
     const float* lse2 = s_lse[stage] + q_off;
     const float* dsum = s_dsum[stage] + q_off;
+    // Score modifiers (ScoreMods, core/score_mod.h) on the raw scores, as the forward forms them,
+    // with the head's ALiBi slope; rel0 is ElementMask::rel of element 0, the rest a compile-time
+    // offset from it.
+    const ScoreMods mods(p, kScoreMods ? alibi_slope(p, b, h) : 0.0f);
+    const float rel0 = static_cast<float>(mask.rel(0, 0));
     // Rounded as they are formed (the fp32 values die block by block, which keeps d 64's 128
     // registers of Sᵀ and dPᵀ from meeting 64 of packed fragments). pa and da are the A fragments
     // of dV and dK (k slice kk = n8 blocks 2kk, 2kk + 1; register 2·(j % 2) + half holds rows
@@ -340,12 +347,23 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       const float2 dd = *reinterpret_cast<const float2*>(dsum + 8 * j + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float pr = ptx::exp2_approx(fmaf(s[4 * j + e], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
+        float x = s[4 * j + e];
+        float dcap = 1.0f;  // the softcap's chain-rule factor 1 − tanh²: dTᵀ = dSᵀ·dcap
+        if constexpr (kScoreMods) {
+          if (mods.capped) {
+            const float th = mods.tanh_of(x);
+            x = mods.cap_out * th;
+            dcap = 1.0f - th * th;
+          }
+          if (mods.alibi) x = mods.bias(x, rel0 + static_cast<float>(8 * (e / 2) - 8 * j - e % 2));
+        }
+        float pr = ptx::exp2_approx(fmaf(x, p.scale_log2, -(e % 2 ? l2.y : l2.x)));
         if (boundary) {
           if (mask.masked(8 * (e / 2), 8 * j + (e % 2))) pr = 0.0f;
         }
         s[4 * j + e] = pr;
         dp[4 * j + e] = pr * (dp[4 * j + e] - (e % 2 ? dd.y : dd.x));
+        if constexpr (kScoreMods) dp[4 * j + e] *= dcap;
       }
       const int chunk = q_off / 8 + j;  // 16-byte chunk of the query columns
 #pragma unroll
@@ -534,7 +552,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 template <DType kDType, int kHeadDim>
 bool backward_runs_on_device() {
   return runs_sm90a_code(
-      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim>));
+      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim, false>));
 }
 
 template <DType kDType, int kHeadDim>
@@ -562,8 +580,11 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
   if (!st.ok()) return st;
   const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.heads_kv),
                   static_cast<unsigned>(p.batch));
-  return launch(attention_backward_sm90_kernel<kDType, kHeadDim>, "backward", kHeadDim, grid,
-                Cfg::kThreads, Cfg::kSmemBytes, stream, p, w, tm_q, tm_k, tm_v, tm_do, tm_dq);
+  const auto kernel = p.has_score_mods()
+                          ? attention_backward_sm90_kernel<kDType, kHeadDim, true>
+                          : attention_backward_sm90_kernel<kDType, kHeadDim, false>;
+  return launch(kernel, "backward", kHeadDim, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, w,
+                tm_q, tm_k, tm_v, tm_do, tm_dq);
 }
 
 }  // namespace flare::cuda::sm90
