@@ -9,8 +9,8 @@
 #                       output, in order; fixed-length rows carry no "varlen" field
 #   MODE=bench_varlen   `flare bench --varlen` runs each case as one packed batch: its lines and
 #                       result rows say varlen, mixed lengths with s_q != s_k and GQA run too
-#   MODE=bench_mods     `flare bench --softcap X --alibi`: its lines and result rows name both,
-#                       and a plain run's rows carry neither
+#   MODE=bench_mods     `flare bench --softcap X --alibi --dropout P`: its lines and result rows
+#                       name all three, and a plain run's rows carry none
 #   MODE=json_unwritable  --json to a path that cannot be written (DIR: a scratch directory)
 #                       fails before any case runs, naming --json and the path
 #   MODE=line_buffered  a bench killed while its first case runs has already delivered its
@@ -54,6 +54,8 @@ if(MODE STREQUAL "usage")
     "bench --softcap -1"
     "bench --softcap inf"
     "bench --alibi=yes"
+    "bench --dropout -0.1"
+    "bench --dropout 1"
     "bench-dist --s 0"
     "bench-dist --s 1024,x"
     "bench-dist --s ,"
@@ -224,13 +226,13 @@ elseif(MODE STREQUAL "bench_varlen")
 
 elseif(MODE STREQUAL "bench_mods")
   file(REMOVE "${JSON}")
-  set(mods "bench --device cpu --s 128 --b 2 --h 4 --h-kv 2 --d 32 --causal --softcap 30 --alibi")
+  set(mods "bench --device cpu --s 128 --b 2 --h 4 --h-kv 2 --d 32 --causal --softcap 30 --alibi --dropout 0.25")
   run_flare("${mods} --warmup 0 --iters 1 --commit test --json ${JSON}")
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "flare ${mods}: exit status ${rc}\n${out}\n${err}")
   endif()
   foreach(pass IN ITEMS "fwd " "bwd " "fwdbwd")
-    if(NOT out MATCHES "\n${pass} *fp32 b=2 +s=128 +h=4/2 +d=32 +causal softcap alibi +[0-9.]+ ms")
+    if(NOT out MATCHES "\n${pass} *fp32 b=2 +s=128 +h=4/2 +d=32 +causal softcap alibi dropout +[0-9.]+ ms")
       message(FATAL_ERROR "flare ${mods}: no ${pass} line naming the modifiers in:\n${out}")
     endif()
   endforeach()
@@ -240,17 +242,20 @@ elseif(MODE STREQUAL "bench_mods")
   foreach(i RANGE ${last})
     string(JSON softcap GET "${doc}" rows ${i} softcap)
     string(JSON alibi_type TYPE "${doc}" rows ${i} alibi)
-    if(NOT softcap EQUAL 30 OR NOT alibi_type STREQUAL "BOOLEAN")
-      message(FATAL_ERROR "${JSON}: rows[${i}] softcap ${softcap}, alibi ${alibi_type}")
+    string(JSON dropout GET "${doc}" rows ${i} dropout)
+    if(NOT softcap EQUAL 30 OR NOT alibi_type STREQUAL "BOOLEAN" OR NOT dropout STREQUAL "0.25")
+      message(FATAL_ERROR "${JSON}: rows[${i}] softcap ${softcap}, alibi ${alibi_type}, dropout ${dropout}")
     endif()
   endforeach()
-  # Without them, rows carry neither field (files of plain runs stay as they were).
+  # Without them, rows carry none of the fields (files of plain runs stay as they were).
   run_flare("bench --device cpu --s 64 --b 1 --h 1 --d 32 --causal --pass fwd --warmup 0 --iters 1 --json ${JSON}")
   file(READ "${JSON}" doc)
-  string(JSON plain ERROR_VARIABLE missing GET "${doc}" rows 0 softcap)
-  if(NOT missing)
-    message(FATAL_ERROR "${JSON}: a plain run's row has softcap = ${plain}")
-  endif()
+  foreach(field IN ITEMS softcap alibi dropout)
+    string(JSON plain ERROR_VARIABLE missing GET "${doc}" rows 0 ${field})
+    if(NOT missing)
+      message(FATAL_ERROR "${JSON}: a plain run's row has ${field} = ${plain}")
+    endif()
+  endforeach()
 
 elseif(MODE STREQUAL "json_unwritable")
   # A grid that would run for a long time: the check must come before it, so a late check makes
