@@ -38,7 +38,8 @@ std::vector<ExpectedLevel> compiled_levels() {
   const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
                   __builtin_cpu_supports("avx512vl");
-  return {{"x86-64-v4", v4}, {"x86-64-v3", v3}, {"x86-64", true}};
+  const bool v4_bf16 = v4 && __builtin_cpu_supports("avx512bf16");
+  return {{"x86-64-v4-bf16", v4_bf16}, {"x86-64-v4", v4}, {"x86-64-v3", v3}, {"x86-64", true}};
 #else
   return {{"native", true}};
 #endif

@@ -251,6 +251,133 @@ void matmul(int rows, int vecs, Product m) {
   }
 }
 
+#if FLARE_SIMD_BF16
+// ---- bf16 pair products (AVX-512 BF16) ----------------------------------------------------------
+
+// C(rows, vecs·lanes) = A(rows, inner) · B(inner, vecs·lanes) for bf16 A and B, fp32 C, with the
+// inner dimension in pairs: A's row r pair i is the 32-bit word a[r·a_row + i] (two adjacent
+// bf16, as the user's rows hold them), B's pair row i the words at b + i·ldb (lane j: the two
+// elements of column j). One vdpbf16ps per (row, vector, pair) does two FMAs per lane: the
+// products of bf16 values are exact in fp32, as in the fp32 kernel's FMA chain; the sum runs
+// pair by pair (the odd element first), from 0, the destination met once at the end.
+struct PairProduct {
+  const uint32_t* a;
+  int64_t a_row;
+  const uint32_t* b;
+  int64_t ldb;
+  int pairs;
+  float* c;
+  int64_t ldc;
+};
+
+template <int R, int N>
+[[gnu::noinline]] void mm_pairs_block(const PairProduct& m) {
+  float* const c = m.c;
+  const int64_t ldc = m.ldc, a_row = m.a_row;
+  __m512 acc[R][N];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
+  const uint32_t* a = m.a;
+  const uint32_t* b = m.b;
+  for (int i = 0; i < m.pairs; ++i, ++a, b += m.ldb) {
+    __m512i bv[N];
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) {
+      bv[n] = _mm512_loadu_si512(b + n * kLanes);
+      __asm__("" : "+v"(bv[n]));  // one load per vector, kept in a register (see pin)
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_set1_epi32(static_cast<int>(a[r * a_row]));
+#pragma GCC unroll 8
+      for (int n = 0; n < N; ++n)
+        acc[r][n] = _mm512_dpbf16_ps(acc[r][n], reinterpret_cast<__m512bh>(x),
+                                     reinterpret_cast<__m512bh>(bv[n]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) _mm512_storeu_ps(c + r * ldc + n * kLanes, acc[r][n]);
+}
+
+template <int N, int R>
+void mm_pairs_row_tail(int rest, const PairProduct& m) {
+  if constexpr (R > 0) {
+    if (rest == R) {
+      mm_pairs_block<R, N>(m);
+    } else {
+      mm_pairs_row_tail<N, R - 1>(rest, m);
+    }
+  }
+}
+
+template <int N>
+void mm_pairs_rows(int rows, PairProduct m) {
+  int r = 0;
+  for (; r + kMicroRows <= rows; r += kMicroRows) {
+    mm_pairs_block<kMicroRows, N>(m);
+    m.a += kMicroRows * m.a_row;
+    m.c += kMicroRows * m.ldc;
+  }
+  mm_pairs_row_tail<N, kMicroRows - 1>(rows - r, m);
+}
+
+template <int N>
+void mm_pairs_vec_tail(int rest, int rows, const PairProduct& m) {
+  if constexpr (N > 0) {
+    if (rest == N) {
+      mm_pairs_rows<N>(rows, m);
+    } else {
+      mm_pairs_vec_tail<N - 1>(rest, rows, m);
+    }
+  }
+}
+
+// The whole product, column groups outer, as matmul.
+void matmul_pairs(int rows, int vecs, PairProduct m) {
+  if (rows <= 0 || vecs <= 0) return;
+  for (int v = 0; v < vecs; v += kMicroVecs) {
+    PairProduct g = m;
+    g.b += v * kLanes;
+    g.c += v * kLanes;
+    if (vecs - v >= kMicroVecs) {
+      mm_pairs_rows<kMicroVecs>(rows, g);
+    } else {
+      mm_pairs_vec_tail<kMicroVecs - 1>(vecs - v, rows, g);
+    }
+  }
+}
+#endif  // FLARE_SIMD_BF16
+
+// Which products take bf16 pairs straight from the user's rows: bf16 on a CPU with AVX-512 BF16,
+// an even head dim, and both operands' rows starting on 32-bit words (4-byte aligned data, even
+// strides). Scores S = QKᵀ, in every forward and in the backward alike (the backward's P =
+// exp(S − LSE) needs the forward's bits: a score of 1e6 that moves by an ulp moves P by 6%);
+// dP = dO·Vᵀ in the backward, with D = dO·O summed in the same order (delta_block), so that
+// dP − D cancels to 0 exactly where O is one V row.
+bool pair_rows(const void* data, std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(data) % 4 != 0) return false;
+  for (int64_t stride : strides)
+    if (stride % 2 != 0) return false;
+  return true;
+}
+bool pairs_possible(const AttentionParams& p) {
+  return FLARE_SIMD_BF16 && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0;
+}
+bool score_pairs(const AttentionParams& p) {
+  return pairs_possible(p) &&
+         pair_rows(p.q, {p.q_batch_stride, p.q_row_stride, p.q_head_stride}) &&
+         pair_rows(p.k, {p.k_batch_stride, p.k_row_stride, p.k_head_stride});
+}
+bool dp_pairs(const AttentionParams& p) {
+  return pairs_possible(p) &&
+         pair_rows(p.dout, {p.do_batch_stride, p.do_row_stride, p.do_head_stride}) &&
+         pair_rows(p.v, {p.v_batch_stride, p.v_row_stride, p.v_head_stride});
+}
+
 // ---- tile loads and stores ----------------------------------------------------------------------
 
 // Converts `d` elements of a user tensor, starting at element `offset`, to fp32.
@@ -327,16 +454,24 @@ void prefetch_rows(const void* src, DType dtype, int64_t offset, int64_t stride,
   }
 }
 
-// Keys [j0, j0 + nk) of one (sequence, kv head) into dense fp32 K and V tiles (row stride d),
-// found run by run through `keys` (key_rows.h). Copied even from fp32: read in place at the
-// tensor's row stride (4 KiB for 8 heads of 128), a tile's rows would share a few L1 sets.
+// Keys [j0, j0 + nk) of one (sequence, kv head) into dense K and V tiles, found run by run
+// through `keys` (key_rows.h): V in fp32 (row stride d); K in fp32 too, or with `k_pairs` as bf16
+// pairs for score_pairs (each row's d / 2 words, row stride d / 2). Copied even from fp32: read in
+// place at the tensor's row stride (4 KiB for 8 heads of 128), a tile's rows would share a few L1
+// sets.
 void load_key_tiles(const AttentionParams& p, const KeyRows& keys, const HeadLocation& at, int j0,
-                    int nk, float* ktile, float* vtile) {
+                    int nk, bool k_pairs, float* ktile, float* vtile) {
   const int d = p.head_dim;
   for (int j = j0; j < j0 + nk;) {  // all of K first, then V, as the tiles are used
     const KeyRun run = key_run(p, keys, at, j0, j, j0 + nk);
-    for (int r = 0; r < run.n; ++r)
-      load_row(p.k, p.dtype, run.k + r * run.k_stride, d, ktile + int64_t{run.r0 + r} * d);
+    for (int r = 0; r < run.n; ++r) {
+      const int64_t row = run.r0 + r, from = run.k + r * run.k_stride;
+      if (k_pairs)
+        std::memcpy(reinterpret_cast<uint32_t*>(ktile) + row * (d / 2),
+                    static_cast<const uint32_t*>(p.k) + from / 2, sizeof(uint32_t) * (d / 2));
+      else
+        load_row(p.k, p.dtype, from, d, ktile + row * d);
+    }
     j += run.n;
   }
   for (int j = j0; j < j0 + nk;) {
@@ -592,7 +727,7 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
   float* qt = carve.take(int64_t{d} * ld);      // (d, kFwdQ) Qᵀ; columns from nq zeroed
   float* st = carve.take(int64_t{kFwdK} * ld);  // (kFwdK, kFwdQ) Sᵀ → Pᵀ
   float* ot = carve.take(int64_t{d} * ld);      // (d, kFwdQ) unnormalised Oᵀ
-  float* ktile = carve.take(int64_t{kFwdK} * d);  // (kFwdK, d) K converted from fp16/bf16
+  float* ktile = carve.take(int64_t{kFwdK} * d);  // (kFwdK, d) K converted, or in pairs
   float* vtile = carve.take(int64_t{kFwdK} * d);  // (kFwdK, d) V likewise
   float* zt = carve.take(int64_t{kFwdK} * ld);  // (kFwdK, kFwdQ) dropout multipliers
   float* m = carve.take(ld);                    // running max per query, natural units
@@ -623,8 +758,14 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
       }
     }
   }
-  load_transposed(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, nq, d, qt, ld,
-                  row_buffer);
+  // Qᵀ, in pairs (its rows' words transposed) where the scores take them (score_pairs).
+  const bool pairs = score_pairs(p);
+  if (pairs)
+    load_transposed(p.q, DType::kFloat32, (hd.q + i0 * p.q_row_stride) / 2, p.q_row_stride / 2, nq,
+                    d / 2, qt, ld, row_buffer);
+  else
+    load_transposed(p.q, p.dtype, hd.q + i0 * p.q_row_stride, p.q_row_stride, nq, d, qt, ld,
+                    row_buffer);
   std::fill(m, m + ld, -kInf);
   std::fill(l, l + ld, 0.0f);
   std::fill(ot, ot + int64_t{d} * ld, 0.0f);
@@ -635,7 +776,7 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
     rows_meeting(lo, hi, nq, j0, j1, &ra, &rb);
     if (ra == rb) continue;
     const int ca = ra / kLanes, cb = ceil_div(rb, kLanes);  // vectors of queries computed
-    load_key_tiles(p, keys, hd, j0, nk, ktile, vtile);
+    load_key_tiles(p, keys, hd, j0, nk, pairs, ktile, vtile);
     const float* kr = ktile;
     const float* vr = vtile;
     const int64_t ldk = d, ldv = d;
@@ -715,8 +856,16 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
         }
       }
       ga = std::min(ga, gb);
-      matmul<Store::kSet>(gb - ga, g1 - g0, {kr + ga * ldk, ldk, 1, qt + g0 * kLanes, ld, d,
-                                             st + ga * ld + g0 * kLanes, ld, nullptr});
+#if FLARE_SIMD_BF16
+      if (pairs)
+        matmul_pairs(gb - ga, g1 - g0,
+                     {reinterpret_cast<const uint32_t*>(kr) + ga * (d / 2), d / 2,
+                      reinterpret_cast<const uint32_t*>(qt) + g0 * kLanes, ld, d / 2,
+                      st + ga * ld + g0 * kLanes, ld});
+      else
+#endif
+        matmul<Store::kSet>(gb - ga, g1 - g0, {kr + ga * ldk, ldk, 1, qt + g0 * kLanes, ld, d,
+                                               st + ga * ld + g0 * kLanes, ld, nullptr});
       for (int c = g0; c < g1; ++c) softmax_vector(c, ga, gb);
       if (!per_row)
         matmul<Store::kScaleAdd>(d, g1 - g0, {vr + ga * ldv, 1, ldv, st + ga * ld + g0 * kLanes, ld,
@@ -854,9 +1003,20 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
   block_ranges(p, first, 0, len_q, lo, hi, &klo, &khi);
   klo = std::max(klo, t.c0);
   khi = std::min(khi, t.c1);
+  // The rows' queries, and Kᵀ below, in pairs where the scores take them (score_pairs): each
+  // query row's d / 2 words (row stride ldr words), Kᵀ's rows of words.
+  const bool pairs = score_pairs(p);
+  const int kd = pairs ? d / 2 : d;  // rows of Kᵀ
   for (int g = 0; g < t.heads; ++g) {
     heads[g] = make_head(p, t.b, t.h0 + g);
-    load_rows(p.q, p.dtype, heads[g].q, p.q_row_stride, len_q, d, q + g * len_q * ldr, ldr);
+    if (pairs) {
+      for (int r = 0; r < len_q; ++r)
+        std::memcpy(reinterpret_cast<uint32_t*>(q) + (g * len_q + r) * int64_t{ldr},
+                    static_cast<const uint32_t*>(p.q) + (heads[g].q + r * p.q_row_stride) / 2,
+                    sizeof(uint32_t) * (d / 2));
+    } else {
+      load_rows(p.q, p.dtype, heads[g].q, p.q_row_stride, len_q, d, q + g * len_q * ldr, ldr);
+    }
   }
   std::fill(m, m + rows, -kInf);
   std::fill(l, l + rows, 0.0f);
@@ -869,8 +1029,12 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
       // One strided run, loaded and prefetched (rows a token apart: the next tile's, while this
       // one is computed) without the run walk: through it, decoding 8k keys with 32/32 heads ran
       // 5% slower on 2 cores (median of 15 alternating runs).
-      load_transposed(p.k, p.dtype, first.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, kt,
-                      kDecodeLd, row_buffer);
+      if (pairs)
+        load_transposed(p.k, DType::kFloat32, (first.k + j0 * p.k_row_stride) / 2,
+                        p.k_row_stride / 2, nk, kd, kt, kDecodeLd, row_buffer);
+      else
+        load_transposed(p.k, p.dtype, first.k + j0 * p.k_row_stride, p.k_row_stride, nk, d, kt,
+                        kDecodeLd, row_buffer);
       load_rows(p.v, p.dtype, first.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, vt, ldr);
       if (next > 0) {
         prefetch_rows(p.k, p.dtype, first.k + (j0 + nk) * p.k_row_stride, p.k_row_stride, next, d);
@@ -879,15 +1043,26 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
     } else {
       for (int j = j0; j < j0 + nk;) {  // the tile's keys, one strided run at a time
         const KeyRun run = key_run(p, keys, first, j0, j, j0 + nk);
-        transpose_rows(p.k, p.dtype, run.k, run.k_stride, run.n, d, kt + run.r0, kDecodeLd,
-                       row_buffer);
+        if (pairs)
+          transpose_rows(p.k, DType::kFloat32, run.k / 2, run.k_stride / 2, run.n, kd, kt + run.r0,
+                         kDecodeLd, row_buffer);
+        else
+          transpose_rows(p.k, p.dtype, run.k, run.k_stride, run.n, d, kt + run.r0, kDecodeLd,
+                         row_buffer);
         load_rows(p.v, p.dtype, run.v, run.v_stride, run.n, d, vt + int64_t{run.r0} * ldr, ldr);
         j += run.n;
       }
-      zero_columns(kt, nk, d, kDecodeLd);
+      zero_columns(kt, nk, kd, kDecodeLd);
       if (next > 0) prefetch_keys(p, keys, first, j0 + nk, next);
     }
-    matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, kt, kDecodeLd, d, s, kDecodeLd, nullptr});
+#if FLARE_SIMD_BF16
+    if (pairs)
+      matmul_pairs(rows, kvecs, {reinterpret_cast<const uint32_t*>(q), ldr,
+                                 reinterpret_cast<const uint32_t*>(kt), kDecodeLd, d / 2, s,
+                                 kDecodeLd});
+    else
+#endif
+      matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, kt, kDecodeLd, d, s, kDecodeLd, nullptr});
     // Keys [ta[r], te[r]) of the tile that query row r sees (every head alike).
     int ta[kDecodeRows], te[kDecodeRows];
     bool masked = false;  // some row does not see some key of the tile
@@ -1082,10 +1257,19 @@ KeyBlock load_key_block(const AttentionParams& p, const Head& head, int j0, int 
   KeyBlock kb;
   kb.j0 = j0;
   kb.nk = nk;
-  const int64_t k0 = head.k + j0 * p.k_row_stride;
-  load_transposed(p.k, p.dtype, k0, p.k_row_stride, nk, d, t->kt, kBwdLd, t->row_buffer);
-  load_transposed(p.v, p.dtype, head.v + j0 * p.v_row_stride, p.v_row_stride, nk, d, t->vt, kBwdLd,
-                  t->row_buffer);
+  const int64_t k0 = head.k + j0 * p.k_row_stride, v0 = head.v + j0 * p.v_row_stride;
+  // Kᵀ and Vᵀ, in pairs where the products take them (score_pairs, dp_pairs): the rows' 32-bit
+  // words, moved as fp32 words, transposed.
+  if (score_pairs(p))
+    load_transposed(p.k, DType::kFloat32, k0 / 2, p.k_row_stride / 2, nk, d / 2, t->kt, kBwdLd,
+                    t->row_buffer);
+  else
+    load_transposed(p.k, p.dtype, k0, p.k_row_stride, nk, d, t->kt, kBwdLd, t->row_buffer);
+  if (dp_pairs(p))
+    load_transposed(p.v, DType::kFloat32, v0 / 2, p.v_row_stride / 2, nk, d / 2, t->vt, kBwdLd,
+                    t->row_buffer);
+  else
+    load_transposed(p.v, p.dtype, v0, p.v_row_stride, nk, d, t->vt, kBwdLd, t->row_buffer);
   if (rows) {  // copied even from fp32: see key_rows
     load_rows(p.k, p.dtype, k0, p.k_row_stride, nk, d, t->k, ldr);
     kb.k = t->k;
@@ -1099,6 +1283,11 @@ struct QueryBlock {
   int i0 = 0, nq = 0;
   const float* q = nullptr;     // (nq, dpad), row stride rows_ld(dpad)
   const float* dout = nullptr;  // likewise
+  // With score_pairs / dp_pairs: the user's rows of Q / dO as 32-bit words (bf16 pairs), row
+  // strides in words.
+  const uint32_t* q_pairs = nullptr;
+  const uint32_t* dout_pairs = nullptr;
+  int64_t q_pairs_ld = 0, dout_pairs_ld = 0;
   int klo = 0, khi = 0;  // union of the rows' visible keys
   int lo[kBwdQ], hi[kBwdQ];
   float lse[kBwdQ];      // +inf for rows that see no key
@@ -1122,6 +1311,14 @@ void load_query_block(const AttentionParams& p, const Head& hd, int i0, const fl
               ldr);
     qb->q = t->q;
     qb->dout = t->dout;
+  }
+  if (score_pairs(p)) {
+    qb->q_pairs = static_cast<const uint32_t*>(p.q) + (hd.q + i0 * p.q_row_stride) / 2;
+    qb->q_pairs_ld = p.q_row_stride / 2;
+  }
+  if (dp_pairs(p)) {
+    qb->dout_pairs = static_cast<const uint32_t*>(p.dout) + (hd.dout + i0 * p.do_row_stride) / 2;
+    qb->dout_pairs_ld = p.do_row_stride / 2;
   }
   for (int r = 0; r < qb->nq; ++r) {
     const float lse = p.lse[hd.lse + i0 + r];
@@ -1193,8 +1390,20 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
   const float* dout = qb.dout + ra * ldr;
   float* s = t->s + ra * kBwdLd;
   float* dp = t->dp + ra * kBwdLd;
-  matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, t->kt, kBwdLd, d, s, kBwdLd, nullptr});
-  matmul<Store::kSet>(rows, kvecs, {dout, ldr, 1, t->vt, kBwdLd, d, dp, kBwdLd, nullptr});
+#if FLARE_SIMD_BF16
+  if (qb.q_pairs != nullptr)
+    matmul_pairs(rows, kvecs, {qb.q_pairs + ra * qb.q_pairs_ld, qb.q_pairs_ld,
+                               reinterpret_cast<const uint32_t*>(t->kt), kBwdLd, d / 2, s, kBwdLd});
+  else
+#endif
+    matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, t->kt, kBwdLd, d, s, kBwdLd, nullptr});
+#if FLARE_SIMD_BF16
+  if (qb.dout_pairs != nullptr)
+    matmul_pairs(rows, kvecs, {qb.dout_pairs + ra * qb.dout_pairs_ld, qb.dout_pairs_ld,
+                               reinterpret_cast<const uint32_t*>(t->vt), kBwdLd, d / 2, dp, kBwdLd});
+  else
+#endif
+    matmul<Store::kSet>(rows, kvecs, {dout, ldr, 1, t->vt, kBwdLd, d, dp, kBwdLd, nullptr});
   for (int r = ra; r < rb; ++r)
     backward_row(p, hd, qb.i0 + r, j0, nk, qb.lo[r], qb.hi[r], qb.lse[r], qb.delta[r], t, r);
   const bool masked = tile_masked(qb.lo, qb.hi, ra, rb, j0, j1);
@@ -1255,7 +1464,14 @@ void delta_block(const AttentionParams& p, int b, int h, int qblock, float* delt
     load_row(p.o, p.dtype, hd.o + int64_t{i0 + r} * p.o_row_stride, d, o);
     load_row(p.dout, p.dtype, hd.dout + int64_t{i0 + r} * p.do_row_stride, d, dout);
     float acc = 0.0f;
-    for (int c = 0; c < d; ++c) acc = simd::fma(dout[c], o[c], acc);
+    if (dp_pairs(p)) {  // as vdpbf16ps sums a pair: the odd element first
+      for (int c = 0; c < d; c += 2) {
+        acc = simd::fma(dout[c + 1], o[c + 1], acc);
+        acc = simd::fma(dout[c], o[c], acc);
+      }
+    } else {
+      for (int c = 0; c < d; ++c) acc = simd::fma(dout[c], o[c], acc);
+    }
     delta[hd.lse + i0 + r] = acc;
   }
 }

@@ -17,7 +17,7 @@
 namespace flare::cpu {
 
 #if defined(FLARE_SIMD_MULTI_LEVEL)
-// The copies' entry points: flash.cpp compiled with FLARE_SIMD_LEVEL 1, 3 and 4.
+// The copies' entry points: flash.cpp compiled with FLARE_SIMD_LEVEL 1, 3, 4 and 5.
 namespace generic {
 Status flash_forward(const AttentionParams& p, const KeyRows& keys);
 Status flash_backward(const AttentionParams& p);
@@ -30,6 +30,10 @@ namespace avx512 {
 Status flash_forward(const AttentionParams& p, const KeyRows& keys);
 Status flash_backward(const AttentionParams& p);
 }  // namespace avx512
+namespace avx512bf16 {
+Status flash_forward(const AttentionParams& p, const KeyRows& keys);
+Status flash_backward(const AttentionParams& p);
+}  // namespace avx512bf16
 #else
 // The one copy: flash.cpp compiled for the compiler's target, as this file is.
 namespace FLARE_SIMD_NAMESPACE {
@@ -58,12 +62,14 @@ bool has_x86_64_v4() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
          __builtin_cpu_supports("fma");
 }
+bool has_x86_64_v4_bf16() { return has_x86_64_v4() && __builtin_cpu_supports("avx512bf16"); }
 bool has_x86_64_v3() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 constexpr SimdLevel kLevels[] = {
+    {"x86-64-v4-bf16", has_x86_64_v4_bf16, avx512bf16::flash_forward, avx512bf16::flash_backward},
     {"x86-64-v4", has_x86_64_v4, avx512::flash_forward, avx512::flash_backward},
     {"x86-64-v3", has_x86_64_v3, avx_fma::flash_forward, avx_fma::flash_backward},
     {"x86-64", always, generic::flash_forward, generic::flash_backward},

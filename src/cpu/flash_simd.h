@@ -11,6 +11,7 @@
 //   1  x86-64     (SSE2, 4 lanes)
 //   3  x86-64-v3  (AVX2 and FMA, 8 lanes)
 //   4  x86-64-v4  (AVX-512, 16 lanes, 32 registers)
+//   5  x86-64-v4-bf16 (level 4 and AVX-512 BF16: bf16 pair dot products, vdpbf16ps)
 // The level's code lies between FLARE_SIMD_BEGIN and FLARE_SIMD_END, which give the functions
 // there the level's target, as -march would, but only those: the standard library's and flare's
 // other inline functions stay baseline code, so the single copy of each that the linker keeps is
@@ -42,7 +43,12 @@
 
 // FLARE_SIMD_LANES, FLARE_SIMD_FMA and FLARE_SIMD_TARGET (the level's target features).
 #if defined(FLARE_SIMD_LEVEL)
-#if FLARE_SIMD_LEVEL == 4
+#if FLARE_SIMD_LEVEL == 5
+#define FLARE_SIMD_LANES 16
+#define FLARE_SIMD_FMA 1
+#define FLARE_SIMD_BF16 1
+#define FLARE_SIMD_TARGET "avx512f,avx512cd,avx512bw,avx512dq,avx512vl,avx2,fma,avx512bf16"
+#elif FLARE_SIMD_LEVEL == 4
 #define FLARE_SIMD_LANES 16
 #define FLARE_SIMD_FMA 1
 #define FLARE_SIMD_TARGET "avx512f,avx512cd,avx512bw,avx512dq,avx512vl,avx2,fma"
@@ -54,11 +60,14 @@
 #define FLARE_SIMD_LANES 4
 #define FLARE_SIMD_FMA 0
 #else
-#error "FLARE_SIMD_LEVEL must be 1, 3 or 4"
+#error "FLARE_SIMD_LEVEL must be 1, 3, 4 or 5"
 #endif
 #elif defined(__AVX512F__)
 #define FLARE_SIMD_LANES 16
 #define FLARE_SIMD_FMA 1
+#if defined(__AVX512BF16__)
+#define FLARE_SIMD_BF16 1
+#endif
 #elif defined(__AVX__)
 #define FLARE_SIMD_LANES 8
 #if defined(__FMA__)
@@ -71,8 +80,15 @@
 #define FLARE_SIMD_FMA 0
 #endif
 
-// One namespace per (lanes, FMA): the code differs exactly when these do.
-#if FLARE_SIMD_LANES == 16
+// FLARE_SIMD_BF16: bf16 pair dot products (AVX-512 BF16: vdpbf16ps) for bf16 inputs.
+#if !defined(FLARE_SIMD_BF16)
+#define FLARE_SIMD_BF16 0
+#endif
+
+// One namespace per (lanes, FMA, bf16 pairs): the code differs exactly when these do.
+#if FLARE_SIMD_LANES == 16 && FLARE_SIMD_BF16
+#define FLARE_SIMD_NAMESPACE avx512bf16
+#elif FLARE_SIMD_LANES == 16
 #define FLARE_SIMD_NAMESPACE avx512
 #elif FLARE_SIMD_LANES == 8 && FLARE_SIMD_FMA
 #define FLARE_SIMD_NAMESPACE avx_fma
