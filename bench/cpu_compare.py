@@ -214,6 +214,8 @@ def main(argv=None):
     p.add_argument("--s", default="512,1024,2048,4096,8192", help="sequence lengths")
     p.add_argument("--d", default="64,128", help="head dims")
     p.add_argument("--passes", default="fwd,bwd")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="float32 and/or bfloat16 (bfloat16 only where the CPU has AVX-512 BF16 or AMX)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="two small cells, one iteration (CI)")
@@ -232,8 +234,12 @@ def main(argv=None):
     passes = ["fwd"] if args.decode else args.passes.split(",")
     warmup, iters = (0, 1) if args.tiny else (args.warmup, args.iters)
     flags = cpu_flags()
-    dtypes = [torch.float32]
-    if not args.tiny and ("avx512_bf16" in flags or "amx_bf16" in flags):
+    wanted = args.dtypes.split(",")
+    unknown = [x for x in wanted if x not in ("float32", "bfloat16")]
+    if unknown:
+        p.error(f"--dtypes: expected float32 and/or bfloat16, got {','.join(unknown)}")
+    dtypes = [torch.float32] if "float32" in wanted else []
+    if "bfloat16" in wanted and not args.tiny and ("avx512_bf16" in flags or "amx_bf16" in flags):
         dtypes.append(torch.bfloat16)
     peak = None if args.tiny else fma_peak_gflops(args.threads)
 
