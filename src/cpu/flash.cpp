@@ -200,55 +200,74 @@ template <Store kMode, int R, int N>
     }
 }
 
-// The last rows (fewer than kMicroRows): R = rest.
-template <Store kMode, int N, int R>
-void mm_row_tail(int rest, const Product& m) {
+// The register-block walk of a product, shared by the fp32 and the bf16-pair kernels: column
+// groups outer (a group's B columns stay in L1 across the row blocks), full kMicroRows ×
+// kMicroVecs blocks, then the tails. Kernel::block<R, N>(m) runs one block; a product `m` has
+// a (advanced by a_row per row), b and c (c by ldc per row).
+template <class Kernel, int N, int R, class P>
+void row_tail(int rest, const P& m) {
   if constexpr (R > 0) {
     if (rest == R) {
-      mm_block<kMode, R, N>(m);
+      Kernel::template block<R, N>(m);
     } else {
-      mm_row_tail<kMode, N, R - 1>(rest, m);
+      row_tail<Kernel, N, R - 1>(rest, m);
     }
   }
 }
 
-template <Store kMode, int N>
-void mm_rows(int rows, Product m) {
+template <class Kernel, int N, class P>
+void block_rows(int rows, P m) {
   int r = 0;
   for (; r + kMicroRows <= rows; r += kMicroRows) {
-    mm_block<kMode, kMicroRows, N>(m);
+    Kernel::template block<kMicroRows, N>(m);
     m.a += kMicroRows * m.a_row;
     m.c += kMicroRows * m.ldc;
   }
-  mm_row_tail<kMode, N, kMicroRows - 1>(rows - r, m);
+  row_tail<Kernel, N, kMicroRows - 1>(rows - r, m);
 }
 
-template <Store kMode, int N>
-void mm_vec_tail(int rest, int rows, const Product& m) {
+template <class Kernel, int N, class P>
+void vec_tail(int rest, int rows, const P& m) {
   if constexpr (N > 0) {
     if (rest == N) {
-      mm_rows<kMode, N>(rows, m);
+      block_rows<Kernel, N>(rows, m);
     } else {
-      mm_vec_tail<kMode, N - 1>(rest, rows, m);
+      vec_tail<Kernel, N - 1>(rest, rows, m);
     }
   }
 }
 
-// The whole product, column groups outer (a group's B columns stay in L1 across the row blocks).
-template <Store kMode>
-void matmul(int rows, int vecs, Product m) {
+template <class Kernel, class P>
+void walk_blocks(int rows, int vecs, P m) {
   if (rows <= 0 || vecs <= 0) return;
   for (int v = 0; v < vecs; v += kMicroVecs) {
-    Product g = m;
+    P g = m;
     g.b += v * kLanes;
     g.c += v * kLanes;
-    if (g.col_scale != nullptr) g.col_scale += v * kLanes;
+    Kernel::columns_from(&g, v * kLanes);
     if (vecs - v >= kMicroVecs) {
-      mm_rows<kMode, kMicroVecs>(rows, g);
+      block_rows<Kernel, kMicroVecs>(rows, g);
     } else {
-      mm_vec_tail<kMode, kMicroVecs - 1>(vecs - v, rows, g);
+      vec_tail<Kernel, kMicroVecs - 1>(vecs - v, rows, g);
     }
   }
+}
+
+template <Store kMode>
+struct FmaBlocks {
+  template <int R, int N>
+  static void block(const Product& m) {
+    mm_block<kMode, R, N>(m);
+  }
+  static void columns_from(Product* m, int column) {
+    if (m->col_scale != nullptr) m->col_scale += column;
+  }
+};
+
+// The whole product C op= A·B.
+template <Store kMode>
+void matmul(int rows, int vecs, Product m) {
+  walk_blocks<FmaBlocks<kMode>>(rows, vecs, m);
 }
 
 #if FLARE_SIMD_BF16
@@ -303,53 +322,15 @@ template <int R, int N>
     for (int n = 0; n < N; ++n) _mm512_storeu_ps(c + r * ldc + n * kLanes, acc[r][n]);
 }
 
-template <int N, int R>
-void mm_pairs_row_tail(int rest, const PairProduct& m) {
-  if constexpr (R > 0) {
-    if (rest == R) {
-      mm_pairs_block<R, N>(m);
-    } else {
-      mm_pairs_row_tail<N, R - 1>(rest, m);
-    }
+struct PairBlocks {
+  template <int R, int N>
+  static void block(const PairProduct& m) {
+    mm_pairs_block<R, N>(m);
   }
-}
+  static void columns_from(PairProduct*, int) {}
+};
 
-template <int N>
-void mm_pairs_rows(int rows, PairProduct m) {
-  int r = 0;
-  for (; r + kMicroRows <= rows; r += kMicroRows) {
-    mm_pairs_block<kMicroRows, N>(m);
-    m.a += kMicroRows * m.a_row;
-    m.c += kMicroRows * m.ldc;
-  }
-  mm_pairs_row_tail<N, kMicroRows - 1>(rows - r, m);
-}
-
-template <int N>
-void mm_pairs_vec_tail(int rest, int rows, const PairProduct& m) {
-  if constexpr (N > 0) {
-    if (rest == N) {
-      mm_pairs_rows<N>(rows, m);
-    } else {
-      mm_pairs_vec_tail<N - 1>(rest, rows, m);
-    }
-  }
-}
-
-// The whole product, column groups outer, as matmul.
-void matmul_pairs(int rows, int vecs, PairProduct m) {
-  if (rows <= 0 || vecs <= 0) return;
-  for (int v = 0; v < vecs; v += kMicroVecs) {
-    PairProduct g = m;
-    g.b += v * kLanes;
-    g.c += v * kLanes;
-    if (vecs - v >= kMicroVecs) {
-      mm_pairs_rows<kMicroVecs>(rows, g);
-    } else {
-      mm_pairs_vec_tail<kMicroVecs - 1>(vecs - v, rows, g);
-    }
-  }
-}
+void matmul_pairs(int rows, int vecs, PairProduct m) { walk_blocks<PairBlocks>(rows, vecs, m); }
 #endif  // FLARE_SIMD_BF16
 
 // Which products take bf16 pairs straight from the user's rows: bf16 on a CPU with AVX-512 BF16,
