@@ -1354,6 +1354,23 @@ void backward_row(const AttentionParams& p, const Head& hd, int row, int j0, int
   }
 }
 
+// S = Q·Kᵀ or dP = dO·Vᵀ of `rows` query rows into a (·, kBwdLd) tile: from the user's rows in
+// pairs (from row `row0` of `pairs`) where the block has them, else from the fp32 rows `a`; bt is
+// Kᵀ or Vᵀ in the matching form (load_key_block).
+void tile_product(int rows, int kvecs, int d, const float* a, int64_t lda, const uint32_t* pairs,
+                  int64_t pairs_ld, int row0, const float* bt, float* out) {
+#if FLARE_SIMD_BF16
+  if (pairs != nullptr) {
+    matmul_pairs(rows, kvecs, {pairs + row0 * pairs_ld, pairs_ld,
+                               reinterpret_cast<const uint32_t*>(bt), kBwdLd, d / 2, out, kBwdLd});
+    return;
+  }
+#else
+  (void)pairs, (void)pairs_ld, (void)row0;
+#endif
+  matmul<Store::kSet>(rows, kvecs, {a, lda, 1, bt, kBwdLd, d, out, kBwdLd, nullptr});
+}
+
 // The contribution of key block kb to query block qb of head hd, over the rows [ra, rb) of qb
 // that see one of its keys: S, dP, P̃ and dS, then dV and dK of the keys (dk, dv: (kBwdK, dpad)
 // accumulators, or null) and dQ of the rows (dq: qb's (kBwdQ, dpad) accumulator, or null). Both
@@ -1371,20 +1388,8 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
   const float* dout = qb.dout + ra * ldr;
   float* s = t->s + ra * kBwdLd;
   float* dp = t->dp + ra * kBwdLd;
-#if FLARE_SIMD_BF16
-  if (qb.q_pairs != nullptr)
-    matmul_pairs(rows, kvecs, {qb.q_pairs + ra * qb.q_pairs_ld, qb.q_pairs_ld,
-                               reinterpret_cast<const uint32_t*>(t->kt), kBwdLd, d / 2, s, kBwdLd});
-  else
-#endif
-    matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, t->kt, kBwdLd, d, s, kBwdLd, nullptr});
-#if FLARE_SIMD_BF16
-  if (qb.dout_pairs != nullptr)
-    matmul_pairs(rows, kvecs, {qb.dout_pairs + ra * qb.dout_pairs_ld, qb.dout_pairs_ld,
-                               reinterpret_cast<const uint32_t*>(t->vt), kBwdLd, d / 2, dp, kBwdLd});
-  else
-#endif
-    matmul<Store::kSet>(rows, kvecs, {dout, ldr, 1, t->vt, kBwdLd, d, dp, kBwdLd, nullptr});
+  tile_product(rows, kvecs, d, q, ldr, qb.q_pairs, qb.q_pairs_ld, ra, t->kt, s);
+  tile_product(rows, kvecs, d, dout, ldr, qb.dout_pairs, qb.dout_pairs_ld, ra, t->vt, dp);
   for (int r = ra; r < rb; ++r)
     backward_row(p, hd, qb.i0 + r, j0, nk, qb.lo[r], qb.hi[r], qb.lse[r], qb.delta[r], t, r);
   const bool masked = tile_masked(qb.lo, qb.hi, ra, rb, j0, j1);
