@@ -33,6 +33,7 @@ namespace flare::test {
 namespace {
 
 using problem_cases::causal;
+using problem_cases::dropout;
 using problem_cases::fixed;
 using problem_cases::window;
 using problem_cases::with_run_seed;
@@ -110,12 +111,14 @@ std::vector<int> head_dims_of(int bucket) {
 // either side, causal and not (query and key tiles run on into the next sequence's rows); a window
 // under GQA; 40 sequences beside one of 300 × 700; then both score modifiers
 // (problem_cases::with_score_mods) on a window under GQA with more queries than keys, and on a
-// causal packed batch (each sequence its own ALiBi slopes).
+// causal packed batch (each sequence its own ALiBi slopes); dropout on the window under GQA, and
+// with both score modifiers on the causal packed batch.
 const char* const kSm90Shapes[] = {"s197",          "causal_97x300",   "causal_300x97",
                                    "window_gqa",    "mqa_padded",      "one_token",
                                    "s700",          "packed",          "packed_causal",
                                    "packed_window", "packed_many",     "mods_window_gqa",
-                                   "mods_packed_causal"};
+                                   "mods_packed_causal", "dropout_window_gqa",
+                                   "dropout_mods_packed_causal"};
 
 // A packed batch of `s` with these sequence lengths.
 ProblemSpec packed(ProblemSpec s, std::vector<int> lengths_q, std::vector<int> lengths_k) {
@@ -167,6 +170,11 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
     case 12:
       return with_score_mods(causal(packed(with_run_seed(fixed(0, 0, 0, 4, 2, d, dt)),
                                            {37, 0, 130, 5, 64}, {50, 20, 0, 130, 64})));
+    case 13: return dropout(window(with_run_seed(fixed(1, 310, 290, 4, 2, d, dt)), 40, 9), 0.3f);
+    case 14:
+      return dropout(with_score_mods(causal(packed(with_run_seed(fixed(0, 0, 0, 4, 2, d, dt)),
+                                                   {37, 0, 130, 5, 64}, {50, 20, 0, 130, 64}))),
+                     0.2f);
     default: return with_run_seed(fixed(2, 197, 197, 2, 2, d, dt));
   }
 }

@@ -13,8 +13,9 @@
 // and per step run
 //   Sᵀ  = K·Q_iᵀ, dPᵀ = V·dO_iᵀ        wgmma, both operands K-major in shared memory
 //   Pᵀ  = 2^(Sᵀ·scale·log2e − LSE₂)      masked on boundary steps; softcap and ALiBi on Sᵀ first
-//   dSᵀ = Pᵀ∘(dPᵀ − D)                   times the softcap's 1 − tanh²
-//   dV += Pᵀ·dO_i, dK += dSᵀ·Q_i          wgmma with Pᵀ, dSᵀ in registers (the accumulator layout
+//   dSᵀ = Pᵀ∘(z·dPᵀ − D)                 times the softcap's 1 − tanh²; z the dropout mask's
+//                                         1/(1 − p) or 0 (1 without dropout), P̃ᵀ = Pᵀ·z
+//   dV += P̃ᵀ·dO_i, dK += dSᵀ·Q_i          wgmma with Pᵀ, dSᵀ in registers (the accumulator layout
 //                                         rounded in place is the A fragment), B MN-major
 //   dSᵀ → shared memory; the two warpgroups meet at a named barrier
 //   dQ_i += dS·K                          one 64×64 tile of dQ per warpgroup (both operands
@@ -41,6 +42,7 @@
 
 #include "core/numeric.h"
 #include "core/params.h"
+#include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/block_walk.cuh"
 #include "cuda/nonfinite_fixup.cuh"
@@ -117,9 +119,11 @@ enum Bwd90Barrier : int {
   kOwnDqStage = 3,         // + c: warpgroup c's dQ staging (its own 128 threads)
 };
 
-// kScoreMods: the problem has softcap or ALiBi (a kernel of its own, as in the forward, so that
-// the plain steps keep their code).
-template <DType kDType, int kHeadDim, bool kScoreMods>
+// kScoreMods: the problem has softcap or ALiBi; kDropout: dropout (kernels of their own, as in the
+// forward, so that the plain steps keep their code; the dropout kernel, which also takes softcap
+// and ALiBi, draws one Philox per element in the unrolled element loop: drawn in a rolled loop
+// of their own, the keep bits made ptxas spill 472 bytes at d 64).
+template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
 __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     attention_backward_sm90_kernel(const __grid_constant__ AttentionParams p,
                                    const sm80::BwdWorkspace w,
@@ -331,8 +335,13 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     // Score modifiers (ScoreMods, core/score_mod.h) on the raw scores, as the forward forms them,
     // with the head's ALiBi slope; rel0 is ElementMask::rel of element 0, the rest a compile-time
     // offset from it.
-    const ScoreMods mods(p, kScoreMods ? alibi_slope(p, b, h) : 0.0f);
+    constexpr bool kModified = kScoreMods || kDropout;
+    const ScoreMods mods(p, kModified ? alibi_slope(p, b, h) : 0.0f);
     const float rel0 = static_cast<float>(mask.rel(0, 0));
+    // Dropout (core/philox.h: the mask every backend draws) of element 4j + e: key n0 + key0 +
+    // 8·(e / 2), query i0 + q_off + 2t + 8j + e % 2; P̃ᵀ = Pᵀ·z goes to dV and
+    // dSᵀ = Pᵀ∘(z·dPᵀ − D), with z = 1/(1 − p) where the element is kept, else 0.
+    const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);  // read by kDropout only
     // Rounded as they are formed (the fp32 values die block by block, which keeps d 64's 128
     // registers of Sᵀ and dPᵀ from meeting 64 of packed fragments). pa and da are the A fragments
     // of dV and dK (k slice kk = n8 blocks 2kk, 2kk + 1; register 2·(j % 2) + half holds rows
@@ -349,7 +358,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       for (int e = 0; e < 4; ++e) {
         float x = s[4 * j + e];
         float dcap = 1.0f;  // the softcap's chain-rule factor 1 − tanh²: dTᵀ = dSᵀ·dcap
-        if constexpr (kScoreMods) {
+        if constexpr (kModified) {
           if (mods.capped) {
             const float th = mods.tanh_of(x);
             x = mods.cap_out * th;
@@ -361,9 +370,23 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         if (boundary) {
           if (mask.masked(8 * (e / 2), 8 * j + (e % 2))) pr = 0.0f;
         }
+        float dpz = dp[4 * j + e];
         s[4 * j + e] = pr;
-        dp[4 * j + e] = pr * (dp[4 * j + e] - (e % 2 ? dd.y : dd.x));
-        if constexpr (kScoreMods) dp[4 * j + e] *= dcap;
+        // A branch per draw, though the kernel runs with dropout only: ptxas then draws one
+        // element's Philox at a time; with the draws free to interleave it spilled 176 bytes at
+        // d 64 and 260 at d 128.
+        if (kDropout && p.dropout_p > 0.0f) {
+          const float z =
+              dropout_keep(p.seed, p.offset, bh,
+                           static_cast<uint32_t>(i0 + q_off + 2 * t + 8 * j + e % 2),
+                           static_cast<uint32_t>(n0 + key0 + 8 * (e / 2)), p.dropout_p)
+                  ? p.dropout_scale
+                  : 0.0f;
+          s[4 * j + e] = pr * z;
+          dpz *= z;
+        }
+        dp[4 * j + e] = pr * (dpz - (e % 2 ? dd.y : dd.x));
+        if constexpr (kModified) dp[4 * j + e] *= dcap;
       }
       const int chunk = q_off / 8 + j;  // 16-byte chunk of the query columns
 #pragma unroll
@@ -552,7 +575,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 template <DType kDType, int kHeadDim>
 bool backward_runs_on_device() {
   return runs_sm90a_code(
-      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim, false>));
+      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim, false, false>));
 }
 
 template <DType kDType, int kHeadDim>
@@ -580,9 +603,10 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
   if (!st.ok()) return st;
   const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.heads_kv),
                   static_cast<unsigned>(p.batch));
-  const auto kernel = p.has_score_mods()
-                          ? attention_backward_sm90_kernel<kDType, kHeadDim, true>
-                          : attention_backward_sm90_kernel<kDType, kHeadDim, false>;
+  const auto kernel = p.dropout_p > 0.0f ? attention_backward_sm90_kernel<kDType, kHeadDim, true, true>
+                     : p.has_score_mods()
+                         ? attention_backward_sm90_kernel<kDType, kHeadDim, true, false>
+                         : attention_backward_sm90_kernel<kDType, kHeadDim, false, false>;
   return launch(kernel, "backward", kHeadDim, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, w,
                 tm_q, tm_k, tm_v, tm_do, tm_dq);
 }
