@@ -231,8 +231,8 @@ TEST(Fwd90Tiles, PackedBatchesRunThePersistentKernel) {
   for (int d : {32, 168, 192})  // sm80's 32 and 192 buckets
     EXPECT_FALSE(cuda::sm90::backward_supported(packed(d, 4900, 5000))) << d;
 
-  // Score modifiers: both passes take softcap and ALiBi; the backward takes dropout, the forward
-  // not yet; neither the deterministic backward (its dQ slices).
+  // Score modifiers and dropout: both passes take softcap, ALiBi and dropout; the backward not the
+  // deterministic mode (its dQ slices).
   static const float slopes[8] = {};
   AttentionParams capped = packed(128, 4900, 5000), biased = capped, dropped = capped,
                   ordered = capped;
@@ -242,7 +242,7 @@ TEST(Fwd90Tiles, PackedBatchesRunThePersistentKernel) {
   ordered.deterministic = true;
   EXPECT_TRUE(cuda::sm90::forward_supported(capped));
   EXPECT_TRUE(cuda::sm90::forward_supported(biased));
-  EXPECT_FALSE(cuda::sm90::forward_supported(dropped));
+  EXPECT_TRUE(cuda::sm90::forward_supported(dropped));
   EXPECT_TRUE(cuda::sm90::backward_supported(capped));
   EXPECT_TRUE(cuda::sm90::backward_supported(biased));
   EXPECT_TRUE(cuda::sm90::backward_supported(dropped));

@@ -217,10 +217,6 @@ TEST_F(GpuBackward, Sm90RaggedShapesSmall) {
 // Problems outside sm90's set run the sm80 backward on every device.
 TEST_F(GpuBackward, Sm90LeavesTheRestToSm80) {
   const long before = cuda::testing::sm90_backward_launches();
-  ProblemSpec drop = with_run_seed(fixed(1, 130, 140, 2, 2, 128, DType::kBFloat16));
-  drop.options.dropout_p = 0.1f;
-  drop.options.dropout_seed = 7;
-  check_backward(drop);
   ProblemSpec det = with_run_seed(fixed(1, 130, 140, 2, 2, 64, DType::kBFloat16));
   det.options.deterministic = true;
   check_backward(det);

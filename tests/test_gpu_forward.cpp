@@ -372,7 +372,7 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
 // ---- the sm90 (Hopper) forward -----------------------------------------------------------------
 
 // The problems the sm90 forward takes (sm90/fwd_tiles.h: fixed-length batches, any mask, GQA,
-// 16-byte aligned strides, softcap and ALiBi, no dropout), one named test per (compiled sm90
+// 16-byte aligned strides, softcap, ALiBi and dropout), one named test per (compiled sm90
 // variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
 //
 // The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
@@ -380,11 +380,13 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
 // of magnitude 1e3 (causal at the bucket's own head dim), and 200 queries over 2500 keys (past the
 // persistent kernel's lengths: the one-CTA kernel's tile, sm90/fwd_tiles.h); then both score
 // modifiers (softcap 5 on magnitude-3 scores, so that the cap bites, and ALiBi slopes per sequence
-// and head) on a window under GQA with s_q > s_k, and causal over 200 × 2500 (each kernel).
+// and head) on a window under GQA with s_q > s_k, and causal over 200 × 2500 (each kernel); then
+// dropout on the same window, and with both modifiers on the causal 200 × 2500.
 const char* const kSm90Shapes[] = {"s197",          "causal_97x300",  "causal_300x97",
                                    "window_gqa",    "mqa_padded",     "one_token",
                                    "large_1025",    "causal_200x2500", "mods_window_gqa",
-                                   "mods_causal_200x2500"};
+                                   "mods_causal_200x2500", "dropout_window_gqa",
+                                   "dropout_mods_causal_200x2500"};
 
 ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
   const ProblemSpec base = base_spec(c.dtype, c.head_dim, 60 + static_cast<uint64_t>(c.shape));
@@ -416,6 +418,10 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
     case 7: return causal_shape(base, 200, 2500);
     case 8: return problem_cases::with_score_mods(window_gqa(base, 310, 290, 40, 9));
     case 9: return problem_cases::with_score_mods(causal_shape(base, 200, 2500));
+    case 10: return problem_cases::dropout(window_gqa(base, 310, 290, 40, 9), 0.3f);
+    case 11:
+      return problem_cases::dropout(problem_cases::with_score_mods(causal_shape(base, 200, 2500)),
+                                    0.2f);
     default: return base;
   }
 }
@@ -537,6 +543,9 @@ TEST(GpuForwardSm90, PackedBatchesEveryPersistentBucket) {
       // Softcap and ALiBi slopes per (sequence, head): each tile takes its own sequence's slope.
       check_sm90_and_forced_sm80(problem_cases::with_score_mods(window), check_forward,
                                  cuda::testing::sm90_forward_launches);
+      // Dropout: each tile draws its own sequence's rows of the mask.
+      check_sm90_and_forced_sm80(problem_cases::dropout(window, 0.25f), check_forward,
+                                 cuda::testing::sm90_forward_launches);
       ProblemSpec many = packed(many_q, many_k, 97);
       many.options.causal = true;
       check_sm90_and_forced_sm80(many, check_forward, cuda::testing::sm90_forward_launches);
@@ -639,7 +648,6 @@ TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
 TEST(GpuForwardSm90, FeaturesOutsideItsSetRunSm80) {
   FLARE_SKIP_WITHOUT_CUDA();
   const long before = cuda::testing::sm90_forward_launches();
-  check_forward(with_every_modifier(base_spec(DType::kBFloat16, 128, 70)));
   ProblemSpec varlen = base_spec(DType::kBFloat16, 256, 71);
   varlen.varlen_q = {0, 97, 1, 300};
   varlen.varlen_k = {7, 120, 0, 301};

@@ -49,6 +49,7 @@
 #include "core/block_mask.h"
 #include "core/numeric.h"
 #include "core/params.h"
+#include "core/philox.h"
 #include "core/score_mod.h"
 #include "cuda/block_walk.cuh"
 #include "cuda/nonfinite_fixup.cuh"
@@ -305,14 +306,16 @@ __device__ __forceinline__ void load_steps(const KvRing<Cfg>& ring, int r_first,
 // the softmax's exponentials do not wait for the products of the same rows. Elsewhere the steps
 // run one after another, and the overlap is only between warpgroups.
 // kScoreMods: the problem has softcap or ALiBi (a kernel of its own, so that the plain steps keep
-// the code they had: with a runtime branch they ran 2% slower, d 64 and 256, H200).
-template <class Cfg, bool kScoreMods, typename KeyTile>
+// the code they had: with a runtime branch they ran 2% slower, d 64 and 256, H200). kDropout:
+// dropout too (kernels of their own, which take the score modifiers as well); `bh` is the
+// (sequence, query head) index of the Philox mask (core/philox.h).
+template <class Cfg, bool kScoreMods, bool kDropout, typename KeyTile>
 __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], float (&row_max)[2],
                                              float (&row_sum)[2], const AttentionParams& p,
                                              const KvRing<Cfg>& ring, int r_first, int steps,
                                              uint32_t q_rows, KeyTile key_tile, int last_lo,
                                              int first_hi, int m0, int len_q, int len_k,
-                                             float slope, int r0, int t) {
+                                             float slope, uint32_t bh, int r0, int t) {
   using Element = typename Cfg::Element;
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   const ScoreMods mods(p, slope);
@@ -407,6 +410,22 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], 
           sum += x;
         }
       row_sum[half] = row_sum[half] * correction[half] + sum;
+      if constexpr (kDropout) {
+        // Dropout on P for P·V, after the row sum (the 1/(1 − p) comes in write_tile): keys
+        // n0 + 2t + 8jj and the next share one Philox draw. A branch per draw, though the kernel
+        // runs with dropout only, keeps ptxas from interleaving the draws (as in the backward).
+        const auto row = static_cast<uint32_t>(m0 + r0 + 8 * half);
+#pragma unroll
+        for (int jj = 0; jj < kBlockN / 8; ++jj) {
+          if (p.dropout_p > 0.0f) {
+            const auto col = static_cast<uint32_t>(n0 + 2 * t + 8 * jj);
+            const Philox4 w = dropout_words(p.seed, p.offset, bh, row, col >> 2);
+            if (dropout_uniform(philox_word(w, col & 3u)) < p.dropout_p) s[4 * jj + 2 * half] = 0.0f;
+            if (dropout_uniform(philox_word(w, (col & 3u) + 1)) < p.dropout_p)
+              s[4 * jj + 2 * half + 1] = 0.0f;
+          }
+        }
+      }
     }
   };
   // P_j·V_j is done: V_j's buffer goes back.
@@ -492,7 +511,7 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], 
 // Non-finite inputs (cuda/nonfinite_fixup.cuh): as in the sm80 kernel, a row with no positive
 // sum that sees every key (no window) is NaN, and under a window a row whose O comes out
 // non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
-template <class Cfg>
+template <class Cfg, bool kDropout>
 __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 2],
                                            const float (&row_max)[2], const float (&row_sum)[2],
                                            const AttentionParams& p, unsigned char* smem_q, int b,
@@ -507,7 +526,7 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
     float l = row_sum[half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = finish.scale(l, 1.0f);
+    const float inv = finish.scale(l, kDropout ? p.dropout_scale : 1.0f);
     const int r = r0 + half * 8;
     float probe = 0.0f;
 #pragma unroll
@@ -532,7 +551,7 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
 
 // One CTA per query tile: the Q tile, then the tile's steps (load_steps, attend_steps) and its
 // epilogue (write_tile), as the persistent kernel runs them for each of its tiles.
-template <DType kDType, int kHeadDim, bool kScoreMods>
+template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads, 1)
     attention_forward_sm90_kernel(const __grid_constant__ AttentionParams p,
                                   const __grid_constant__ CUtensorMap tm_q,
@@ -612,14 +631,15 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   ptx::mbarrier_wait(q_full, 0);
-  attend_steps<Cfg, kScoreMods>(
+  attend_steps<Cfg, kScoreMods, kDropout>(
       acc_o, row_max, row_sum, p, ring, 0, steps, sQ + c * 64 * 128,
       [&](int stage, int j) {
         return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + j;
       },
-      w.last_lo, w.first_hi, m0, p.seqlen_q, p.seqlen_k, alibi_slope(p, b, h), r0, t);
-  write_tile<Cfg>(acc_o, row_max, row_sum, p, smem, b, h, 0, m0, rows_q, p.seqlen_k, r0, t, c, warp,
-                  lane);
+      w.last_lo, w.first_hi, m0, p.seqlen_q, p.seqlen_k, alibi_slope(p, b, h),
+      static_cast<uint32_t>(b * p.heads_q + h), r0, t);
+  write_tile<Cfg, kDropout>(acc_o, row_max, row_sum, p, smem, b, h, 0, m0, rows_q, p.seqlen_k, r0,
+                            t, c, warp, lane);
 #else
   (void)p;
   (void)tm_q;
@@ -628,7 +648,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 #endif
 }
 
-template <DType kDType, int kHeadDim, bool kScoreMods>
+template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads, 1)
     attention_forward_sm90_persistent_kernel(const __grid_constant__ AttentionParams p,
                                              const __grid_constant__ CUtensorMap tm_q,
@@ -787,16 +807,17 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
     const int steps =
         sparse() ? *static_cast<volatile int*>(&s_tile_steps[qb]) : w.n_end - w.n_begin;
 
-    attend_steps<Cfg, kScoreMods>(
+    attend_steps<Cfg, kScoreMods, kDropout>(
         acc_o, row_max, row_sum, p, ring, ring_step, steps, q_rows,
         [&](int stage, int j) {
           return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : w.n_begin + j;
         },
-        w.last_lo, w.first_hi, w.m0, w.len_q, w.len_k, alibi_slope(p, w.b, w.h), r0, t);
+        w.last_lo, w.first_hi, w.m0, w.len_q, w.len_k, alibi_slope(p, w.b, w.h),
+        static_cast<uint32_t>(w.b * p.heads_q + w.h), r0, t);
     ring_step += steps;
 
-    write_tile<Cfg>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes, w.b, w.h, w.q_row0, w.m0,
-                    w.rows_q, w.len_k, r0, t, c, warp, lane);
+    write_tile<Cfg, kDropout>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes, w.b, w.h,
+                              w.q_row0, w.m0, w.rows_q, w.len_k, r0, t, c, warp, lane);
     // The Q buffer goes back to the producer; its next TMA write (async proxy) must follow this
     // warp's staging through it (generic proxy).
     ptx::fence_proxy_async_shared();
@@ -814,14 +835,14 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
 template <DType kDType, int kHeadDim>
 bool forward_runs_on_device() {
   return runs_sm90a_code(
-      reinterpret_cast<const void*>(attention_forward_sm90_kernel<kDType, kHeadDim, false>));
+      reinterpret_cast<const void*>(attention_forward_sm90_kernel<kDType, kHeadDim, false, false>));
 }
 
 // The persistent kernel over `tiles` query tiles: one CTA per SM, or one per tile when there are
 // fewer (the tests may cap it lower). Its tile counter is the stream's (tile_counter.h), or while
 // the stream captures a graph one of the launch's own, from the stream-ordered allocator, zeroed
 // and freed in stream order: nothing waits for the device.
-template <DType kDType, int kHeadDim, bool kScoreMods>
+template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
 Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                          const CUtensorMap& tm_v, int64_t tiles, cudaStream_t stream) {
   using Cfg = Fwd90Config<kDType, kHeadDim, true>;
@@ -830,7 +851,8 @@ Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, cons
   const int ctas = testing::forced_forward_ctas() > 0 ? testing::forced_forward_ctas() : device.sms;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, ctas)));
   auto run = [&](int* counter) {
-    return launch(attention_forward_sm90_persistent_kernel<kDType, kHeadDim, kScoreMods>, "forward",
+    return launch(attention_forward_sm90_persistent_kernel<kDType, kHeadDim, kScoreMods, kDropout>,
+                  "forward",
                   kHeadDim, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v,
                   counter);
   };
@@ -847,20 +869,22 @@ Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, cons
   return status.ok() ? freed : status;
 }
 
-// The one-CTA or the persistent kernel (fwd90_row), with or without score modifiers.
-template <DType kDType, int kHeadDim, bool kScoreMods>
+// The one-CTA or the persistent kernel (fwd90_row), plain, with score modifiers, or with dropout.
+template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
 Status launch_tiles(const AttentionParams& p, const Fwd90Tile& row, const CUtensorMap& tm_q,
                     const CUtensorMap& tm_k, const CUtensorMap& tm_v, int64_t tiles,
                     cudaStream_t stream) {
   if constexpr (fwd90_tile(kHeadDim, true).head_dim != 0) {
     if (row.persistent)
-      return launch_persistent<kDType, kHeadDim, kScoreMods>(p, tm_q, tm_k, tm_v, tiles, stream);
+      return launch_persistent<kDType, kHeadDim, kScoreMods, kDropout>(p, tm_q, tm_k, tm_v, tiles,
+                                                                       stream);
   }
   using Cfg = Fwd90Config<kDType, kHeadDim, false>;
   const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
                   static_cast<unsigned>(p.batch));
-  return launch(attention_forward_sm90_kernel<kDType, kHeadDim, kScoreMods>, "forward", kHeadDim,
+  return launch(attention_forward_sm90_kernel<kDType, kHeadDim, kScoreMods, kDropout>, "forward",
+                kHeadDim,
                 grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tm_q, tm_k, tm_v);
 }
 
@@ -881,9 +905,11 @@ Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
   st = encode_map(&tm_v, kDType, p.v, p.head_dim, static_cast<int>(rows.k), p.heads_kv, batch,
                   p.v_row_stride, p.v_head_stride, p.v_batch_stride, row.block_n, "v");
   if (!st.ok()) return st;
+  if (p.dropout_p > 0.0f)
+    return launch_tiles<kDType, kHeadDim, true, true>(p, row, tm_q, tm_k, tm_v, tiles, stream);
   if (p.has_score_mods())
-    return launch_tiles<kDType, kHeadDim, true>(p, row, tm_q, tm_k, tm_v, tiles, stream);
-  return launch_tiles<kDType, kHeadDim, false>(p, row, tm_q, tm_k, tm_v, tiles, stream);
+    return launch_tiles<kDType, kHeadDim, true, false>(p, row, tm_q, tm_k, tm_v, tiles, stream);
+  return launch_tiles<kDType, kHeadDim, false, false>(p, row, tm_q, tm_k, tm_v, tiles, stream);
 }
 
 }  // namespace flare::cuda::sm90

@@ -129,7 +129,7 @@ FLARE_HD int64_t fwd90_tile_count(const AttentionParams& p, int block_m) {
 // Whether the sm90 forward takes a problem (before asking the device): fixed-length batches with
 // any causal or sliding-window mask, GQA/MQA and seqlen_q != seqlen_k, and packed
 // variable-length batches (without a block mask) in the buckets with a persistent kernel (not
-// d 193-256); softcap and ALiBi, not dropout. TMA needs 16-byte aligned tensors and row, head and
+// d 193-256); softcap, ALiBi and dropout. TMA needs 16-byte aligned tensors and row, head and
 // batch strides in whole 16-byte units (packed: rows of all sequences in one map, up to 2^31);
 // the output is written in 16-byte chunks (head_dim a multiple of 8). Everything else runs the
 // sm80 kernels. The tile is fwd90_row's.
@@ -138,7 +138,6 @@ inline bool forward_supported(const AttentionParams& p, bool force_persistent = 
   if (fwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
   const Fwd90Tile tile = fwd90_row(p, force_persistent);
   if (tile.head_dim == 0) return false;
-  if (p.dropout_p > 0.0f) return false;
   if (!packed_batch_fits(p)) return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   // The persistent kernel numbers its tiles in int, and its counter runs a grid's width past the
