@@ -5,7 +5,7 @@
 // a training step needs the host to stay ahead. Attribute queries (SM count, shared memory, the
 // PTX version a kernel was built for, whether its sm_90a code runs) and cudaFuncSetAttribute are
 // driver round trips whose answers cannot change while the process lives, so each is made once.
-// The caches are process-wide, keyed by device ordinal (and kernel), and thread-safe.
+// The caches are process-wide, one per device ordinal (then kernel), each under its device's lock.
 //
 // cuda_status turns what the runtime returns into a Status, in one shape for all of flare's CUDA
 // code (attention, context parallelism, training): the operation, the call that failed, the
@@ -14,6 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -61,51 +62,48 @@ struct DeviceFacts {
 
 namespace probe_detail {
 
-inline std::mutex& mutex() {
-  static std::mutex m;
-  return m;
-}
-
-struct KernelKey {
-  const void* kernel;
-  int device;
-  bool operator==(const KernelKey& o) const { return kernel == o.kernel && device == o.device; }
-};
-struct KernelKeyHash {
-  size_t operator()(const KernelKey& k) const {
-    return std::hash<const void*>()(k.kernel) ^ (static_cast<size_t>(k.device) << 1);
-  }
-};
-
 struct KernelFacts {
   int ptx_version = 0;     // cudaFuncAttributes::ptxVersion of the code this device runs
   int binary_version = 0;  // cudaFuncAttributes::binaryVersion
   int smem_set = -1;       // dynamic shared memory already allowed with cudaFuncSetAttribute
 };
 
-inline std::unordered_map<int, DeviceFacts>& devices() {
-  static std::unordered_map<int, DeviceFacts> m;
-  return m;
-}
-inline std::unordered_map<KernelKey, KernelFacts, KernelKeyHash>& kernels() {
-  static std::unordered_map<KernelKey, KernelFacts, KernelKeyHash> m;
-  return m;
+// One device's cached facts, under a lock of that device's own. Never one lock for the process:
+// a probe can load a kernel's module, and the driver may wait for the device's running work to
+// do it. The ranks of a context-parallel group can be threads of one process, each on its own
+// device, and that work can be a collective waiting for the peer's half; a process-wide lock held
+// through the probe kept the peer from issuing it (a deadlock, 2 of 4 runs of the dist GPU suite
+// on 2 GPUs). A thread now waits only for threads probing its own device.
+struct DeviceProbes {
+  std::mutex mutex;
+  bool known = false;  // facts filled in
+  DeviceFacts facts;
+  std::unordered_map<const void*, KernelFacts> kernels;
+};
+
+// `device`'s probes, made on first use. The registry's lock is held for the lookup alone, around
+// no CUDA call.
+inline DeviceProbes& probes(int device) {
+  static std::mutex registry_mutex;
+  static std::unordered_map<int, std::unique_ptr<DeviceProbes>> registry;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::unique_ptr<DeviceProbes>& p = registry[device];
+  if (!p) p = std::make_unique<DeviceProbes>();
+  return *p;
 }
 
 // The context of the probes' errors.
 inline constexpr char kContext[] = "CUDA device";
 
-// The cached facts of `kernel` on `device` (the current device), probing on first use.
-// Called with the mutex held.
-inline Status kernel_facts(const void* kernel, int device, KernelFacts** out) {
-  auto& map = kernels();
-  auto it = map.find({kernel, device});
-  if (it == map.end()) {
+// The cached facts of `kernel` on the device `d` belongs to (the current device), probing on
+// first use. Called with d.mutex held.
+inline Status kernel_facts(DeviceProbes& d, const void* kernel, KernelFacts** out) {
+  auto it = d.kernels.find(kernel);
+  if (it == d.kernels.end()) {
     cudaFuncAttributes attr{};
     FLARE_RETURN_IF_ERROR(
         cuda_status(kContext, "cudaFuncGetAttributes", cudaFuncGetAttributes(&attr, kernel)));
-    it = map.emplace(KernelKey{kernel, device}, KernelFacts{attr.ptxVersion, attr.binaryVersion})
-             .first;
+    it = d.kernels.emplace(kernel, KernelFacts{attr.ptxVersion, attr.binaryVersion}).first;
   }
   *out = &it->second;
   return {};
@@ -121,10 +119,9 @@ inline Status current_device(int* device) {
 inline Status current_device_facts(DeviceFacts* facts) {
   int device = 0;
   FLARE_RETURN_IF_ERROR(probe_detail::current_device(&device));
-  std::lock_guard<std::mutex> lock(probe_detail::mutex());
-  auto& map = probe_detail::devices();
-  auto it = map.find(device);
-  if (it == map.end()) {
+  probe_detail::DeviceProbes& d = probe_detail::probes(device);
+  std::lock_guard<std::mutex> lock(d.mutex);
+  if (!d.known) {
     DeviceFacts f;
     f.ordinal = device;
     for (auto [value, attribute] :
@@ -134,9 +131,10 @@ inline Status current_device_facts(DeviceFacts* facts) {
           std::pair{&f.minor, cudaDevAttrComputeCapabilityMinor}})
       FLARE_RETURN_IF_ERROR(cuda_status(probe_detail::kContext, "cudaDeviceGetAttribute",
                                         cudaDeviceGetAttribute(value, attribute, device)));
-    it = map.emplace(device, f).first;
+    d.facts = f;
+    d.known = true;
   }
-  *facts = it->second;
+  *facts = d.facts;
   return {};
 }
 
@@ -145,9 +143,10 @@ inline Status current_device_facts(DeviceFacts* facts) {
 inline Status kernel_ptx_version(const void* kernel, int* version) {
   int device = 0;
   FLARE_RETURN_IF_ERROR(probe_detail::current_device(&device));
-  std::lock_guard<std::mutex> lock(probe_detail::mutex());
+  probe_detail::DeviceProbes& d = probe_detail::probes(device);
+  std::lock_guard<std::mutex> lock(d.mutex);
   probe_detail::KernelFacts* facts = nullptr;
-  FLARE_RETURN_IF_ERROR(probe_detail::kernel_facts(kernel, device, &facts));
+  FLARE_RETURN_IF_ERROR(probe_detail::kernel_facts(d, kernel, &facts));
   *version = facts->ptx_version;
   return {};
 }
@@ -157,9 +156,10 @@ inline Status kernel_ptx_version(const void* kernel, int* version) {
 inline bool runs_sm90a_code(const void* kernel) {
   DeviceFacts device;
   if (!current_device_facts(&device).ok() || device.major != 9 || device.minor != 0) return false;
-  std::lock_guard<std::mutex> lock(probe_detail::mutex());
+  probe_detail::DeviceProbes& d = probe_detail::probes(device.ordinal);
+  std::lock_guard<std::mutex> lock(d.mutex);
   probe_detail::KernelFacts* facts = nullptr;
-  if (!probe_detail::kernel_facts(kernel, device.ordinal, &facts).ok()) return false;
+  if (!probe_detail::kernel_facts(d, kernel, &facts).ok()) return false;
   return facts->binary_version == 90;
 }
 
@@ -167,9 +167,10 @@ inline bool runs_sm90a_code(const void* kernel) {
 inline Status allow_dynamic_smem(const void* kernel, int bytes) {
   int device = 0;
   FLARE_RETURN_IF_ERROR(probe_detail::current_device(&device));
-  std::lock_guard<std::mutex> lock(probe_detail::mutex());
+  probe_detail::DeviceProbes& d = probe_detail::probes(device);
+  std::lock_guard<std::mutex> lock(d.mutex);
   probe_detail::KernelFacts* facts = nullptr;
-  FLARE_RETURN_IF_ERROR(probe_detail::kernel_facts(kernel, device, &facts));
+  FLARE_RETURN_IF_ERROR(probe_detail::kernel_facts(d, kernel, &facts));
   if (facts->smem_set == bytes) return {};
   FLARE_RETURN_IF_ERROR(cuda_status(
       probe_detail::kContext, std::to_string(bytes) + " bytes of dynamic shared memory",

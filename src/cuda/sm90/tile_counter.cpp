@@ -25,12 +25,17 @@ Status stream_tile_counter(cudaStream_t stream, int** counter) {
   unsigned long long id = 0;
   FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaStreamGetId", cudaStreamGetId(stream, &id)));
 
+  // The lock guards the map alone and is never held around a CUDA call (device_probe.h says why:
+  // the ranks of one process must not wait on each other's devices).
   static std::mutex mutex;
   static std::map<std::pair<int, unsigned long long>, int*> counters;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (const auto it = counters.find({device, id}); it != counters.end()) {
-    *counter = it->second;
-    return {};
+  const std::pair<int, unsigned long long> key{device, id};
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (const auto it = counters.find(key); it != counters.end()) {
+      *counter = it->second;
+      return {};
+    }
   }
   void* p = nullptr;
   FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaMallocAsync of the stream's tile counter",
@@ -41,7 +46,10 @@ Status stream_tile_counter(cudaStream_t stream, int** counter) {
     (void)cudaFreeAsync(p, stream);
     return s;
   }
-  *counter = counters[{device, id}] = static_cast<int*>(p);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto [it, made] = counters.emplace(key, static_cast<int*>(p));
+  if (!made) (void)cudaFreeAsync(p, stream);  // another thread on this stream made one first
+  *counter = it->second;
   return {};
 }
 
