@@ -28,7 +28,8 @@
 #    (torch.compile + SDPA cuDNN) for GPT-2 124M, GPT-3 2.7B and LLaMA-3.2 1B (s 4096), with the
 #    peer's per-kernel step profiles and DIR/train-<card>-<date>.json; 8. with two or more GPUs,
 #    bench/ring_bench (ring, zigzag, all-to-all against one GPU; the context-parallel tests run
-#    in step 2 on every visible GPU), then `flare bench-dist` one process per GPU under mpirun
+#    in step 2 on every visible GPU, and three more times there under lazy module loading),
+#    then `flare bench-dist` one process per GPU under mpirun
 #    (DIR/bench_dist_<N>gpu.json; with four or more, a 1M-token causal run) and once under a
 #    torchrun-style environment; 9. ctest -L cpu. After the GPU tests, compute-sanitizer memcheck and
 #    racecheck run on a small subset. Logs go to DIR. The Python benchmarks record the commit from
@@ -107,6 +108,24 @@ run_ctest() {  # label
 }
 
 [[ $tests -eq 1 ]] && run_ctest gpu
+
+# The context-parallel GPU suite again, three times, under CUDA's default lazy module loading
+# (ctest sets CUDA_MODULE_LOADING=EAGER): its ranks are threads of one process, and a kernel's
+# first launch then loads it, which may wait for the device while a peer's collective is in
+# flight; no rank may hold its peer up meanwhile (docs/context-parallel.md). A run past the
+# timeout is a hang and fails the stage.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [[ $tests -eq 1 && $gpus -ge 2 && -x "$build/tests/test_dist_gpu_attention" ]]; then
+  for r in 1 2 3; do
+    if timeout 240 env -u CUDA_MODULE_LOADING "$build/tests/test_dist_gpu_attention" \
+         > "$out/dist_lazy_$r.log" 2>&1; then
+      log "test_dist_gpu_attention, lazy loading, run $r: $(grep -E '^\[  PASSED' "$out/dist_lazy_$r.log")"
+    else
+      status=1
+      log "test_dist_gpu_attention, lazy loading, run $r FAILED or hung at: $(grep -E '^\[ RUN' "$out/dist_lazy_$r.log" | tail -1)"
+    fi
+  done
+fi
 
 # compute-sanitizer on a small subset: memcheck (out-of-bounds, misaligned accesses) and racecheck
 # (shared-memory hazards) over ragged shapes that exercise every boundary path of both kernels,
@@ -279,7 +298,6 @@ fi
 # Several GPUs: the context-parallel tests ran in ctest -L gpu above (they use every visible GPU);
 # here ring/zigzag/all-to-all are timed against one GPU in the same process. NVLink multicast
 # (NVLS) stays off.
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [[ $bench -eq 1 && $native_bench -eq 1 && $gpus -ge 2 && -x "$build/ring_bench" ]]; then
   log "ring_bench on $gpus GPUs (ring, zigzag, all-to-all vs one GPU)"
   NCCL_NVLS_ENABLE=0 "$build/ring_bench" --gpus "$gpus" --s 32768,131072 \
