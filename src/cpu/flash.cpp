@@ -273,15 +273,16 @@ void matmul(int rows, int vecs, Product m) {
 #if FLARE_SIMD_BF16
 // ---- bf16 pair products (AVX-512 BF16) ----------------------------------------------------------
 
-// C(rows, vecs·lanes) = A(rows, inner) · B(inner, vecs·lanes) for bf16 A and B, fp32 C, with the
-// inner dimension in pairs: A's row r pair i is the 32-bit word a[r·a_row + i] (two adjacent
-// bf16, as the user's rows hold them), B's pair row i the words at b + i·ldb (lane j: the two
-// elements of column j). One vdpbf16ps per (row, vector, pair) does two FMAs per lane: the
-// products of bf16 values are exact in fp32, as in the fp32 kernel's FMA chain; the sum runs
-// pair by pair (the odd element first), from 0, the destination met once at the end.
+// C(rows, vecs·lanes) op= A(rows, inner) · B(inner, vecs·lanes) for bf16 A and B, fp32 C, with
+// the inner dimension in pairs: A's row r pair i is the 32-bit word a[r·a_row + i·a_inner] (two
+// bf16, the even-indexed one in the low half, as a row of bf16 holds them), B's pair row i the
+// words at b + i·ldb (lane j: the two elements of column j). One vdpbf16ps per (row, vector,
+// pair) does two FMAs per lane: the products of bf16 values are exact in fp32, as in the fp32
+// kernel's FMA chain; the sum runs pair by pair (the odd element first), from 0, the destination
+// met once at the end (kSet or kAdd).
 struct PairProduct {
   const uint32_t* a;
-  int64_t a_row;
+  int64_t a_row, a_inner;
   const uint32_t* b;
   int64_t ldb;
   int pairs;
@@ -289,8 +290,9 @@ struct PairProduct {
   int64_t ldc;
 };
 
-template <int R, int N>
+template <Store kMode, int R, int N>
 [[gnu::noinline]] void mm_pairs_block(const PairProduct& m) {
+  static_assert(kMode != Store::kScaleAdd, "pair products set or add");
   float* const c = m.c;
   const int64_t ldc = m.ldc, a_row = m.a_row;
   __m512 acc[R][N];
@@ -300,7 +302,7 @@ template <int R, int N>
     for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
   const uint32_t* a = m.a;
   const uint32_t* b = m.b;
-  for (int i = 0; i < m.pairs; ++i, ++a, b += m.ldb) {
+  for (int i = 0; i < m.pairs; ++i, a += m.a_inner, b += m.ldb) {
     __m512i bv[N];
 #pragma GCC unroll 8
     for (int n = 0; n < N; ++n) {
@@ -319,18 +321,87 @@ template <int R, int N>
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int n = 0; n < N; ++n) _mm512_storeu_ps(c + r * ldc + n * kLanes, acc[r][n]);
+    for (int n = 0; n < N; ++n) {
+      float* out = c + r * ldc + n * kLanes;
+      if constexpr (kMode == Store::kSet)
+        _mm512_storeu_ps(out, acc[r][n]);
+      else
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), acc[r][n]));
+    }
 }
 
+template <Store kMode>
 struct PairBlocks {
   template <int R, int N>
   static void block(const PairProduct& m) {
-    mm_pairs_block<R, N>(m);
+    mm_pairs_block<kMode, R, N>(m);
   }
   static void columns_from(PairProduct*, int) {}
 };
 
-void matmul_pairs(int rows, int vecs, PairProduct m) { walk_blocks<PairBlocks>(rows, vecs, m); }
+template <Store kMode>
+void matmul_pairs(int rows, int vecs, PairProduct m) {
+  walk_blocks<PairBlocks<kMode>>(rows, vecs, m);
+}
+
+// Pair tiles of the backward's dV, dK and dQ products, whose inner dimension (query rows for dV
+// and dK, keys for dQ) runs down a tile's columns or along its rows. The shifts and widening take
+// the zero-masked intrinsics with every lane on: GCC 12 warns that the plain ones' undefined
+// pass-through is used uninitialised.
+constexpr __mmask16 kEveryLane = 0xFFFF;
+
+// fp32 rows holding bf16 values exactly (Q, dO and K as the tiles hold them, converted from the
+// user's bf16) as pair rows: word (i, j) of dst (row stride ld) pairs column j of rows 2i and
+// 2i + 1, for `vecs` vectors of columns; an odd last row pairs with 0. The bf16 bits are the fp32
+// bits' high half.
+void interleave_rows(const float* src, int64_t lds, int rows, int vecs, uint32_t* dst, int64_t ld) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int i = 0; i < rows; i += 2, src += 2 * lds, dst += ld)
+    for (int n = 0; n < vecs; ++n) {
+      const __m512i even =
+          _mm512_maskz_srli_epi32(kEveryLane, _mm512_loadu_si512(src + n * kLanes), 16);
+      const __m512i odd = i + 1 < rows
+                              ? _mm512_and_si512(_mm512_loadu_si512(src + lds + n * kLanes), high)
+                              : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + n * kLanes, _mm512_or_si512(even, odd));
+    }
+}
+
+// bf16 bits of 16 fp32 values, rounded to nearest even, one per 32-bit lane (high half 0).
+inline __m512i bf16_lanes(__m512 x) {
+  return _mm512_maskz_cvtepu16_epi32(kEveryLane, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+
+// The same pairing for fp32 values that are not bf16 (P̃ and dS), rounded to bf16 as a
+// low-precision kernel rounds them before their products: word (i, c) of dst (row stride kBwdLd)
+// pairs column c of rows 2i and 2i + 1 of src (row stride kBwdLd).
+void round_row_pairs(const float* src, int rows, int vecs, uint32_t* dst) {
+  for (int i = 0; i < rows; i += 2, src += 2 * kBwdLd, dst += kBwdLd)
+    for (int n = 0; n < vecs; ++n) {
+      const __m512i even = bf16_lanes(_mm512_loadu_ps(src + n * kLanes));
+      const __m512i odd =
+          i + 1 < rows ? _mm512_maskz_slli_epi32(
+                             kEveryLane, bf16_lanes(_mm512_loadu_ps(src + kBwdLd + n * kLanes)), 16)
+                       : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + n * kLanes, _mm512_or_si512(even, odd));
+    }
+}
+
+// Rows of src (row stride kBwdLd) rounded to bf16, their columns [0, cols) in pairs along the
+// row: word (r, k) of dst (row stride ld) pairs columns 2k and 2k + 1; columns from `cols` on
+// count as 0 (never read from src: lanes past a block's keys hold no defined value).
+void round_column_pairs(const float* src, int rows, int cols, uint32_t* dst, int64_t ld) {
+  auto lanes_below = [](int n) {
+    return n >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                       : static_cast<__mmask16>(n <= 0 ? 0 : (1u << n) - 1);
+  };
+  for (int r = 0; r < rows; ++r, src += kBwdLd, dst += ld)
+    for (int c = 0; c < cols; c += 2 * kLanes) {
+      const __m512 lo = _mm512_maskz_loadu_ps(lanes_below(cols - c), src + c);
+      const __m512 hi = _mm512_maskz_loadu_ps(lanes_below(cols - c - kLanes), src + c + kLanes);
+      _mm512_storeu_si512(dst + c / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+}
 #endif  // FLARE_SIMD_BF16
 
 // Which products take bf16 pairs straight from the user's rows: bf16 on a CPU with AVX-512 BF16,
@@ -357,6 +428,13 @@ bool dp_pairs(const AttentionParams& p) {
   return pairs_possible(p) &&
          pair_rows(p.dout, {p.do_batch_stride, p.do_row_stride, p.do_head_stride}) &&
          pair_rows(p.v, {p.v_batch_stride, p.v_row_stride, p.v_head_stride});
+}
+// The backward's dV = P̃ᵀdO, dK = dSᵀQ and dQ = dS·K in pairs, with P̃ and dS rounded to bf16
+// first (as the tolerance rule's low-precision kernel rounds them), for any bf16 layout: their
+// pair tiles are built from the fp32 tiles (interleave_rows, round_row_pairs,
+// round_column_pairs), not read from the user's rows.
+bool gradient_pairs(const AttentionParams& p) {
+  return FLARE_SIMD_BF16 && p.dtype == DType::kBFloat16;
 }
 
 // ---- tile loads and stores ----------------------------------------------------------------------
@@ -839,8 +917,8 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
       ga = std::min(ga, gb);
 #if FLARE_SIMD_BF16
       if (pairs)
-        matmul_pairs(gb - ga, g1 - g0,
-                     {reinterpret_cast<const uint32_t*>(kr) + ga * (d / 2), d / 2,
+        matmul_pairs<Store::kSet>(gb - ga, g1 - g0,
+                     {reinterpret_cast<const uint32_t*>(kr) + ga * (d / 2), d / 2, 1,
                       reinterpret_cast<const uint32_t*>(qt) + g0 * kLanes, ld, d / 2,
                       st + ga * ld + g0 * kLanes, ld});
       else
@@ -1038,9 +1116,9 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
     }
 #if FLARE_SIMD_BF16
     if (pairs)
-      matmul_pairs(rows, kvecs, {reinterpret_cast<const uint32_t*>(q), ldr,
-                                 reinterpret_cast<const uint32_t*>(kt), kDecodeLd, d / 2, s,
-                                 kDecodeLd});
+      matmul_pairs<Store::kSet>(rows, kvecs, {reinterpret_cast<const uint32_t*>(q), ldr, 1,
+                                              reinterpret_cast<const uint32_t*>(kt), kDecodeLd,
+                                              d / 2, s, kDecodeLd});
     else
 #endif
       matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, kt, kDecodeLd, d, s, kDecodeLd, nullptr});
@@ -1195,14 +1273,27 @@ struct BackwardTiles {
   float* dq;     // (kBwdQ, dpad)  the two-pass mode's dQ of one block
   float* z;      // (kBwdK)
   float* row_buffer;  // (max(dpad, kBwdK))
+  // With gradient_pairs: pair tiles (32-bit words), row strides as noted.
+  uint32_t* p_pairs;   // (kBwdQ/2, kBwdLd)      P̃ᵀ down the query rows
+  uint32_t* dst_pairs;  // (kBwdQ/2, kBwdLd)     dSᵀ likewise
+  uint32_t* ds_pairs;  // (kBwdQ, kDsPairsLd)     dS along the keys
+  uint32_t* q_pairs;   // (kBwdQ/2, ldr)          Q down the rows
+  uint32_t* do_pairs;  // (kBwdQ/2, ldr)          dO likewise
+  uint32_t* k_pairs;   // (kBwdK/2, ldr)          K down the keys
 };
+
+constexpr int kDsPairsLd = kBwdK / 2 + kPad;  // whole 16-word vectors: round_column_pairs
+static_assert(kBwdK % (2 * kLanes) == 0 && kBwdQ % 2 == 0, "pair tiles are whole vectors");
 
 int64_t backward_scratch_floats(int d, int dpad) {
   const int ldr = rows_ld(dpad);
   return Carver::size({int64_t{kBwdQ} * ldr, int64_t{kBwdQ} * ldr, int64_t{d} * kBwdLd,
                        int64_t{d} * kBwdLd, int64_t{kBwdK} * ldr, int64_t{kBwdQ} * kBwdLd,
                        int64_t{kBwdQ} * kBwdLd, int64_t{kBwdK} * ldr, int64_t{kBwdK} * ldr,
-                       int64_t{kBwdQ} * ldr, kBwdK, std::max(dpad, kBwdK)});
+                       int64_t{kBwdQ} * ldr, kBwdK, std::max(dpad, kBwdK),
+                       int64_t{kBwdQ / 2} * kBwdLd, int64_t{kBwdQ / 2} * kBwdLd,
+                       int64_t{kBwdQ} * kDsPairsLd, int64_t{kBwdQ / 2} * ldr,
+                       int64_t{kBwdQ / 2} * ldr, int64_t{kBwdK / 2} * ldr});
 }
 
 BackwardTiles carve_backward(float* scratch, int d, int dpad) {
@@ -1221,6 +1312,13 @@ BackwardTiles carve_backward(float* scratch, int d, int dpad) {
   t.dq = carve.take(int64_t{kBwdQ} * ldr);
   t.z = carve.take(kBwdK);
   t.row_buffer = carve.take(std::max(dpad, kBwdK));
+  auto words = [&](int64_t n) { return reinterpret_cast<uint32_t*>(carve.take(n)); };
+  t.p_pairs = words(int64_t{kBwdQ / 2} * kBwdLd);
+  t.dst_pairs = words(int64_t{kBwdQ / 2} * kBwdLd);
+  t.ds_pairs = words(int64_t{kBwdQ} * kDsPairsLd);
+  t.q_pairs = words(int64_t{kBwdQ / 2} * ldr);
+  t.do_pairs = words(int64_t{kBwdQ / 2} * ldr);
+  t.k_pairs = words(int64_t{kBwdK / 2} * ldr);
   return t;
 }
 
@@ -1255,6 +1353,10 @@ KeyBlock load_key_block(const AttentionParams& p, const Head& head, int j0, int 
     load_rows(p.k, p.dtype, k0, p.k_row_stride, nk, d, t->k, ldr);
     kb.k = t->k;
     kb.ldk = ldr;
+#if FLARE_SIMD_BF16
+    if (gradient_pairs(p))
+      interleave_rows(t->k, ldr, nk, round_up(d, kLanes) / kLanes, t->k_pairs, ldr);
+#endif
   }
   return kb;
 }
@@ -1361,8 +1463,9 @@ void tile_product(int rows, int kvecs, int d, const float* a, int64_t lda, const
                   int64_t pairs_ld, int row0, const float* bt, float* out) {
 #if FLARE_SIMD_BF16
   if (pairs != nullptr) {
-    matmul_pairs(rows, kvecs, {pairs + row0 * pairs_ld, pairs_ld,
-                               reinterpret_cast<const uint32_t*>(bt), kBwdLd, d / 2, out, kBwdLd});
+    matmul_pairs<Store::kSet>(rows, kvecs, {pairs + row0 * pairs_ld, pairs_ld, 1,
+                                            reinterpret_cast<const uint32_t*>(bt), kBwdLd, d / 2,
+                                            out, kBwdLd});
     return;
   }
 #else
@@ -1394,13 +1497,26 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
     backward_row(p, hd, qb.i0 + r, j0, nk, qb.lo[r], qb.hi[r], qb.lse[r], qb.delta[r], t, r);
   const bool masked = tile_masked(qb.lo, qb.hi, ra, rb, j0, j1);
 
-  // dV(c, :) += Σ_r P̃(r, c) dO(r, :) and dK(c, :) += Σ_r dS(r, c) Q(r, :), c over the keys. P̃
-  // and dS are 0 where row r does not see key c, and 0·Inf = NaN: where dO or Q holds a
-  // non-finite value, each key sums the rows that see it alone, as the reference does.
+  // dV(c, :) += Σ_r P̃(r, c) dO(r, :) and dK(c, :) += Σ_r dS(r, c) Q(r, :), c over the keys, in
+  // bf16 pairs of rows where gradient_pairs holds. P̃ and dS are 0 where row r does not see key
+  // c, and 0·Inf = NaN: where dO or Q holds a non-finite value, each key sums the rows that see
+  // it alone, as the reference does (in fp32: the ranges need not start on a pair).
   if (dk != nullptr) {
     const bool per_key =
         masked && !(all_finite(q, ldr, rows, dpad) && all_finite(dout, ldr, rows, dpad));
-    if (!per_key) {
+    if (!per_key && gradient_pairs(p)) {
+#if FLARE_SIMD_BF16
+      const int pairs = ceil_div(rows, 2);
+      round_row_pairs(s, rows, kvecs, t->p_pairs);
+      round_row_pairs(dp, rows, kvecs, t->dst_pairs);
+      interleave_rows(dout, ldr, rows, dvecs, t->do_pairs, ldr);
+      interleave_rows(q, ldr, rows, dvecs, t->q_pairs, ldr);
+      matmul_pairs<Store::kAdd>(nk, dvecs,
+                                {t->p_pairs, 1, kBwdLd, t->do_pairs, ldr, pairs, dv, ldr});
+      matmul_pairs<Store::kAdd>(nk, dvecs,
+                                {t->dst_pairs, 1, kBwdLd, t->q_pairs, ldr, pairs, dk, ldr});
+#endif
+    } else if (!per_key) {
       matmul<Store::kAdd>(nk, dvecs, {s, 1, kBwdLd, dout, ldr, rows, dv, ldr, nullptr});
       matmul<Store::kAdd>(nk, dvecs, {dp, 1, kBwdLd, q, ldr, rows, dk, ldr, nullptr});
     } else {
@@ -1421,7 +1537,13 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
   // dQ(r, :) += Σ_c dS(r, c) K(c, :); as above, with a non-finite K each row sums its keys alone.
   if (dq != nullptr) {
     const bool per_row = masked && !all_finite(kb.k, kb.ldk, nk, d);
-    if (!per_row) {
+    if (!per_row && gradient_pairs(p)) {
+#if FLARE_SIMD_BF16
+      round_column_pairs(dp, rows, nk, t->ds_pairs, kDsPairsLd);
+      matmul_pairs<Store::kAdd>(rows, dvecs, {t->ds_pairs, kDsPairsLd, 1, t->k_pairs, ldr,
+                                              ceil_div(nk, 2), dq + ra * ldr, ldr});
+#endif
+    } else if (!per_row) {
       matmul<Store::kAdd>(rows, dvecs, {dp, kBwdLd, 1, kb.k, kb.ldk, nk, dq + ra * ldr, ldr,
                                         nullptr});
     } else {
