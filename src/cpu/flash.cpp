@@ -279,7 +279,7 @@ void matmul(int rows, int vecs, Product m) {
 // words at b + i·ldb (lane j: the two elements of column j). One vdpbf16ps per (row, vector,
 // pair) does two FMAs per lane: the products of bf16 values are exact in fp32, as in the fp32
 // kernel's FMA chain; the sum runs pair by pair (the odd element first), from 0, the destination
-// met once at the end (kSet or kAdd).
+// met once at the end, as Store says.
 struct PairProduct {
   const uint32_t* a;
   int64_t a_row, a_inner;
@@ -288,11 +288,11 @@ struct PairProduct {
   int pairs;
   float* c;
   int64_t ldc;
+  const float* col_scale;  // kScaleAdd only
 };
 
 template <Store kMode, int R, int N>
 [[gnu::noinline]] void mm_pairs_block(const PairProduct& m) {
-  static_assert(kMode != Store::kScaleAdd, "pair products set or add");
   float* const c = m.c;
   const int64_t ldc = m.ldc, a_row = m.a_row;
   __m512 acc[R][N];
@@ -323,10 +323,14 @@ template <Store kMode, int R, int N>
 #pragma GCC unroll 8
     for (int n = 0; n < N; ++n) {
       float* out = c + r * ldc + n * kLanes;
-      if constexpr (kMode == Store::kSet)
+      if constexpr (kMode == Store::kSet) {
         _mm512_storeu_ps(out, acc[r][n]);
-      else
+      } else if constexpr (kMode == Store::kAdd) {
         _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), acc[r][n]));
+      } else {
+        const __m512 scale = _mm512_loadu_ps(m.col_scale + n * kLanes);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(out), scale, acc[r][n]));
+      }
     }
 }
 
@@ -336,7 +340,9 @@ struct PairBlocks {
   static void block(const PairProduct& m) {
     mm_pairs_block<kMode, R, N>(m);
   }
-  static void columns_from(PairProduct*, int) {}
+  static void columns_from(PairProduct* m, int column) {
+    if (m->col_scale != nullptr) m->col_scale += column;
+  }
 };
 
 template <Store kMode>
@@ -372,18 +378,20 @@ inline __m512i bf16_lanes(__m512 x) {
   return _mm512_maskz_cvtepu16_epi32(kEveryLane, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
 }
 
-// The same pairing for fp32 values that are not bf16 (P̃ and dS), rounded to bf16 as a
-// low-precision kernel rounds them before their products: word (i, c) of dst (row stride kBwdLd)
-// pairs column c of rows 2i and 2i + 1 of src (row stride kBwdLd).
-void round_row_pairs(const float* src, int rows, int vecs, uint32_t* dst) {
-  for (int i = 0; i < rows; i += 2, src += 2 * kBwdLd, dst += kBwdLd)
+// The same pairing for fp32 values that are not bf16 (P, P̃ and dS), rounded to bf16 as a
+// low-precision kernel rounds them before their products: word (i, c) of dst (row stride ldd)
+// pairs column c of rows a0 + 2i and a0 + 2i + 1 of src (row stride lds), a0 = a rounded down
+// to even, for the rows [a, e); rows outside them count as 0 (never read).
+void round_row_pairs(const float* src, int64_t lds, int a, int e, int vecs, uint32_t* dst,
+                     int64_t ldd) {
+  auto row = [&](int r, int n) {
+    return r >= a && r < e ? bf16_lanes(_mm512_loadu_ps(src + r * lds + n * kLanes))
+                           : _mm512_setzero_si512();
+  };
+  for (int r = a & ~1; r < e; r += 2, dst += ldd)
     for (int n = 0; n < vecs; ++n) {
-      const __m512i even = bf16_lanes(_mm512_loadu_ps(src + n * kLanes));
-      const __m512i odd =
-          i + 1 < rows ? _mm512_maskz_slli_epi32(
-                             kEveryLane, bf16_lanes(_mm512_loadu_ps(src + kBwdLd + n * kLanes)), 16)
-                       : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + n * kLanes, _mm512_or_si512(even, odd));
+      const __m512i odd = _mm512_maskz_slli_epi32(kEveryLane, row(r + 1, n), 16);
+      _mm512_storeu_si512(dst + n * kLanes, _mm512_or_si512(row(r, n), odd));
     }
 }
 
@@ -429,11 +437,12 @@ bool dp_pairs(const AttentionParams& p) {
          pair_rows(p.dout, {p.do_batch_stride, p.do_row_stride, p.do_head_stride}) &&
          pair_rows(p.v, {p.v_batch_stride, p.v_row_stride, p.v_head_stride});
 }
-// The backward's dV = P̃ᵀdO, dK = dSᵀQ and dQ = dS·K in pairs, with P̃ and dS rounded to bf16
-// first (as the tolerance rule's low-precision kernel rounds them), for any bf16 layout: their
-// pair tiles are built from the fp32 tiles (interleave_rows, round_row_pairs,
-// round_column_pairs), not read from the user's rows.
-bool gradient_pairs(const AttentionParams& p) {
+// The products of what the kernel forms, in pairs: the forward's P·V and the backward's dV =
+// P̃ᵀdO, dK = dSᵀQ and dQ = dS·K, with P, P̃ and dS rounded to bf16 first (as the tolerance
+// rule's low-precision kernel rounds them), for any bf16 layout: their pair tiles are built from
+// the fp32 tiles (interleave_rows, round_row_pairs, round_column_pairs), not read from the user's
+// rows.
+bool bf16_products(const AttentionParams& p) {
   return FLARE_SIMD_BF16 && p.dtype == DType::kBFloat16;
 }
 
@@ -763,10 +772,14 @@ class BlockTasks {
 
 // ---- forward ------------------------------------------------------------------------------------
 
+// Row stride of the forward's V pair tile (bf16_products): whole vectors of the head dim.
+int v_pairs_ld(int d) { return round_up(d, kLanes) + kPad; }
+
 int64_t forward_scratch_floats(int d) {
   return Carver::size({int64_t{d} * kFwdLd, int64_t{kFwdK} * kFwdLd, int64_t{d} * kFwdLd,
                        int64_t{kFwdK} * d, int64_t{kFwdK} * d, int64_t{kFwdK} * kFwdLd, kFwdLd,
-                       kFwdLd, kFwdLd, round_up(std::max(d, kFwdK), kLanes)});
+                       kFwdLd, kFwdLd, round_up(std::max(d, kFwdK), kLanes),
+                       int64_t{kFwdK / 2} * v_pairs_ld(d), int64_t{kFwdK / 2} * kFwdLd});
 }
 
 // Rows [i0, i0 + kFwdQ) of query head h, queries in lanes (see the top of the file).
@@ -793,6 +806,13 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
   float* l = carve.take(ld);                    // running Σ exp(s − m)
   float* alpha = carve.take(ld);                // this tile's rescale of the running sums
   float* row_buffer = carve.take(round_up(std::max(d, kFwdK), kLanes));
+#if FLARE_SIMD_BF16
+  // With bf16_products: P·V in pairs of keys, V's rows interleaved and Pᵀ's rounded.
+  const bool pv_pairs = bf16_products(p);
+  const int64_t ldvp = v_pairs_ld(d);
+  auto* v_pairs = reinterpret_cast<uint32_t*>(carve.take(int64_t{kFwdK / 2} * ldvp));
+  auto* p_pairs = reinterpret_cast<uint32_t*>(carve.take(int64_t{kFwdK / 2} * ld));
+#endif
   int lo[kFwdQ], hi[kFwdQ];
   // Per vector of queries: the union of their visible ranges [vis_lo, vis_hi), and the bounds
   // [lo_max, hi_min) that every query of the vector sees.
@@ -845,6 +865,9 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
     // A masked key's weight is 0, and 0·Inf = NaN: a non-finite value may reach only the rows
     // that see its key, so then each row sums its visible keys alone, as the reference does.
     const bool per_row = masked && !all_finite(vr, ldv, nk, d);
+#if FLARE_SIMD_BF16
+    if (pv_pairs && !per_row) interleave_rows(vr, ldv, nk, ceil_div(d, kLanes), v_pairs, ldvp);
+#endif
 
     if (dropout)
       for (int r = ca * kLanes; r < std::min(cb * kLanes, nq); ++r) {
@@ -920,15 +943,26 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
         matmul_pairs<Store::kSet>(gb - ga, g1 - g0,
                      {reinterpret_cast<const uint32_t*>(kr) + ga * (d / 2), d / 2, 1,
                       reinterpret_cast<const uint32_t*>(qt) + g0 * kLanes, ld, d / 2,
-                      st + ga * ld + g0 * kLanes, ld});
+                      st + ga * ld + g0 * kLanes, ld, nullptr});
       else
 #endif
         matmul<Store::kSet>(gb - ga, g1 - g0, {kr + ga * ldk, ldk, 1, qt + g0 * kLanes, ld, d,
                                                st + ga * ld + g0 * kLanes, ld, nullptr});
       for (int c = g0; c < g1; ++c) softmax_vector(c, ga, gb);
-      if (!per_row)
-        matmul<Store::kScaleAdd>(d, g1 - g0, {vr + ga * ldv, 1, ldv, st + ga * ld + g0 * kLanes, ld,
-                                              gb - ga, ot + g0 * kLanes, ld, alpha + g0 * kLanes});
+      if (per_row) continue;
+#if FLARE_SIMD_BF16
+      if (pv_pairs) {  // pairs of keys from ga rounded down to even; Pᵀ is 0 outside [ga, gb)
+        round_row_pairs(st + g0 * kLanes, ld, ga, gb, g1 - g0, p_pairs + g0 * kLanes, ld);
+        const int k0 = ga / 2;
+        matmul_pairs<Store::kScaleAdd>(
+            d, g1 - g0,
+            {v_pairs + k0 * ldvp, 1, ldvp, p_pairs + g0 * kLanes, ld, ceil_div(gb, 2) - k0,
+             ot + g0 * kLanes, ld, alpha + g0 * kLanes});
+        continue;
+      }
+#endif
+      matmul<Store::kScaleAdd>(d, g1 - g0, {vr + ga * ldv, 1, ldv, st + ga * ld + g0 * kLanes, ld,
+                                            gb - ga, ot + g0 * kLanes, ld, alpha + g0 * kLanes});
     }
     if (per_row) {
       for (int dim = 0; dim < d; ++dim)
@@ -1118,7 +1152,7 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
     if (pairs)
       matmul_pairs<Store::kSet>(rows, kvecs, {reinterpret_cast<const uint32_t*>(q), ldr, 1,
                                               reinterpret_cast<const uint32_t*>(kt), kDecodeLd,
-                                              d / 2, s, kDecodeLd});
+                                              d / 2, s, kDecodeLd, nullptr});
     else
 #endif
       matmul<Store::kSet>(rows, kvecs, {q, ldr, 1, kt, kDecodeLd, d, s, kDecodeLd, nullptr});
@@ -1273,7 +1307,7 @@ struct BackwardTiles {
   float* dq;     // (kBwdQ, dpad)  the two-pass mode's dQ of one block
   float* z;      // (kBwdK)
   float* row_buffer;  // (max(dpad, kBwdK))
-  // With gradient_pairs: pair tiles (32-bit words), row strides as noted.
+  // With bf16_products: pair tiles (32-bit words), row strides as noted.
   uint32_t* p_pairs;   // (kBwdQ/2, kBwdLd)      P̃ᵀ down the query rows
   uint32_t* dst_pairs;  // (kBwdQ/2, kBwdLd)     dSᵀ likewise
   uint32_t* ds_pairs;  // (kBwdQ, kDsPairsLd)     dS along the keys
@@ -1354,7 +1388,7 @@ KeyBlock load_key_block(const AttentionParams& p, const Head& head, int j0, int 
     kb.k = t->k;
     kb.ldk = ldr;
 #if FLARE_SIMD_BF16
-    if (gradient_pairs(p))
+    if (bf16_products(p))
       interleave_rows(t->k, ldr, nk, round_up(d, kLanes) / kLanes, t->k_pairs, ldr);
 #endif
   }
@@ -1465,7 +1499,7 @@ void tile_product(int rows, int kvecs, int d, const float* a, int64_t lda, const
   if (pairs != nullptr) {
     matmul_pairs<Store::kSet>(rows, kvecs, {pairs + row0 * pairs_ld, pairs_ld, 1,
                                             reinterpret_cast<const uint32_t*>(bt), kBwdLd, d / 2,
-                                            out, kBwdLd});
+                                            out, kBwdLd, nullptr});
     return;
   }
 #else
@@ -1498,23 +1532,24 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
   const bool masked = tile_masked(qb.lo, qb.hi, ra, rb, j0, j1);
 
   // dV(c, :) += Σ_r P̃(r, c) dO(r, :) and dK(c, :) += Σ_r dS(r, c) Q(r, :), c over the keys, in
-  // bf16 pairs of rows where gradient_pairs holds. P̃ and dS are 0 where row r does not see key
+  // bf16 pairs of rows where bf16_products holds. P̃ and dS are 0 where row r does not see key
   // c, and 0·Inf = NaN: where dO or Q holds a non-finite value, each key sums the rows that see
   // it alone, as the reference does (in fp32: the ranges need not start on a pair).
   if (dk != nullptr) {
     const bool per_key =
         masked && !(all_finite(q, ldr, rows, dpad) && all_finite(dout, ldr, rows, dpad));
-    if (!per_key && gradient_pairs(p)) {
+    if (!per_key && bf16_products(p)) {
 #if FLARE_SIMD_BF16
       const int pairs = ceil_div(rows, 2);
-      round_row_pairs(s, rows, kvecs, t->p_pairs);
-      round_row_pairs(dp, rows, kvecs, t->dst_pairs);
+      round_row_pairs(s, kBwdLd, 0, rows, kvecs, t->p_pairs, kBwdLd);
+      round_row_pairs(dp, kBwdLd, 0, rows, kvecs, t->dst_pairs, kBwdLd);
       interleave_rows(dout, ldr, rows, dvecs, t->do_pairs, ldr);
       interleave_rows(q, ldr, rows, dvecs, t->q_pairs, ldr);
       matmul_pairs<Store::kAdd>(nk, dvecs,
-                                {t->p_pairs, 1, kBwdLd, t->do_pairs, ldr, pairs, dv, ldr});
+                                {t->p_pairs, 1, kBwdLd, t->do_pairs, ldr, pairs, dv, ldr, nullptr});
       matmul_pairs<Store::kAdd>(nk, dvecs,
-                                {t->dst_pairs, 1, kBwdLd, t->q_pairs, ldr, pairs, dk, ldr});
+                                {t->dst_pairs, 1, kBwdLd, t->q_pairs, ldr, pairs, dk, ldr,
+                                 nullptr});
 #endif
     } else if (!per_key) {
       matmul<Store::kAdd>(nk, dvecs, {s, 1, kBwdLd, dout, ldr, rows, dv, ldr, nullptr});
@@ -1537,11 +1572,11 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
   // dQ(r, :) += Σ_c dS(r, c) K(c, :); as above, with a non-finite K each row sums its keys alone.
   if (dq != nullptr) {
     const bool per_row = masked && !all_finite(kb.k, kb.ldk, nk, d);
-    if (!per_row && gradient_pairs(p)) {
+    if (!per_row && bf16_products(p)) {
 #if FLARE_SIMD_BF16
       round_column_pairs(dp, rows, nk, t->ds_pairs, kDsPairsLd);
       matmul_pairs<Store::kAdd>(rows, dvecs, {t->ds_pairs, kDsPairsLd, 1, t->k_pairs, ldr,
-                                              ceil_div(nk, 2), dq + ra * ldr, ldr});
+                                              ceil_div(nk, 2), dq + ra * ldr, ldr, nullptr});
 #endif
     } else if (!per_row) {
       matmul<Store::kAdd>(rows, dvecs, {dp, kBwdLd, 1, kb.k, kb.ldk, nk, dq + ra * ldr, ldr,
