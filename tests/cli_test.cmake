@@ -9,7 +9,7 @@
 #                       output, in order; fixed-length rows carry no "varlen" field
 #   MODE=bench_varlen   `flare bench --varlen` runs each case as one packed batch: its lines and
 #                       result rows say varlen, mixed lengths with s_q != s_k and GQA run too
-#   MODE=bench_mods     `flare bench --softcap X --alibi --dropout P`: its lines and result rows
+#   MODE=bench_mods     `flare bench --softcap X --alibi --dropout P --deterministic`: its lines and result rows
 #                       name all three, and a plain run's rows carry none
 #   MODE=json_unwritable  --json to a path that cannot be written (DIR: a scratch directory)
 #                       fails before any case runs, naming --json and the path
@@ -226,13 +226,13 @@ elseif(MODE STREQUAL "bench_varlen")
 
 elseif(MODE STREQUAL "bench_mods")
   file(REMOVE "${JSON}")
-  set(mods "bench --device cpu --s 128 --b 2 --h 4 --h-kv 2 --d 32 --causal --softcap 30 --alibi --dropout 0.25")
+  set(mods "bench --device cpu --s 128 --b 2 --h 4 --h-kv 2 --d 32 --causal --softcap 30 --alibi --dropout 0.25 --deterministic")
   run_flare("${mods} --warmup 0 --iters 1 --commit test --json ${JSON}")
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "flare ${mods}: exit status ${rc}\n${out}\n${err}")
   endif()
   foreach(pass IN ITEMS "fwd " "bwd " "fwdbwd")
-    if(NOT out MATCHES "\n${pass} *fp32 b=2 +s=128 +h=4/2 +d=32 +causal softcap alibi dropout +[0-9.]+ ms")
+    if(NOT out MATCHES "\n${pass} *fp32 b=2 +s=128 +h=4/2 +d=32 +causal softcap alibi dropout deterministic +[0-9.]+ ms")
       message(FATAL_ERROR "flare ${mods}: no ${pass} line naming the modifiers in:\n${out}")
     endif()
   endforeach()
@@ -243,14 +243,16 @@ elseif(MODE STREQUAL "bench_mods")
     string(JSON softcap GET "${doc}" rows ${i} softcap)
     string(JSON alibi_type TYPE "${doc}" rows ${i} alibi)
     string(JSON dropout GET "${doc}" rows ${i} dropout)
-    if(NOT softcap EQUAL 30 OR NOT alibi_type STREQUAL "BOOLEAN" OR NOT dropout STREQUAL "0.25")
-      message(FATAL_ERROR "${JSON}: rows[${i}] softcap ${softcap}, alibi ${alibi_type}, dropout ${dropout}")
+    string(JSON deterministic GET "${doc}" rows ${i} deterministic)
+    if(NOT softcap EQUAL 30 OR NOT alibi_type STREQUAL "BOOLEAN" OR NOT dropout STREQUAL "0.25" OR
+       NOT deterministic STREQUAL "ON")
+      message(FATAL_ERROR "${JSON}: rows[${i}] softcap ${softcap}, alibi ${alibi_type}, dropout ${dropout}, deterministic ${deterministic}")
     endif()
   endforeach()
   # Without them, rows carry none of the fields (files of plain runs stay as they were).
   run_flare("bench --device cpu --s 64 --b 1 --h 1 --d 32 --causal --pass fwd --warmup 0 --iters 1 --json ${JSON}")
   file(READ "${JSON}" doc)
-  foreach(field IN ITEMS softcap alibi dropout)
+  foreach(field IN ITEMS softcap alibi dropout deterministic)
     string(JSON plain ERROR_VARIABLE missing GET "${doc}" rows 0 ${field})
     if(NOT missing)
       message(FATAL_ERROR "${JSON}: a plain run's row has ${field} = ${plain}")

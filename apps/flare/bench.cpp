@@ -57,7 +57,7 @@ struct BenchArgs {
   std::optional<std::string> device, dtype, pass, json, commit;
   std::optional<int64_t> b, h, h_kv, s, s_k, d, warmup, iters;
   std::optional<double> softcap, dropout;
-  bool causal = false, non_causal = false, varlen = false, alibi = false;
+  bool causal = false, non_causal = false, varlen = false, alibi = false, deterministic = false;
 };
 
 BenchArgs parse(int argc, char** argv, bool* help) {
@@ -79,6 +79,7 @@ BenchArgs parse(int argc, char** argv, bool* help) {
   p.add_number("--softcap", &a.softcap, 0.0, 1e6);
   p.add_switch("--alibi", &a.alibi);
   p.add_number("--dropout", &a.dropout, 0.0, 0.999);
+  p.add_switch("--deterministic", &a.deterministic);
   p.add_int("--warmup", &a.warmup, 0, 1000000);
   p.add_int("--iters", &a.iters, 1, 1000000);
   p.add_string("--json", &a.json);
@@ -113,6 +114,7 @@ std::vector<Shape> make_cases(const BenchArgs& a, const Grid& grid) {
         c.softcap = static_cast<float>(a.softcap.value_or(0.0));
         c.alibi = a.alibi;
         c.dropout_p = static_cast<float>(a.dropout.value_or(0.0));
+        c.deterministic = a.deterministic;
         c.d = d;
         c.s_q = s;
         c.s_k = a.s_k ? int(*a.s_k) : s;
@@ -149,7 +151,8 @@ void print_row(const ResultRow& r, bool gpu) {
   int width = 10;
   for (const auto& [on, word] :
        {std::pair{s.varlen, " varlen"}, std::pair{s.softcap > 0.0f, " softcap"},
-        std::pair{s.alibi, " alibi"}, std::pair{s.dropout_p > 0.0f, " dropout"}})
+        std::pair{s.alibi, " alibi"}, std::pair{s.dropout_p > 0.0f, " dropout"},
+        std::pair{s.deterministic, " deterministic"}})
     if (on) {
       mask += word;
       width += static_cast<int>(std::string(word).size());
@@ -193,6 +196,7 @@ options:
   --softcap X              cap the scores at +-X (X * tanh(s / X)); 0, the default, is off
   --alibi                  ALiBi with the usual slopes 2^(-8(i+1)/h) for query head i
   --dropout P              dropout with drop probability P in [0, 0.999) (fixed seed); 0 is off
+  --deterministic          the backward's deterministic mode (two runs give the same bits)
   --warmup N  --iters N    untimed and timed calls per pass (default 5 and 30 on cuda,
                            1 and 5 on cpu); the median of the timed calls is reported
   --json FILE              also write the results (bench/results schema: card, date,

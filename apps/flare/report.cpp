@@ -129,6 +129,7 @@ void write_result_file(const std::string& path, const ResultFile& file) {
     if (s.softcap > 0.0f) j << ", \"softcap\": " << json_number(s.softcap);
     if (s.alibi) j << ", \"alibi\": true";
     if (s.dropout_p > 0.0f) j << ", \"dropout\": " << json_number(s.dropout_p);
+    if (s.deterministic) j << ", \"deterministic\": true";
     j << ", \"ms\": " << json_number(r.ms) << ", \"tflops\": " << json_number(r.tflops)
       << ", \"peak_mem_bytes\": " << r.peak_mem_bytes << "}";
   }

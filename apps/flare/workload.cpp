@@ -24,6 +24,7 @@ std::string Shape::describe() const {
   if (softcap > 0.0f) s << " softcap=" << softcap;
   if (alibi) s << " alibi";
   if (dropout_p > 0.0f) s << " dropout=" << dropout_p;
+  if (deterministic) s << " deterministic";
   return s.str();
 }
 
@@ -134,6 +135,7 @@ Workload::Workload(Device& device, const Shape& shape, uint64_t seed)
   options_.causal = shape.causal;
   options_.softcap = shape.softcap;
   options_.dropout_p = shape.dropout_p;
+  options_.deterministic = shape.deterministic;
   const Shape& s = shape;
   const int64_t total_q = s.total_q(), total_k = s.total_k();
   if (s.varlen && std::max(total_q, total_k) > INT32_MAX)

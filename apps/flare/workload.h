@@ -33,6 +33,7 @@ struct Shape {
   float softcap = 0.0f;  // > 0: scores capped at ±softcap (softcap · tanh(s / softcap))
   bool alibi = false;    // ALiBi with the usual slopes 2^(−8(i+1)/h) per query head i
   float dropout_p = 0.0f;  // > 0: dropout with this drop probability (a fixed seed)
+  bool deterministic = false;  // the backward's deterministic mode (a fixed summation order)
 
   // Each sequence's query / key length: s_q / s_k b times, or varlen_lengths when packed.
   std::vector<int> lengths_q() const;
@@ -44,7 +45,7 @@ struct Shape {
   int64_t k_numel() const { return total_k() * h_kv * d; }
   int64_t lse_numel() const { return total_q() * h; }
   // "b=2 s=1024 h=8 d=64 causal fp32"; s as s_q/s_k and h as h/h_kv when they differ; " varlen",
-  // " softcap=X", " alibi" and " dropout=P" appended where they apply.
+  // " softcap=X", " alibi", " dropout=P" and " deterministic" appended where they apply.
   std::string describe() const;
 };
 
