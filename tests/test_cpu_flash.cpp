@@ -221,6 +221,23 @@ std::vector<Case> cases() {
     s.dtype = DType::kBFloat16;
     add("bf16", s);
   }
+  // bf16 through several key and query blocks (128 keys, 64 queries a block in the backward): the
+  // bf16 pair products (AVX-512 BF16) accumulate dK/dV over query blocks and dQ over key blocks,
+  // on ragged last blocks, diagonal tiles, windows, GQA and MQA, and a head dim that is no whole
+  // number of vectors.
+  {
+    ProblemSpec s = fixed(1, 300, 333, 4, 2, 128);
+    s.dtype = DType::kBFloat16;
+    s.options.causal = true;
+    add("bf16_gqa_causal_blocks", s);
+  }
+  {
+    ProblemSpec s = fixed(2, 200, 261, 2, 1, 72);
+    s.dtype = DType::kBFloat16;
+    s.options.window_left = 50;
+    s.options.window_right = 10;
+    add("bf16_mqa_window_blocks", s);
+  }
   {
     ProblemSpec s = fixed(1, 97, 130, 2, 2, 64);
     s.magnitude = 1e3f;
@@ -383,39 +400,46 @@ Problem run_with_threads(const ProblemSpec& spec, int threads) {
   return pr;
 }
 
-// The backward is a pure function of its inputs: same bits with 1 thread or many, run after run.
+// The backward is a pure function of its inputs: same bits with 1 thread or many, run after run
+// (fp32, and bf16, whose products run in bf16 pairs where the CPU has AVX-512 BF16).
 TEST(CpuFlashExact, BackwardIsDeterministicAcrossThreadCounts) {
-  ProblemSpec spec = fixed(2, 300, 260, 4, 2, 48);
-  spec.options.causal = true;
-  spec.options.dropout_p = 0.1f;
-  spec.seed = test_seed();
-  SCOPED_TRACE(spec.describe());
-  const Problem one = run_with_threads(spec, 1), many = run_with_threads(spec, 4),
-                again = run_with_threads(spec, 4);
-  EXPECT_EQ(one.o.bytes, many.o.bytes);
-  EXPECT_EQ(one.lse.bytes, many.lse.bytes);
-  for (const Problem* pr : {&many, &again}) {
-    EXPECT_EQ(one.dq.bytes, pr->dq.bytes);
-    EXPECT_EQ(one.dk.bytes, pr->dk.bytes);
-    EXPECT_EQ(one.dv.bytes, pr->dv.bytes);
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    ProblemSpec spec = fixed(2, 300, 260, 4, 2, 48);
+    spec.dtype = dtype;
+    spec.options.causal = true;
+    spec.options.dropout_p = 0.1f;
+    spec.seed = test_seed();
+    SCOPED_TRACE(spec.describe());
+    const Problem one = run_with_threads(spec, 1), many = run_with_threads(spec, 4),
+                  again = run_with_threads(spec, 4);
+    EXPECT_EQ(one.o.bytes, many.o.bytes);
+    EXPECT_EQ(one.lse.bytes, many.lse.bytes);
+    for (const Problem* pr : {&many, &again}) {
+      EXPECT_EQ(one.dq.bytes, pr->dq.bytes);
+      EXPECT_EQ(one.dk.bytes, pr->dk.bytes);
+      EXPECT_EQ(one.dv.bytes, pr->dv.bytes);
+    }
   }
 }
 
 // The backward runs in one pass per (batch, kv head) when those tasks keep the threads busy, and
 // in two passes (dK/dV per key block, then dQ per query block) when they cannot. Both sum every
 // element in one order: one sequence of one kv head takes one pass on 1 thread and two on 4, and
-// the bits must agree.
+// the bits must agree (fp32, and bf16 with its pair products).
 TEST(CpuFlashExact, BackwardModesGiveTheSameBits) {
-  ProblemSpec spec = fixed(1, 300, 333, 3, 1, 40);
-  spec.options.causal = true;
-  spec.options.dropout_p = 0.1f;
-  spec.seed = test_seed();
-  SCOPED_TRACE(spec.describe());
-  const Problem one_pass = run_with_threads(spec, 1), two_passes = run_with_threads(spec, 4);
-  EXPECT_EQ(one_pass.o.bytes, two_passes.o.bytes);
-  EXPECT_EQ(one_pass.dq.bytes, two_passes.dq.bytes);
-  EXPECT_EQ(one_pass.dk.bytes, two_passes.dk.bytes);
-  EXPECT_EQ(one_pass.dv.bytes, two_passes.dv.bytes);
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    ProblemSpec spec = fixed(1, 300, 333, 3, 1, 40);
+    spec.dtype = dtype;
+    spec.options.causal = true;
+    spec.options.dropout_p = 0.1f;
+    spec.seed = test_seed();
+    SCOPED_TRACE(spec.describe());
+    const Problem one_pass = run_with_threads(spec, 1), two_passes = run_with_threads(spec, 4);
+    EXPECT_EQ(one_pass.o.bytes, two_passes.o.bytes);
+    EXPECT_EQ(one_pass.dq.bytes, two_passes.dq.bytes);
+    EXPECT_EQ(one_pass.dk.bytes, two_passes.dk.bytes);
+    EXPECT_EQ(one_pass.dv.bytes, two_passes.dv.bytes);
+  }
 }
 
 }  // namespace
