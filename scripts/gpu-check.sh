@@ -117,7 +117,8 @@ run_ctest() {  # label
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [[ $tests -eq 1 && $gpus -ge 2 && -x "$build/tests/test_dist_gpu_attention" ]]; then
   for r in 1 2 3; do
-    if timeout 240 env -u CUDA_MODULE_LOADING "$build/tests/test_dist_gpu_attention" \
+    # Past the timeout, SIGUSR1 first: the test prints every thread's stack (the hang's cause).
+    if timeout -s USR1 -k 15 240 env -u CUDA_MODULE_LOADING "$build/tests/test_dist_gpu_attention" \
          > "$out/dist_lazy_$r.log" 2>&1; then
       log "test_dist_gpu_attention, lazy loading, run $r: $(grep -E '^\[  PASSED' "$out/dist_lazy_$r.log")"
     else

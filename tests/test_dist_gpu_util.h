@@ -1,12 +1,20 @@
 // test_dist_gpu_util.h — what the multi-GPU tests share: how many devices a test may use, the skip
 // that says why a test did not run, a device buffer for raw bytes, a rank's local tensors of a
-// context-parallel case on its device, and an NCCL group that serves many cases.
+// context-parallel case on its device, an NCCL group that serves many cases, and the stacks of
+// every thread on SIGUSR1 (a hung run's diagnosis).
 #pragma once
 
 #include <cuda_runtime.h>
+#include <dirent.h>
+#include <execinfo.h>
 #include <gtest/gtest.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -21,6 +29,45 @@
 #include "test_dist_util.h"
 
 namespace flare::test {
+
+// A hung run's diagnosis: SIGUSR1 to the process (scripts/gpu-check.sh sends it to a run past its
+// timeout) prints the stack of every thread to stderr, each thread its own on SIGUSR2. The ranks
+// are threads of one process, so a hang is a wait between them, and the stacks name it (one such
+// was a lock held through a CUDA call that waited on a peer's collective). The tests link with
+// -rdynamic, so the frames carry function names. Not async-signal-safe everywhere (opendir), which
+// a process about to be killed can afford.
+namespace hang_diagnosis {
+inline void print_own_stack(int) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  char line[64];
+  const int len = std::snprintf(line, sizeof line, "--- thread %ld\n",
+                                static_cast<long>(syscall(SYS_gettid)));
+  if (len > 0) (void)!write(STDERR_FILENO, line, static_cast<size_t>(len));
+  backtrace_symbols_fd(frames, n, STDERR_FILENO);
+}
+inline void print_every_stack(int) {
+  const long self = syscall(SYS_gettid);
+  if (DIR* dir = opendir("/proc/self/task")) {
+    while (const dirent* entry = readdir(dir)) {
+      const long tid = std::strtol(entry->d_name, nullptr, 10);
+      if (tid > 0 && tid != self) {
+        syscall(SYS_tgkill, static_cast<long>(getpid()), tid, SIGUSR2);
+        usleep(200 * 1000);  // one thread's lines at a time
+      }
+    }
+    closedir(dir);
+  }
+  print_own_stack(0);
+}
+inline const bool kInstalled = [] {
+  void* warm[1];
+  backtrace(warm, 1);  // loads the unwinder now, not inside a handler
+  std::signal(SIGUSR2, print_own_stack);
+  std::signal(SIGUSR1, print_every_stack);
+  return true;
+}();
+}  // namespace hang_diagnosis
 
 // Every visible CUDA device, up to 8 (one rank each).
 inline int usable_devices() {
