@@ -395,15 +395,16 @@ void round_row_pairs(const float* src, int64_t lds, int a, int e, int vecs, uint
     }
 }
 
-// Rows of src (row stride kBwdLd) rounded to bf16, their columns [0, cols) in pairs along the
-// row: word (r, k) of dst (row stride ld) pairs columns 2k and 2k + 1; columns from `cols` on
-// count as 0 (never read from src: lanes past a block's keys hold no defined value).
-void round_column_pairs(const float* src, int rows, int cols, uint32_t* dst, int64_t ld) {
+// Rows of src (row stride lds) rounded to bf16, their columns [0, cols) in pairs along the row:
+// word (r, k) of dst (row stride ld) pairs columns 2k and 2k + 1; columns from `cols` on count
+// as 0 (never read from src: lanes past a block's keys hold no defined value).
+void round_column_pairs(const float* src, int64_t lds, int rows, int cols, uint32_t* dst,
+                        int64_t ld) {
   auto lanes_below = [](int n) {
     return n >= kLanes ? static_cast<__mmask16>(0xFFFF)
                        : static_cast<__mmask16>(n <= 0 ? 0 : (1u << n) - 1);
   };
-  for (int r = 0; r < rows; ++r, src += kBwdLd, dst += ld)
+  for (int r = 0; r < rows; ++r, src += lds, dst += ld)
     for (int c = 0; c < cols; c += 2 * kLanes) {
       const __m512 lo = _mm512_maskz_loadu_ps(lanes_below(cols - c), src + c);
       const __m512 hi = _mm512_maskz_loadu_ps(lanes_below(cols - c - kLanes), src + c + kLanes);
@@ -1011,6 +1012,7 @@ constexpr int kDecodeRows = 4;         // query rows per sequence, at most, for 
 constexpr int kDecodeTaskRows = 32;    // rows (heads × query rows) one task holds, at most
 constexpr int kDecodeTile = 64;        // keys per Kᵀ / V tile
 constexpr int kDecodeLd = kDecodeTile + kPad;
+constexpr int kDecodePairsLd = kDecodeTile / 2 + kPad;  // P in pairs of keys (bf16_products)
 constexpr int kDecodeMinChunk = 512;   // keys per chunk, at least
 constexpr int kDecodeMaxChunks = 64;   // chunks per sequence and head set, at most
 
@@ -1073,7 +1075,8 @@ int64_t decode_scratch_floats(int d) {
   const int dpad = round_up(d, kLanes), ldr = rows_ld(dpad);
   return Carver::size({int64_t{kDecodeTaskRows} * ldr, int64_t{d} * kDecodeLd,
                        int64_t{kDecodeTile} * ldr, int64_t{kDecodeTaskRows} * kDecodeLd,
-                       int64_t{kDecodeTaskRows} * ldr, round_up(std::max(d, kDecodeTile), kLanes)});
+                       int64_t{kDecodeTaskRows} * ldr, round_up(std::max(d, kDecodeTile), kLanes),
+                       int64_t{kDecodeTaskRows} * kDecodePairsLd, int64_t{kDecodeTile / 2} * ldr});
 }
 
 // One task: its rows' partial (max, sum, O) into partial[(slot + row)·(dpad + 2)], O first.
@@ -1089,6 +1092,15 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
   float* s = carve.take(int64_t{kDecodeTaskRows} * kDecodeLd);  // (rows, kDecodeTile) S → P
   float* o = carve.take(int64_t{kDecodeTaskRows} * ldr);   // (rows, dpad) unnormalised O
   float* row_buffer = carve.take(round_up(std::max(d, kDecodeTile), kLanes));
+#if FLARE_SIMD_BF16
+  // With bf16_products: P·V in pairs of keys, P's rows rounded and V's rows interleaved. V's
+  // interleave costs about what a few rows' products save, so a task of fewer than 8 rows keeps
+  // fp32 (bf16, 2 threads, d 128: 32 query heads over 8 kv heads, 4 rows a task, ran 0.85x in
+  // pairs; bench/results/2026-11-29-cpu-amd-epyc-2t-5117b8a/decode-pv-pairs-ab.txt).
+  const bool pv_pairs = bf16_products(p) && rows >= 8;
+  auto* p_pairs = reinterpret_cast<uint32_t*>(carve.take(int64_t{kDecodeTaskRows} * kDecodePairsLd));
+  auto* v_pairs = reinterpret_cast<uint32_t*>(carve.take(int64_t{kDecodeTile / 2} * ldr));
+#endif
   Head heads[kDecodeTaskRows];
   int lo[kDecodeRows], hi[kDecodeRows];
   float m[kDecodeTaskRows], l[kDecodeTaskRows];
@@ -1200,7 +1212,15 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
     // O += P·V. A masked key's weight is 0, and 0·Inf = NaN: with a non-finite V in a tile some
     // row does not fully see, each row sums its visible keys alone, as the reference does.
     if (!(masked && !all_finite(vt, ldr, nk, d))) {
-      matmul<Store::kAdd>(rows, dvecs, {s, kDecodeLd, 1, vt, ldr, nk, o, ldr, nullptr});
+#if FLARE_SIMD_BF16
+      if (pv_pairs) {
+        round_column_pairs(s, kDecodeLd, rows, nk, p_pairs, kDecodePairsLd);
+        interleave_rows(vt, ldr, nk, dvecs, v_pairs, ldr);
+        matmul_pairs<Store::kAdd>(rows, dvecs, {p_pairs, kDecodePairsLd, 1, v_pairs, ldr,
+                                                ceil_div(nk, 2), o, ldr, nullptr});
+      } else
+#endif
+        matmul<Store::kAdd>(rows, dvecs, {s, kDecodeLd, 1, vt, ldr, nk, o, ldr, nullptr});
     } else {
       for (int row = 0; row < rows; ++row) {
         const int r = row % len_q;
@@ -1574,7 +1594,7 @@ void backward_pair(const AttentionParams& p, const Head& hd, const QueryBlock& q
     const bool per_row = masked && !all_finite(kb.k, kb.ldk, nk, d);
     if (!per_row && bf16_products(p)) {
 #if FLARE_SIMD_BF16
-      round_column_pairs(dp, rows, nk, t->ds_pairs, kDsPairsLd);
+      round_column_pairs(dp, kBwdLd, rows, nk, t->ds_pairs, kDsPairsLd);
       matmul_pairs<Store::kAdd>(rows, dvecs, {t->ds_pairs, kDsPairsLd, 1, t->k_pairs, ldr,
                                               ceil_div(nk, 2), dq + ra * ldr, ldr, nullptr});
 #endif
