@@ -400,15 +400,20 @@ Problem run_with_threads(const ProblemSpec& spec, int threads) {
   return pr;
 }
 
+// A causal problem with dropout in `dtype`, its inputs from this run's seed: the exact tests'.
+ProblemSpec exact_case(ProblemSpec spec, DType dtype) {
+  spec.dtype = dtype;
+  spec.options.causal = true;
+  spec.options.dropout_p = 0.1f;
+  spec.seed = test_seed();
+  return spec;
+}
+
 // The backward is a pure function of its inputs: same bits with 1 thread or many, run after run
 // (fp32, and bf16, whose products run in bf16 pairs where the CPU has AVX-512 BF16).
 TEST(CpuFlashExact, BackwardIsDeterministicAcrossThreadCounts) {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    ProblemSpec spec = fixed(2, 300, 260, 4, 2, 48);
-    spec.dtype = dtype;
-    spec.options.causal = true;
-    spec.options.dropout_p = 0.1f;
-    spec.seed = test_seed();
+    const ProblemSpec spec = exact_case(fixed(2, 300, 260, 4, 2, 48), dtype);
     SCOPED_TRACE(spec.describe());
     const Problem one = run_with_threads(spec, 1), many = run_with_threads(spec, 4),
                   again = run_with_threads(spec, 4);
@@ -428,11 +433,7 @@ TEST(CpuFlashExact, BackwardIsDeterministicAcrossThreadCounts) {
 // the bits must agree (fp32, and bf16 with its pair products).
 TEST(CpuFlashExact, BackwardModesGiveTheSameBits) {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    ProblemSpec spec = fixed(1, 300, 333, 3, 1, 40);
-    spec.dtype = dtype;
-    spec.options.causal = true;
-    spec.options.dropout_p = 0.1f;
-    spec.seed = test_seed();
+    const ProblemSpec spec = exact_case(fixed(1, 300, 333, 3, 1, 40), dtype);
     SCOPED_TRACE(spec.describe());
     const Problem one_pass = run_with_threads(spec, 1), two_passes = run_with_threads(spec, 4);
     EXPECT_EQ(one_pass.o.bytes, two_passes.o.bytes);

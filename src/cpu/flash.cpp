@@ -203,7 +203,8 @@ template <Store kMode, int R, int N>
 // The register-block walk of a product, shared by the fp32 and the bf16-pair kernels: column
 // groups outer (a group's B columns stay in L1 across the row blocks), full kMicroRows ×
 // kMicroVecs blocks, then the tails. Kernel::block<R, N>(m) runs one block; a product `m` has
-// a (advanced by a_row per row), b and c (c by ldc per row).
+// a (advanced by a_row per row), b and c (c by ldc per row), and col_scale (null, or moved with
+// its column group).
 template <class Kernel, int N, int R, class P>
 void row_tail(int rest, const P& m) {
   if constexpr (R > 0) {
@@ -244,7 +245,7 @@ void walk_blocks(int rows, int vecs, P m) {
     P g = m;
     g.b += v * kLanes;
     g.c += v * kLanes;
-    Kernel::columns_from(&g, v * kLanes);
+    if (g.col_scale != nullptr) g.col_scale += v * kLanes;
     if (vecs - v >= kMicroVecs) {
       block_rows<Kernel, kMicroVecs>(rows, g);
     } else {
@@ -258,9 +259,6 @@ struct FmaBlocks {
   template <int R, int N>
   static void block(const Product& m) {
     mm_block<kMode, R, N>(m);
-  }
-  static void columns_from(Product* m, int column) {
-    if (m->col_scale != nullptr) m->col_scale += column;
   }
 };
 
@@ -339,9 +337,6 @@ struct PairBlocks {
   template <int R, int N>
   static void block(const PairProduct& m) {
     mm_pairs_block<kMode, R, N>(m);
-  }
-  static void columns_from(PairProduct* m, int column) {
-    if (m->col_scale != nullptr) m->col_scale += column;
   }
 };
 
