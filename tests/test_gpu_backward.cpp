@@ -33,6 +33,7 @@ namespace flare::test {
 namespace {
 
 using problem_cases::causal;
+using problem_cases::deterministic;
 using problem_cases::dropout;
 using problem_cases::fixed;
 using problem_cases::window;
@@ -102,7 +103,7 @@ std::vector<int> head_dims_of(int bucket) {
 // ---- the sm90 (Hopper) backward ----------------------------------------------------------------
 
 // The problems the sm90 backward takes (sm90/bwd_tiles.h: fixed-length and packed batches, any
-// mask, GQA, 16-byte aligned strides, softcap and ALiBi; no dropout or deterministic mode), one
+// mask, GQA, 16-byte aligned strides, softcap, ALiBi, dropout, deterministic mode), one
 // named test per (compiled sm90 variant, test head dim, shape): gpu_util.h's Sm90SuiteCase.
 //
 // The shapes, by name: 197×197 (ragged last blocks), causal with fewer and with more queries than
@@ -112,13 +113,16 @@ std::vector<int> head_dims_of(int bucket) {
 // under GQA; 40 sequences beside one of 300 × 700; then both score modifiers
 // (problem_cases::with_score_mods) on a window under GQA with more queries than keys, and on a
 // causal packed batch (each sequence its own ALiBi slopes); dropout on the window under GQA, and
-// with both score modifiers on the causal packed batch.
+// with both score modifiers on the causal packed batch; deterministic mode (key blocks adding
+// into each query block's dQ in turn) on the window under GQA with more queries than keys, and
+// on the 41 packed sequences with dropout.
 const char* const kSm90Shapes[] = {"s197",          "causal_97x300",   "causal_300x97",
                                    "window_gqa",    "mqa_padded",      "one_token",
                                    "s700",          "packed",          "packed_causal",
                                    "packed_window", "packed_many",     "mods_window_gqa",
                                    "mods_packed_causal", "dropout_window_gqa",
-                                   "dropout_mods_packed_causal"};
+                                   "dropout_mods_packed_causal", "deterministic_window_gqa",
+                                   "deterministic_packed_many_dropout"};
 
 // A packed batch of `s` with these sequence lengths.
 ProblemSpec packed(ProblemSpec s, std::vector<int> lengths_q, std::vector<int> lengths_k) {
@@ -156,7 +160,8 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
       return window(
           packed(with_run_seed(fixed(0, 0, 0, 4, 2, d, dt)), {130, 64, 200}, {140, 64, 190}), 40,
           3);
-    case 10: {
+    case 10:
+    case 16: {
       std::vector<int> q, k;
       for (int i = 0; i < 40; ++i) {
         q.push_back(1 + (i * 37) % 150);
@@ -164,7 +169,8 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
       }
       q.push_back(300);
       k.push_back(700);
-      return causal(packed(with_run_seed(fixed(0, 0, 0, 2, 2, d, dt)), q, k));
+      const ProblemSpec s = causal(packed(with_run_seed(fixed(0, 0, 0, 2, 2, d, dt)), q, k));
+      return c.shape == 16 ? deterministic(dropout(s, 0.1f)) : s;
     }
     case 11: return with_score_mods(window(with_run_seed(fixed(1, 310, 290, 4, 2, d, dt)), 40, 9));
     case 12:
@@ -175,6 +181,7 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
       return dropout(with_score_mods(causal(packed(with_run_seed(fixed(0, 0, 0, 4, 2, d, dt)),
                                                    {37, 0, 130, 5, 64}, {50, 20, 0, 130, 64}))),
                      0.2f);
+    case 15: return deterministic(window(with_run_seed(fixed(1, 310, 290, 4, 2, d, dt)), 40, 9));
     default: return with_run_seed(fixed(2, 197, 197, 2, 2, d, dt));
   }
 }
@@ -217,9 +224,6 @@ TEST_F(GpuBackward, Sm90RaggedShapesSmall) {
 // Problems outside sm90's set run the sm80 backward on every device.
 TEST_F(GpuBackward, Sm90LeavesTheRestToSm80) {
   const long before = cuda::testing::sm90_backward_launches();
-  ProblemSpec det = with_run_seed(fixed(1, 130, 140, 2, 2, 64, DType::kBFloat16));
-  det.options.deterministic = true;
-  check_backward(det);
   check_backward(with_run_seed(fixed(1, 130, 140, 2, 2, 192, DType::kBFloat16)));  // no sm90 bucket
   ProblemSpec odd = with_run_seed(fixed(1, 130, 140, 2, 2, 59, DType::kFloat16));  // unaligned rows
   check_backward(odd);
@@ -424,12 +428,16 @@ TEST_F(GpuBackward, LargeMagnitudeInputs) {
   check_backward(s);
 }
 
+// Through the automatic choice (sm90 on Hopper) and forced to sm80 (its dQ slices).
 TEST_F(GpuBackward, DeterministicIsBitwiseReproducible) {
   for (DType dt : kDtypes) {
     ProblemSpec s = with_run_seed(fixed(2, 300, 1025, 4, 2, 128, dt));
     s.options.deterministic = true;
     s.options.dropout_p = 0.1f;
     s.options.causal = true;
+    expect_reproducible(s);
+    ForceArch force(80);
+    SCOPED_TRACE("forced to sm80");
     expect_reproducible(s);
   }
 }
@@ -439,11 +447,31 @@ TEST_F(GpuBackward, DeterministicIsBitwiseReproducible) {
 // key blocks of its pair, which the key-block loop's bound and per-block state must survive (no
 // other test reaches that loop's second iteration on such a device).
 TEST_F(GpuBackward, DeterministicMultiKeyBlockCtas) {
+  ForceArch force(80);  // the sm80 kernel's runs (sm90 keeps one CTA per key block)
   for (int d : {64, 128}) {
     ProblemSpec s = with_run_seed(fixed(2, 37, 300, 132, 132, d, DType::kBFloat16));
     s.options.deterministic = true;
     s.options.causal = d == 128;
     expect_reproducible(s);
+  }
+}
+
+// The sm90 kernel's deterministic mode: many key blocks take turns at each query block (s_k 1300:
+// 11 blocks of 128 keys; causal and not, GQA, fixed-length and packed, d 64 and 128), two runs
+// bitwise equal, through sm90 where the device runs it.
+TEST_F(GpuBackward, Sm90DeterministicIsBitwiseReproducible) {
+  const long before = cuda::testing::sm90_backward_launches();
+  for (int d : {64, 128})
+    for (bool is_causal : {false, true}) {
+      ProblemSpec s = deterministic(with_run_seed(fixed(1, 700, 1300, 4, 2, d, DType::kBFloat16)));
+      s.options.causal = is_causal;
+      expect_reproducible(s);
+    }
+  expect_reproducible(deterministic(causal(packed(with_run_seed(fixed(0, 0, 0, 4, 4, 128,
+                                                                      DType::kFloat16)),
+                                                  {700, 0, 1300, 64}, {900, 30, 1200, 64}))));
+  if (cuda::testing::sm90_available()) {
+    EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 10);  // 5 problems, 2 runs each
   }
 }
 

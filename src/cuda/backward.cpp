@@ -15,9 +15,11 @@
 // to flare/cuda_bwd_variants.inc; a head_dim runs in the smallest bucket that holds it (64, 128,
 // 256) with the columns past it zero-filled. Anything else is answered kUnsupported by name.
 //
-// Deterministic mode trades parallelism for a fixed summation order: the key blocks of a
+// Deterministic mode trades parallelism for a fixed summation order. sm80: the key blocks of a
 // (batch, kv head) are cut into runs, one CTA per run with its own dQ slice, the number of runs
-// chosen to give about two CTAs per SM (as FlashAttention-2's deterministic backward does).
+// chosen to give about two CTAs per SM (as FlashAttention-2's deterministic backward does). sm90:
+// one CTA per key block as always, the key blocks adding into a query block's dQ rows in turn
+// (counters in the workspace: sm90/bwd_kernel.cuh).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -161,7 +163,13 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   if (sm90) w.bucket = sm90::bwd90_bucket(p.head_dim);
 
   const int key_blocks = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
-  if (p.deterministic && key_blocks > 0 && p.batch > 0) {
+  // sm90's turn counters: per query head, a query block of at least 64 rows each, plus one per
+  // sequence (the kernel's indexing).
+  int64_t turns = 0;
+  if (p.deterministic && sm90) {
+    w.dq_turn_stride = p.total_q / 64 + 1 + p.batch;
+    turns = int64_t{p.heads_q} * w.dq_turn_stride;
+  } else if (p.deterministic && key_blocks > 0 && p.batch > 0) {
     const int64_t units = static_cast<int64_t>(p.batch) * p.heads_kv;
     const int64_t runs = std::clamp<int64_t>((2 * sms + units - 1) / units, 1, key_blocks);
     w.kv_blocks_per_cta = static_cast<int>((key_blocks + runs - 1) / runs);
@@ -180,13 +188,23 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   const size_t accum_bytes = static_cast<size_t>(rows) * w.bucket * w.num_splits * sizeof(float);
   void* scratch = nullptr;
   if (rows > 0) {
+    const size_t turn_bytes = static_cast<size_t>(turns) * sizeof(int);
     FLARE_RETURN_IF_ERROR(cuda_status(
         "backward", "cudaMallocAsync of the workspace",
-        cudaMallocAsync(&scratch, dsum_bytes + accum_bytes + 2 * sizeof(int), stream)));
+        cudaMallocAsync(&scratch, dsum_bytes + accum_bytes + 2 * sizeof(int) + turn_bytes, stream)));
     // The accumulator first: its rows are read as float4 and must stay 16-byte aligned.
     w.dq_accum = static_cast<float*>(scratch);
     w.dsum = w.dq_accum + static_cast<size_t>(rows) * w.bucket * w.num_splits;
     w.nonfinite = reinterpret_cast<int*>(w.dsum + rows);
+    if (turns > 0) {
+      w.dq_turns = w.nonfinite + 2;
+      if (const Status s = cuda_status("backward", "cudaMemsetAsync of the dQ turn counters",
+                                       cudaMemsetAsync(w.dq_turns, 0, turn_bytes, stream));
+          !s.ok()) {
+        (void)cudaFreeAsync(scratch, stream);
+        return s;
+      }
+    }
   }
 
   Status status = sm80::launch_backward_preprocess(p, w, stream);

@@ -83,6 +83,28 @@ __device__ __forceinline__ void bulk_commit_group() {
 __device__ __forceinline__ void bulk_wait_group_read0() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
+// Waits until this thread's bulk groups have completed: their global writes (TMA reductions)
+// performed and visible to this thread.
+__device__ __forceinline__ void bulk_wait_group0() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+// Orders this thread's generic-proxy global memory accesses with its async-proxy ones (TMA), both
+// ways: a counter read before a TMA reduction it guards, a reduction's writes before the release
+// that publishes them.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// A counter in global memory read with acquire, and added to with release, semantics at GPU
+// scope: the releasing thread's earlier writes are visible to a thread whose acquire reads the
+// sum.
+__device__ __forceinline__ int ld_acquire_gpu(const int* counter) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* counter, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
+}
 
 // Moves registers between the warpgroups of a CTA: the producer gives its registers back, the
 // consumers take them (counts are per thread, multiples of 8 in [24, 256]).

@@ -27,6 +27,20 @@
 // dSᵀ is double-buffered, so one named barrier per step orders both its write-after-read and its
 // read-after-write. dK is scaled by the softmax scale on the way out, dQ by the convert kernel.
 // d 256 splits the head dim between the warpgroups instead (Bwd90Config::kSplitD).
+//
+// Deterministic mode (w.dq_turns set): the reductions into one query block's dQ rows come from
+// every key block that sees it, in whatever order the CTAs get there, and fp32 addition does not
+// commute bit for bit. So they take turns: key block n adds its tile after the key blocks before
+// it that see the block have added theirs, counted per (query head, query block) in w.dq_turns
+// (each warpgroup's add counts one). An idle thread of the producer warpgroup keeps the turns:
+// it walks the steps as the producer does, waits for each step's count and opens the step's
+// `turn` barrier, on which the consumers wait before the step (a wait in the consumers' own code,
+// or just before their reductions, made ptxas spill at d 64). A step so follows the same step of
+// the key block before by about one step, as the causal walks already start a block apart. A
+// CTA waits only for CTAs of lower index of its own
+// (kv head, batch), which the hardware starts no later than it, so every wait ends; the
+// one-CTA-per-key-block grid and its parallelism stay (the sm80 kernel instead gives each CTA a
+// run of key blocks and a dQ slice).
 #pragma once
 
 #include <cuda.h>
@@ -119,6 +133,13 @@ enum Bwd90Barrier : int {
   kOwnDqStage = 3,         // + c: warpgroup c's dQ staging (its own 128 threads)
 };
 
+// Deterministic mode: the counter of query block m of head h. Per query head, the blocks of the
+// sequences one after another with a block of room after each: `first_block` = ws_row0 /
+// kBlockM + b, which never meets the previous sequence's blocks.
+__device__ __forceinline__ int* dq_turn(const sm80::BwdWorkspace& w, int first_block, int h, int m) {
+  return w.dq_turns + h * w.dq_turn_stride + first_block + m;
+}
+
 // kScoreMods: the problem has softcap or ALiBi; kDropout: dropout (kernels of their own, as in the
 // forward, so that the plain steps keep their code; the dropout kernel, which also takes softcap
 // and ALiBi, draws one Philox per element in the unrolled element loop: drawn in a rolled loop
@@ -138,7 +159,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages];   // kv_full, full[], empty[], at[]
+  // kv_full, full[], empty[], at[], and deterministic mode's turn[] and turn_used[]
+  __shared__ __align__(8) uint64_t bars[1 + 5 * kStages];
   __shared__ __align__(16) float s_lse[kStages][kBlockM];   // base-2 LSE, +inf: P = 0
   __shared__ __align__(16) float s_dsum[kStages][kBlockM];  // D, 0 past the sequence end
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -156,6 +178,11 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // step out by division (their LSE/D copies wait on it) the backward ran 1-4% slower at d 64 and
   // 5-13% at d 128 (A/B on an H200, one call).
   auto at = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
+  // Deterministic mode: the turn keeper opens turn(buffer) once the step's earlier key blocks
+  // have added into its dQ rows; each consumer warpgroup arrives on turn_used(buffer) after its
+  // own add, which lets the keeper reuse the barrier for the buffer's next step.
+  auto turn = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
+  auto turn_used = [&](int s) { return bar0 + 8u * (1 + 4 * kStages + s); };
   __shared__ int2 s_step_at[kStages];
 
   const int tid = threadIdx.x;
@@ -187,13 +214,17 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // The consumers read the step count back from shared memory each step (volatile): held in a
   // register across the loop, it spills at d 64.
   __shared__ int s_step_count;
+  __shared__ int s_first_block;  // deterministic mode: dq_turn's first_block, read back per step
   if (tid == 0) {
     s_step_count = steps;
+    s_first_block = static_cast<int>(ws_row0 / kBlockM) + b;
     ptx::mbarrier_init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers);  // TMA thread, LSE/D copies
       ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
       ptx::mbarrier_init(at(s), 1);
+      ptx::mbarrier_init(turn(s), 1);
+      ptx::mbarrier_init(turn_used(s), Cfg::kConsumers);
     }
     ptx::mbarrier_init_fence();
   }
@@ -231,6 +262,29 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       int m = m_begin, h = h0;
       query_walk.settle(p, m, h);
       for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) issue(it, m, h);
+    } else if (tid == 32 && w.dq_turns != nullptr) {
+      // The turn keeper (deterministic mode; see the top of the file): the producer's walk, and
+      // per step the count of earlier adds into the query block's dQ rows, one per warpgroup of
+      // each key block from the block's first to this one.
+      const int first_block = static_cast<int>(ws_row0 / kBlockM) + b;
+      // Query block m's first key block, from its first row that sees a key (the rows before
+      // first_row see none): that row's first key, row + key_shift, or 0 without a left window
+      // (key_shift −2^30: lengths are at most 2^30). Held in few registers: the producer
+      // warpgroup has 24.
+      const int first_row = rows_seeing(0, len_k, len_q, len_k, p.window_left, p.window_right).lo;
+      const int key_shift =
+          p.window_left < 0 ? -(1 << 30) : len_k - len_q - capped_window(p.window_left, len_k);
+      int m = m_begin, h = h0;
+      query_walk.settle(p, m, h);
+      for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) {
+        const int stage = it % kStages, round = it / kStages;
+        if (round > 0) ptx::mbarrier_wait(turn_used(stage), (round - 1) & 1);
+        const int first_key = max(max(m * kBlockM, first_row) + key_shift, 0);
+        const int before = (n_block - first_key / kBlockN) * Cfg::kConsumers;
+        const int* const count = dq_turn(w, first_block, h, m);
+        while (ptx::ld_acquire_gpu(count) < before) __nanosleep(64);
+        ptx::mbarrier_arrive(turn(stage));
+      }
     }
     return;
   }
@@ -295,6 +349,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     const float next_copy = more ? fetch(it + 1) : 0.0f;
     const int2 mh = step_at(it);
     const int h = mh.y, i0 = mh.x * kBlockM;
+    // Deterministic mode: the step waits for this key block's turn at its query block.
+    if (w.dq_turns != nullptr) ptx::mbarrier_wait(turn(stage), parity);
     const uint32_t q_tile = sQ + stage * Cfg::kQBytes, do_tile = sDo + stage * Cfg::kQBytes;
 
     // Sᵀ = K·Q_iᵀ and dPᵀ = V·dO_iᵀ (64 keys × kWgQueries queries per warpgroup).
@@ -502,12 +558,21 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::named_barrier_sync(kOwnDqStage + c, 128);
     if (tid % 128 == 0) {
       const int row0 = static_cast<int>(int64_t{h} * p.total_q + ws_row0 + i0 + dq_m * 64);
+      // Deterministic mode: the turn waited for at the step's start, then this reduction.
+      if (w.dq_turns != nullptr) ptx::fence_proxy_async_global();
 #pragma unroll
       for (int cb = 0; cb < kDqCols / 32; ++cb)
 #pragma unroll
         for (int rb = 0; rb < 2; ++rb)
           ptx::tma_reduce_add_2d(&tm_dq, box(cb, rb), dq_col0 + 32 * cb, row0 + 32 * rb);
       ptx::bulk_commit_group();
+      if (w.dq_turns != nullptr) {  // the adds done and visible, then the next key block's turn
+        ptx::bulk_wait_group0();
+        ptx::fence_proxy_async_global();
+        ptx::red_release_gpu_add(
+            dq_turn(w, *static_cast<const volatile int*>(&s_first_block), h, i0 / kBlockM), 1);
+        ptx::mbarrier_arrive(turn_used(stage));
+      }
       if constexpr (Cfg::kSplitD) ptx::bulk_wait_group_read0();
     }
     if constexpr (Cfg::kSplitD) {

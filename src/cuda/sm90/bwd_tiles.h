@@ -52,13 +52,14 @@ constexpr int bwd90_bucket(int head_dim) {
 // Whether the sm90 backward main kernel takes a problem (before asking the device): fixed-length
 // batches with any causal or sliding-window mask or block mask, GQA/MQA, seqlen_q != seqlen_k, and
 // packed variable-length batches without a block mask (rows of all sequences in one map, up to
-// 2^31), softcap, ALiBi and dropout; not the deterministic mode (its dQ slices). TMA needs
+// 2^31), softcap, ALiBi, dropout and the deterministic mode (without a block mask: the turns
+// of bwd_kernel.cuh count every key block between a query block's first and last). TMA needs
 // 16-byte aligned q, k, v, dout and strides in whole 16-byte units; dK and dV are written in
 // 16-byte chunks.
 inline bool backward_supported(const AttentionParams& p) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
   if (bwd90_bucket(p.head_dim) == 0 || p.head_dim % 8 != 0) return false;
-  if (p.deterministic) return false;
+  if (p.deterministic && p.block_mask != nullptr) return false;
   if (!packed_batch_fits(p)) return false;
   if (p.batch > 65535 || p.seqlen_q <= 0 || p.seqlen_k <= 0) return false;
   if (int64_t{p.heads_q} * p.total_q >= (int64_t{1} << 31)) return false;  // TMA row coordinates
