@@ -363,8 +363,9 @@ TEST(ScoreMods, RawUnitsAgreeWithTheScaledDefinition) {
       }
 }
 
-// rows_seeing and tile_sees_all (the backward kernels' walk and boundary tests) against
-// visible_keys row by row, windows up to INT_MAX included (the bounds' sums pass 2^31 there).
+// rows_seeing, tile_sees_all and keys_seen (the backward kernels' walk, boundary tests and
+// deterministic turns) against visible_keys row by row, windows up to INT_MAX included (the
+// bounds' sums pass 2^31 there).
 TEST(TileMask, RowsSeeingAgreeWithVisibleKeys) {
   constexpr int kHuge = std::numeric_limits<int>::max();
   for (int len_q : {1, 2, 5, 9})
@@ -397,6 +398,15 @@ TEST(TileMask, RowsSeeingAgreeWithVisibleKeys) {
                   EXPECT_EQ(tile_sees_all(row0, row_end, key0, key_end, len_q, len_k, left, right),
                             every)
                       << at << " rows [" << row0 << ", " << row_end << ")";
+                  if (key0 == 0 && key_end == 1) {  // once per row range
+                    const KeyRange seen = keys_seen(row0, row_end, len_q, len_k, left, right);
+                    for (int key = 0; key < len_k; ++key) {
+                      bool any = false;
+                      for (int row = row0; row < row_end; ++row) any = any || sees(row, key);
+                      EXPECT_EQ(key >= seen.lo && key < seen.hi, any)
+                          << at << " rows [" << row0 << ", " << row_end << ") key " << key;
+                    }
+                  }
                 }
             }
 }

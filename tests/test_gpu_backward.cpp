@@ -114,15 +114,18 @@ std::vector<int> head_dims_of(int bucket) {
 // (problem_cases::with_score_mods) on a window under GQA with more queries than keys, and on a
 // causal packed batch (each sequence its own ALiBi slopes); dropout on the window under GQA, and
 // with both score modifiers on the causal packed batch; deterministic mode (key blocks adding
-// into each query block's dQ in turn) on the window under GQA with more queries than keys, and
-// on the 41 packed sequences with dropout.
+// into each query block's dQ in turn) on the window under GQA with more queries than keys, on the
+// 41 packed sequences with dropout (both turns in descending key order), and without a mask over
+// 64 heads of 11 key blocks (ascending turns in dQ slices of about 3 key blocks: 64 CTAs per
+// key block leave about 4 slices for 2 CTAs per SM).
 const char* const kSm90Shapes[] = {"s197",          "causal_97x300",   "causal_300x97",
                                    "window_gqa",    "mqa_padded",      "one_token",
                                    "s700",          "packed",          "packed_causal",
                                    "packed_window", "packed_many",     "mods_window_gqa",
                                    "mods_packed_causal", "dropout_window_gqa",
                                    "dropout_mods_packed_causal", "deterministic_window_gqa",
-                                   "deterministic_packed_many_dropout"};
+                                   "deterministic_packed_many_dropout",
+                                   "deterministic_many_heads"};
 
 // A packed batch of `s` with these sequence lengths.
 ProblemSpec packed(ProblemSpec s, std::vector<int> lengths_q, std::vector<int> lengths_k) {
@@ -182,6 +185,7 @@ ProblemSpec sm90_problem(const Sm90SuiteCase& c) {
                                                    {37, 0, 130, 5, 64}, {50, 20, 0, 130, 64}))),
                      0.2f);
     case 15: return deterministic(window(with_run_seed(fixed(1, 310, 290, 4, 2, d, dt)), 40, 9));
+    case 17: return deterministic(with_run_seed(fixed(1, 100, 1300, 64, 64, d, dt)));
     default: return with_run_seed(fixed(2, 197, 197, 2, 2, d, dt));
   }
 }
@@ -457,8 +461,9 @@ TEST_F(GpuBackward, DeterministicMultiKeyBlockCtas) {
 }
 
 // The sm90 kernel's deterministic mode: many key blocks take turns at each query block (s_k 1300:
-// 11 blocks of 128 keys; causal and not, GQA, fixed-length and packed, d 64 and 128), two runs
-// bitwise equal, through sm90 where the device runs it.
+// 11 blocks of 128 keys; causal and not, GQA, fixed-length and packed, d 64 and 128; 2 × 64 kv heads
+// for ascending turns in dQ slices of several key blocks), two runs bitwise equal, through sm90
+// where the device runs it.
 TEST_F(GpuBackward, Sm90DeterministicIsBitwiseReproducible) {
   const long before = cuda::testing::sm90_backward_launches();
   for (int d : {64, 128})
@@ -470,8 +475,9 @@ TEST_F(GpuBackward, Sm90DeterministicIsBitwiseReproducible) {
   expect_reproducible(deterministic(causal(packed(with_run_seed(fixed(0, 0, 0, 4, 4, 128,
                                                                       DType::kFloat16)),
                                                   {700, 0, 1300, 64}, {900, 30, 1200, 64}))));
+  expect_reproducible(deterministic(with_run_seed(fixed(2, 200, 1300, 128, 64, 64, DType::kBFloat16))));
   if (cuda::testing::sm90_available()) {
-    EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 10);  // 5 problems, 2 runs each
+    EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 12);  // 6 problems, 2 runs each
   }
 }
 

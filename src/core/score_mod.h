@@ -69,6 +69,24 @@ FLARE_HD RowRange rows_seeing(int key0, int key_end, int len_q, int len_k, int w
   return rows_reaching(key0, key_end - 1, len_q, len_k, window_left, window_right);
 }
 
+// Keys that some row of [row0, row_end) sees (row_end ≤ len_q): the union of visible_keys over
+// those rows, one range (a row's keys move by one from row to row, and rows that see none come
+// first, where their keys would lie before key 0). 32-bit, windows capped as in rows_reaching.
+FLARE_HD KeyRange keys_seen(int row0, int row_end, int len_q, int len_k, int window_left,
+                            int window_right) {
+  const int diag = len_k - len_q;
+  int lo = 0, hi = len_k;
+  if (window_left >= 0) {
+    const int first = row0 + diag - capped_window(window_left, len_k);
+    lo = first > 0 ? first : 0;
+  }
+  if (window_right >= 0) {
+    const int end = row_end + diag + capped_window(window_right, len_q);
+    hi = end < len_k ? end : len_k;
+  }
+  return {lo, hi > lo ? hi : lo};
+}
+
 // Whether every row of [row0, row_end) sees every key of [key0, key_end): the tiles that need no
 // per-element mask. Per step in the backward kernels, so 32-bit and from the arguments alone (a
 // range held across their loops costs registers there); windows capped as in rows_reaching.

@@ -19,7 +19,7 @@
 // (batch, kv head) are cut into runs, one CTA per run with its own dQ slice, the number of runs
 // chosen to give about two CTAs per SM (as FlashAttention-2's deterministic backward does). sm90:
 // one CTA per key block as always, the key blocks adding into a query block's dQ rows in turn
-// (counters in the workspace: sm90/bwd_kernel.cuh).
+// (counters in the workspace: sm90/bwd_kernel.cuh), in slices where the turns would wait long.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -163,18 +163,35 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   if (sm90) w.bucket = sm90::bwd90_bucket(p.head_dim);
 
   const int key_blocks = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
-  // sm90's turn counters: per query head, a query block of at least 64 rows each, plus one per
-  // sequence (the kernel's indexing).
-  int64_t turns = 0;
-  if (p.deterministic && sm90) {
-    w.dq_turn_stride = p.total_q / 64 + 1 + p.batch;
-    turns = int64_t{p.heads_q} * w.dq_turn_stride;
-  } else if (p.deterministic && key_blocks > 0 && p.batch > 0) {
+  int64_t turns = 0;  // sm90's dQ turn counters
+  if (p.deterministic && key_blocks > 0 && p.batch > 0) {
+    // dQ slices, summed in order by the convert kernel: sm80, one per run of key blocks (about
+    // two CTAs per SM, as FlashAttention-2's deterministic backward does). sm90's key blocks take
+    // turns in each slice; causal and right-windowed masks walk a key block's query blocks from
+    // its diagonal, so the turns go in descending key order, each key block's turn at a query
+    // block coming right after the previous step of the one above it, and one slice does. Other
+    // masks start every key block at the same query block: in turns, key block n would start n
+    // steps late, so the runs rule again bounds those waits by the run's length.
+    const int n_blocks = sm90 ? (p.seqlen_k + sm90::bwd90_tile(w.bucket).block_n - 1) /
+                                    sm90::bwd90_tile(w.bucket).block_n
+                              : key_blocks;
     const int64_t units = static_cast<int64_t>(p.batch) * p.heads_kv;
-    const int64_t runs = std::clamp<int64_t>((2 * sms + units - 1) / units, 1, key_blocks);
-    w.kv_blocks_per_cta = static_cast<int>((key_blocks + runs - 1) / runs);
-    w.num_splits = (key_blocks + w.kv_blocks_per_cta - 1) / w.kv_blocks_per_cta;
-    w.dq_split_stride = static_cast<int64_t>(p.heads_q) * p.total_q * w.bucket;
+    const int64_t rows_per_slice = int64_t{p.heads_q} * p.total_q;
+    w.dq_turns_descending = sm90 && p.window_right >= 0;
+    int64_t runs = std::clamp<int64_t>((2 * sms + units - 1) / units, 1, n_blocks);
+    if (w.dq_turns_descending) runs = 1;
+    if (sm90) {
+      // Turn counters per slice and query head: one per query block of at least 64 rows, plus
+      // one per sequence (the kernel's indexing). The kernel indexes them, and the slices' rows
+      // in the accumulator's tensor map, in 32 bits.
+      w.dq_turn_stride = p.total_q / 64 + 1 + p.batch;
+      const int64_t per_slice = std::max(rows_per_slice, int64_t{p.heads_q} * w.dq_turn_stride);
+      runs = std::max<int64_t>(1, std::min(runs, ((int64_t{1} << 31) - 1) / per_slice));
+    }
+    w.kv_blocks_per_cta = static_cast<int>((n_blocks + runs - 1) / runs);
+    w.num_splits = (n_blocks + w.kv_blocks_per_cta - 1) / w.kv_blocks_per_cta;
+    w.dq_split_stride = rows_per_slice * w.bucket;
+    if (sm90) turns = int64_t{w.num_splits} * p.heads_q * w.dq_turn_stride;
   }
 
   // Grouped CTA order under causal or windowed masks: a kv head's CTAs reread its query heads'

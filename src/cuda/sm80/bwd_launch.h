@@ -33,12 +33,17 @@ struct BwdWorkspace {
   // atomics (the default), the slice size in deterministic mode, where CTA x owns slice x.
   int64_t dq_split_stride = 0;
   int num_splits = 1;         // slices the convert kernel sums, in order
-  int kv_blocks_per_cta = 1;  // consecutive key blocks one CTA walks (> 1 only if deterministic)
-  // The sm90 kernel's deterministic mode: one counter per (query head, query block), zeroed per
-  // call, of the dQ tile adds done into that block (sm90/bwd_kernel.cuh); dq_turn_stride
-  // counters per query head. Null otherwise.
+  // Key blocks per dQ slice (> 1 only if deterministic): sm80, a run one CTA walks; sm90, one
+  // CTA each.
+  int kv_blocks_per_cta = 1;
+  // The sm90 kernel's deterministic mode: one counter per (dQ slice, query head, query block),
+  // zeroed per call, of the dQ tile adds done into that block (sm90/bwd_kernel.cuh);
+  // dq_turn_stride counters per query head. Null otherwise. A slice is kv_blocks_per_cta
+  // consecutive key blocks, one CTA each, taking turns in descending key order where set
+  // (causal and right-windowed masks), else ascending.
   int* dq_turns = nullptr;
   int64_t dq_turn_stride = 0;
+  bool dq_turns_descending = false;
   int bucket = 0;             // head-dim bucket: the accumulator's row length
   int stages = 0;             // Q/dO buffers of the main kernel (BwdTile::stages or min_stages)
   bool vec = false;           // q, k, v, dout rows 16-byte aligned and head_dim % 8 == 0

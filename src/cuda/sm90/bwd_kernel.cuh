@@ -30,17 +30,18 @@
 //
 // Deterministic mode (w.dq_turns set): the reductions into one query block's dQ rows come from
 // every key block that sees it, in whatever order the CTAs get there, and fp32 addition does not
-// commute bit for bit. So they take turns: key block n adds its tile after the key blocks before
-// it that see the block have added theirs, counted per (query head, query block) in w.dq_turns
-// (each warpgroup's add counts one). An idle thread of the producer warpgroup keeps the turns:
-// it walks the steps as the producer does, waits for each step's count and opens the step's
-// `turn` barrier, on which the consumers wait before the step (a wait in the consumers' own code,
-// or just before their reductions, made ptxas spill at d 64). A step so follows the same step of
-// the key block before by about one step, as the causal walks already start a block apart. A
-// CTA waits only for CTAs of lower index of its own
-// (kv head, batch), which the hardware starts no later than it, so every wait ends; the
-// one-CTA-per-key-block grid and its parallelism stay (the sm80 kernel instead gives each CTA a
-// run of key blocks and a dQ slice).
+// commute bit for bit. So they take turns: key block n adds its tile after the key blocks that see
+// the block and come before it in the turn order, counted per (dQ slice, query head, query block)
+// in w.dq_turns (each warpgroup's add counts one). An idle thread of the producer warpgroup keeps
+// the turns: it walks the steps as the producer does and, once a step's count is reached, gives
+// the step's `full` barrier the one arrival it waits for beyond the loads (a wait in the
+// consumers' own code made ptxas spill at d 64). The turn order follows the walks: causal and
+// right-windowed walks start a key block's walk at its diagonal, so the key blocks go in
+// descending order (the grid reversed, so that CTAs start in that order) and a key block's turn at
+// a query block comes while the one above it is already steps further; other walks all start at
+// the same query block, and in ascending turns key block n starts n steps late, so they are cut
+// into dQ slices of a few key blocks each (w.kv_blocks_per_cta; backward.cpp), with turns in each.
+// A CTA waits only for CTAs started before it of its own (kv head, batch), so every wait ends.
 #pragma once
 
 #include <cuda.h>
@@ -133,11 +134,13 @@ enum Bwd90Barrier : int {
   kOwnDqStage = 3,         // + c: warpgroup c's dQ staging (its own 128 threads)
 };
 
-// Deterministic mode: the counter of query block m of head h. Per query head, the blocks of the
-// sequences one after another with a block of room after each: `first_block` = ws_row0 /
-// kBlockM + b, which never meets the previous sequence's blocks.
-__device__ __forceinline__ int* dq_turn(const sm80::BwdWorkspace& w, int first_block, int h, int m) {
-  return w.dq_turns + h * w.dq_turn_stride + first_block + m;
+// Deterministic mode: the counters of a CTA's dQ slice and sequence; query block m of head h
+// counts at [h * w.dq_turn_stride + m]. Per query head, the blocks of the sequences one after
+// another with a block of room after each (ws_row0 / block_m + b never meets the previous
+// sequence's blocks).
+__device__ __forceinline__ int* dq_turns_of(const sm80::BwdWorkspace& w, int heads_q, int slice,
+                                            int64_t ws_row0, int block_m, int b) {
+  return w.dq_turns + (int64_t{slice} * heads_q) * w.dq_turn_stride + ws_row0 / block_m + b;
 }
 
 // kScoreMods: the problem has softcap or ALiBi; kDropout: dropout (kernels of their own, as in the
@@ -159,8 +162,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
-  // kv_full, full[], empty[], at[], and deterministic mode's turn[] and turn_used[]
-  __shared__ __align__(8) uint64_t bars[1 + 5 * kStages];
+  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages];   // kv_full, full[], empty[], at[]
   __shared__ __align__(16) float s_lse[kStages][kBlockM];   // base-2 LSE, +inf: P = 0
   __shared__ __align__(16) float s_dsum[kStages][kBlockM];  // D, 0 past the sequence end
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -178,15 +180,13 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // step out by division (their LSE/D copies wait on it) the backward ran 1-4% slower at d 64 and
   // 5-13% at d 128 (A/B on an H200, one call).
   auto at = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
-  // Deterministic mode: the turn keeper opens turn(buffer) once the step's earlier key blocks
-  // have added into its dQ rows; each consumer warpgroup arrives on turn_used(buffer) after its
-  // own add, which lets the keeper reuse the barrier for the buffer's next step.
-  auto turn = [&](int s) { return bar0 + 8u * (1 + 3 * kStages + s); };
-  auto turn_used = [&](int s) { return bar0 + 8u * (1 + 4 * kStages + s); };
   __shared__ int2 s_step_at[kStages];
 
   const int tid = threadIdx.x;
-  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const bool turns = w.dq_turns != nullptr;
+  const int n_block = w.dq_turns_descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int slice = w.num_splits > 1 ? n_block / w.kv_blocks_per_cta : 0;  // of dQ
   // Packed batches: the sequence's rows in the tensor maps (one batch of every sequence's rows)
   // and in the per-row workspaces; a CTA past its sequence's keys has nothing to do.
   const SequenceInfo seq = sequence_info(p, b);
@@ -214,17 +214,19 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // The consumers read the step count back from shared memory each step (volatile): held in a
   // register across the loop, it spills at d 64.
   __shared__ int s_step_count;
-  __shared__ int s_first_block;  // deterministic mode: dq_turn's first_block, read back per step
+  // Likewise the first dQ accumulator row of the slice and sequence, and the turn counters.
+  __shared__ int s_dq_row0;
+  __shared__ int* s_turns;
   if (tid == 0) {
     s_step_count = steps;
-    s_first_block = static_cast<int>(ws_row0 / kBlockM) + b;
+    s_dq_row0 = static_cast<int>(int64_t{slice} * p.heads_q * p.total_q + ws_row0);
+    s_turns = turns ? dq_turns_of(w, p.heads_q, slice, ws_row0, kBlockM, b) : nullptr;
     ptx::mbarrier_init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers);  // TMA thread, LSE/D copies
+      // TMA thread, LSE/D copies, and in deterministic mode the turn keeper
+      ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers + (turns ? 1 : 0));
       ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
       ptx::mbarrier_init(at(s), 1);
-      ptx::mbarrier_init(turn(s), 1);
-      ptx::mbarrier_init(turn_used(s), Cfg::kConsumers);
     }
     ptx::mbarrier_init_fence();
   }
@@ -262,28 +264,36 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       int m = m_begin, h = h0;
       query_walk.settle(p, m, h);
       for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) issue(it, m, h);
-    } else if (tid == 32 && w.dq_turns != nullptr) {
+    } else if (tid == 32 && turns) {
       // The turn keeper (deterministic mode; see the top of the file): the producer's walk, and
-      // per step the count of earlier adds into the query block's dQ rows, one per warpgroup of
-      // each key block from the block's first to this one.
-      const int first_block = static_cast<int>(ws_row0 / kBlockM) + b;
-      // Query block m's first key block, from its first row that sees a key (the rows before
-      // first_row see none): that row's first key, row + key_shift, or 0 without a left window
-      // (key_shift −2^30: lengths are at most 2^30). Held in few registers: the producer
-      // warpgroup has 24.
-      const int first_row = rows_seeing(0, len_k, len_q, len_k, p.window_left, p.window_right).lo;
-      const int key_shift =
-          p.window_left < 0 ? -(1 << 30) : len_k - len_q - capped_window(p.window_left, len_k);
+      // per step the adds into the query block's dQ rows that come before this key block's: of
+      // the key blocks of the slice that see the block, those above this one (descending) or
+      // below it (ascending), one per warpgroup.
+      // The slice's key blocks: from run_first, or down to run_last in descending turns.
+      const int run_first = slice * w.kv_blocks_per_cta;
+      const int run_bound =
+          w.dq_turns_descending
+              ? min(run_first + w.kv_blocks_per_cta, (len_k + kBlockN - 1) / kBlockN) - 1
+              : run_first;
+      // Counters as an offset from w.dq_turns: 32-bit, which the producer's 24 registers hold.
+      const int counts = static_cast<int>(s_turns - w.dq_turns);
       int m = m_begin, h = h0;
       query_walk.settle(p, m, h);
       for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) {
         const int stage = it % kStages, round = it / kStages;
-        if (round > 0) ptx::mbarrier_wait(turn_used(stage), (round - 1) & 1);
-        const int first_key = max(max(m * kBlockM, first_row) + key_shift, 0);
-        const int before = (n_block - first_key / kBlockN) * Cfg::kConsumers;
-        const int* const count = dq_turn(w, first_block, h, m);
-        while (ptx::ld_acquire_gpu(count) < before) __nanosleep(64);
-        ptx::mbarrier_arrive(turn(stage));
+        if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
+        const int row_end = min((m + 1) * kBlockM, len_q);
+        int before;
+        if (w.dq_turns_descending) {
+          const int hi = keys_seen(m * kBlockM, row_end, len_q, len_k, p.window_left, p.window_right).hi;
+          before = min((hi - 1) / kBlockN, run_bound) - n_block;
+        } else {
+          const int lo = keys_seen(m * kBlockM, row_end, len_q, len_k, p.window_left, p.window_right).lo;
+          before = n_block - max(lo / kBlockN, run_bound);
+        }
+        const int* const count = w.dq_turns + counts + h * static_cast<int>(w.dq_turn_stride) + m;
+        while (ptx::ld_acquire_gpu(count) < before * Cfg::kConsumers) __nanosleep(64);
+        ptx::mbarrier_arrive(full(stage));
       }
     }
     return;
@@ -349,8 +359,6 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     const float next_copy = more ? fetch(it + 1) : 0.0f;
     const int2 mh = step_at(it);
     const int h = mh.y, i0 = mh.x * kBlockM;
-    // Deterministic mode: the step waits for this key block's turn at its query block.
-    if (w.dq_turns != nullptr) ptx::mbarrier_wait(turn(stage), parity);
     const uint32_t q_tile = sQ + stage * Cfg::kQBytes, do_tile = sDo + stage * Cfg::kQBytes;
 
     // Sᵀ = K·Q_iᵀ and dPᵀ = V·dO_iᵀ (64 keys × kWgQueries queries per warpgroup).
@@ -557,8 +565,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kOwnDqStage + c, 128);
     if (tid % 128 == 0) {
-      const int row0 = static_cast<int>(int64_t{h} * p.total_q + ws_row0 + i0 + dq_m * 64);
-      // Deterministic mode: the turn waited for at the step's start, then this reduction.
+      const int row0 = h * p.total_q + *static_cast<const volatile int*>(&s_dq_row0) + i0 + dq_m * 64;
+      // Deterministic mode: the turn, waited for with the step's `full`, then this reduction.
       if (w.dq_turns != nullptr) ptx::fence_proxy_async_global();
 #pragma unroll
       for (int cb = 0; cb < kDqCols / 32; ++cb)
@@ -569,9 +577,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       if (w.dq_turns != nullptr) {  // the adds done and visible, then the next key block's turn
         ptx::bulk_wait_group0();
         ptx::fence_proxy_async_global();
-        ptx::red_release_gpu_add(
-            dq_turn(w, *static_cast<const volatile int*>(&s_first_block), h, i0 / kBlockM), 1);
-        ptx::mbarrier_arrive(turn_used(stage));
+        int* const volatile& counts = s_turns;
+        ptx::red_release_gpu_add(counts + h * w.dq_turn_stride + i0 / kBlockM, 1);
       }
       if constexpr (Cfg::kSplitD) ptx::bulk_wait_group_read0();
     }
@@ -664,7 +671,9 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
   if (st.ok())
     st = encode_map(&tm_v, kDType, p.v, p.head_dim, rows_k, p.heads_kv, batch, p.v_row_stride,
                     p.v_head_stride, p.v_batch_stride, Cfg::kBlockN, "v");
-  if (st.ok()) st = encode_accum_map(&tm_dq, w.dq_accum, w.bucket, int64_t{p.heads_q} * p.total_q);
+  if (st.ok())
+    st = encode_accum_map(&tm_dq, w.dq_accum, w.bucket,
+                          int64_t{w.num_splits} * p.heads_q * p.total_q);  // every dQ slice
   if (!st.ok()) return st;
   const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.heads_kv),
                   static_cast<unsigned>(p.batch));
