@@ -169,16 +169,22 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
     // two CTAs per SM, as FlashAttention-2's deterministic backward does). sm90's key blocks take
     // turns in each slice; causal and right-windowed masks walk a key block's query blocks from
     // its diagonal, so the turns go in descending key order, each key block's turn at a query
-    // block coming right after the previous step of the one above it, and one slice does. Other
-    // masks start every key block at the same query block: in turns, key block n would start n
-    // steps late, so the runs rule again bounds those waits by the run's length.
-    const int n_blocks = sm90 ? (p.seqlen_k + sm90::bwd90_tile(w.bucket).block_n - 1) /
-                                    sm90::bwd90_tile(w.bucket).block_n
-                              : key_blocks;
+    // block coming while the one above it is steps ahead, and one slice does. Other masks start
+    // every key block at the same query block, and in ascending turns the n-th key block of a
+    // slice starts n steps late: there the runs are also kept to about a quarter of a CTA's
+    // steps, at most 4 slices for that (each slice is another fp32 copy of dQ).
+    const sm90::Bwd90Tile tile90 = sm90 ? sm90::bwd90_tile(w.bucket) : sm90::Bwd90Tile{};
+    const int n_blocks = sm90 ? (p.seqlen_k + tile90.block_n - 1) / tile90.block_n : key_blocks;
     const int64_t units = static_cast<int64_t>(p.batch) * p.heads_kv;
     const int64_t rows_per_slice = int64_t{p.heads_q} * p.total_q;
     w.dq_turns_descending = sm90 && p.window_right >= 0;
     int64_t runs = std::clamp<int64_t>((2 * sms + units - 1) / units, 1, n_blocks);
+    if (sm90 && !w.dq_turns_descending) {
+      const int64_t cta_steps =
+          int64_t{(p.seqlen_q + tile90.block_m - 1) / tile90.block_m} * p.head_group;
+      const int64_t short_runs = (4 * int64_t{n_blocks} + cta_steps - 1) / std::max<int64_t>(cta_steps, 1);
+      runs = std::clamp<int64_t>(std::max(runs, std::min<int64_t>(short_runs, 4)), 1, n_blocks);
+    }
     if (w.dq_turns_descending) runs = 1;
     if (sm90) {
       // Turn counters per slice and query head: one per query block of at least 64 rows, plus

@@ -146,8 +146,10 @@ __device__ __forceinline__ int* dq_turns_of(const sm80::BwdWorkspace& w, int hea
 // kScoreMods: the problem has softcap or ALiBi; kDropout: dropout (kernels of their own, as in the
 // forward, so that the plain steps keep their code; the dropout kernel, which also takes softcap
 // and ALiBi, draws one Philox per element in the unrolled element loop: drawn in a rolled loop
-// of their own, the keep bits made ptxas spill 472 bytes at d 64).
-template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
+// of their own, the keep bits made ptxas spill 472 bytes at d 64). kTurns: deterministic mode
+// (also kernels of their own: its code in the plain kernel cost that kernel 2-4% at d 128, A/B
+// on an H200).
+template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout, bool kTurns>
 __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     attention_backward_sm90_kernel(const __grid_constant__ AttentionParams p,
                                    const sm80::BwdWorkspace w,
@@ -183,10 +185,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   __shared__ int2 s_step_at[kStages];
 
   const int tid = threadIdx.x;
-  const bool turns = w.dq_turns != nullptr;
-  const int n_block = w.dq_turns_descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int n_block = kTurns && w.dq_turns_descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int hk = blockIdx.y, b = blockIdx.z;
-  const int slice = w.num_splits > 1 ? n_block / w.kv_blocks_per_cta : 0;  // of dQ
+  const int slice = kTurns ? n_block / w.kv_blocks_per_cta : 0;  // of dQ
   // Packed batches: the sequence's rows in the tensor maps (one batch of every sequence's rows)
   // and in the per-row workspaces; a CTA past its sequence's keys has nothing to do.
   const SequenceInfo seq = sequence_info(p, b);
@@ -214,17 +215,20 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // The consumers read the step count back from shared memory each step (volatile): held in a
   // register across the loop, it spills at d 64.
   __shared__ int s_step_count;
-  // Likewise the first dQ accumulator row of the slice and sequence, and the turn counters.
-  __shared__ int s_dq_row0;
+  // Deterministic mode: likewise the first dQ accumulator row of the slice, and the turn
+  // counters of the slice and sequence.
+  __shared__ int s_slice_row0;
   __shared__ int* s_turns;
   if (tid == 0) {
     s_step_count = steps;
-    s_dq_row0 = static_cast<int>(int64_t{slice} * p.heads_q * p.total_q + ws_row0);
-    s_turns = turns ? dq_turns_of(w, p.heads_q, slice, ws_row0, kBlockM, b) : nullptr;
+    if constexpr (kTurns) {
+      s_slice_row0 = slice * p.heads_q * p.total_q;
+      s_turns = dq_turns_of(w, p.heads_q, slice, ws_row0, kBlockM, b);
+    }
     ptx::mbarrier_init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
       // TMA thread, LSE/D copies, and in deterministic mode the turn keeper
-      ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers + (turns ? 1 : 0));
+      ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers + (kTurns ? 1 : 0));
       ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
       ptx::mbarrier_init(at(s), 1);
     }
@@ -264,7 +268,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       int m = m_begin, h = h0;
       query_walk.settle(p, m, h);
       for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) issue(it, m, h);
-    } else if (tid == 32 && turns) {
+    } else if (kTurns && tid == 32) {
       // The turn keeper (deterministic mode; see the top of the file): the producer's walk, and
       // per step the adds into the query block's dQ rows that come before this key block's: of
       // the key blocks of the slice that see the block, those above this one (descending) or
@@ -565,16 +569,19 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kOwnDqStage + c, 128);
     if (tid % 128 == 0) {
-      const int row0 = h * p.total_q + *static_cast<const volatile int*>(&s_dq_row0) + i0 + dq_m * 64;
-      // Deterministic mode: the turn, waited for with the step's `full`, then this reduction.
-      if (w.dq_turns != nullptr) ptx::fence_proxy_async_global();
+      int row0 = static_cast<int>(int64_t{h} * p.total_q + ws_row0 + i0 + dq_m * 64);
+      if constexpr (kTurns) {
+        // The slice's rows; the turn, waited for with the step's `full`, then this reduction.
+        row0 += *static_cast<const volatile int*>(&s_slice_row0);
+        ptx::fence_proxy_async_global();
+      }
 #pragma unroll
       for (int cb = 0; cb < kDqCols / 32; ++cb)
 #pragma unroll
         for (int rb = 0; rb < 2; ++rb)
           ptx::tma_reduce_add_2d(&tm_dq, box(cb, rb), dq_col0 + 32 * cb, row0 + 32 * rb);
       ptx::bulk_commit_group();
-      if (w.dq_turns != nullptr) {  // the adds done and visible, then the next key block's turn
+      if constexpr (kTurns) {  // the adds done and visible, then the next key block's turn
         ptx::bulk_wait_group0();
         ptx::fence_proxy_async_global();
         int* const volatile& counts = s_turns;
@@ -647,7 +654,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 template <DType kDType, int kHeadDim>
 bool backward_runs_on_device() {
   return runs_sm90a_code(
-      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim, false, false>));
+      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim, false, false, false>));
 }
 
 template <DType kDType, int kHeadDim>
@@ -677,10 +684,16 @@ Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& 
   if (!st.ok()) return st;
   const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.heads_kv),
                   static_cast<unsigned>(p.batch));
-  const auto kernel = p.dropout_p > 0.0f ? attention_backward_sm90_kernel<kDType, kHeadDim, true, true>
-                     : p.has_score_mods()
-                         ? attention_backward_sm90_kernel<kDType, kHeadDim, true, false>
-                         : attention_backward_sm90_kernel<kDType, kHeadDim, false, false>;
+  // Deterministic mode has kernels of its own (the turns), one for plain problems and one for
+  // the rest (score modifiers and dropout as runtime choices).
+  const bool modified = p.dropout_p > 0.0f || p.has_score_mods();
+  const auto kernel =
+      w.dq_turns != nullptr
+          ? (modified ? attention_backward_sm90_kernel<kDType, kHeadDim, true, true, true>
+                      : attention_backward_sm90_kernel<kDType, kHeadDim, false, false, true>)
+      : p.dropout_p > 0.0f ? attention_backward_sm90_kernel<kDType, kHeadDim, true, true, false>
+      : p.has_score_mods() ? attention_backward_sm90_kernel<kDType, kHeadDim, true, false, false>
+                           : attention_backward_sm90_kernel<kDType, kHeadDim, false, false, false>;
   return launch(kernel, "backward", kHeadDim, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p, w,
                 tm_q, tm_k, tm_v, tm_do, tm_dq);
 }
