@@ -19,7 +19,9 @@
 #    standard grid: DIR/compare-<card>-<date>.json and -fwd/-bwd/-fwdbwd/-memory.png),
 #    bench/model_shapes.py (flare vs SDPA cuDNN and flash on GPT-2/3, LLaMA-2/3, Phi-3 attention
 #    shapes, fwd and bwd: DIR/model-shapes-<card>-<date>.json and .txt, the cells below 1.10x cuDNN),
-#    bench/host_overhead.py (host and GPU time per call, eager and compiled: DIR/host_overhead.json),
+#    bench/host_overhead.py (host and GPU time per call, eager and compiled: DIR/host_overhead.json;
+#    again with the torch operators' Python kernels where their C++ ones were built:
+#    DIR/host_overhead-python-kernels.json),
 #    bench/decode_bench.py (KV-cache decoding against SDPA over the same cache: DIR/decode.json),
 #    bench/block_sparse_bench.py (block-sparse time against density: DIR/block_sparse.json, .png)
 #    and bench/gpt_loss.py (a small GPT trained with flare's attention and with SDPA's; fails unless
@@ -231,6 +233,20 @@ if [[ $python -eq 1 ]]; then
       log "host_overhead.json written"
     else
       status=1; log "host_overhead.py FAILED (host_overhead.log)"; tail -20 "$out/host_overhead.log"
+    fi
+    # The same with torch.ops.flare's Python kernels, where the C++ ones were built: the A/B of
+    # flare/_torch_ops.so on the compiled road.
+    if [[ -e "$build-py/python/flare/_torch_ops.so" ]]; then
+      log "bench/host_overhead.py again with FLARE_TORCH_OPS=python (the operators' Python kernels)"
+      if FLARE_TORCH_OPS=python PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 \
+           bench/host_overhead.py --json "$out/host_overhead-python-kernels.json" --compile \
+           > "$out/host_overhead-python-kernels.log" 2>&1; then
+        log "host_overhead-python-kernels.json written"
+      else
+        status=1; log "host_overhead.py (Python kernels) FAILED (host_overhead-python-kernels.log)"
+      fi
+    else
+      log "no flare/_torch_ops.so in $build-py (python.log says why): the operators run Python kernels"
     fi
     log "bench/decode_bench.py: KV-cache decoding (contiguous and paged) vs SDPA over the same cache"
     if PYTHONUNBUFFERED=1 PYTHONPATH="$root/$build-py/python" python3 bench/decode_bench.py \

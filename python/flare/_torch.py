@@ -10,7 +10,9 @@ Two roads lead to the same two functions, forward() and backward() below:
   136 µs and 540 µs of GPU time at GPT-3 2.7B's attention shape (bench/host_overhead.py).
 - Under torch.compile, the same autograd.Function allocates its outputs and calls the operators
   torch.ops.flare.fwd and torch.ops.flare.bwd, defined here with torch.library (a schema that
-  writes into the given outputs, one kernel for CPU and CUDA, a fake kernel). Dynamo traces the
+  writes into the given outputs, a fake kernel, and CPU and CUDA kernels: C++ from
+  flare/_torch_ops.so where the build found torch, which the dispatcher calls unboxed, else the
+  Python functions below). Dynamo traces the
   Function, so attention stays in the graph (fullgraph=True works), AOTAutograd places bwd in the
   backward graph, inductor allocates the outputs itself (C++, no Python torch.empty per output)
   and the compiled code reaches the kernels through the dispatcher with no Python autograd
@@ -32,6 +34,8 @@ Dropout: rng_state is an int64 CPU tensor [seed, offset] drawn from torch's defa
 it. Without dropout rng_state is None.
 """
 
+import ctypes
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -129,6 +133,19 @@ def backward(dout, q, k, v, out, lse, *args):
 # inductor's own C++ call rather than a Python torch.empty per output inside the operator: the
 # operator's Python kernel does no more than the extension call.
 
+def _load_cpp_kernels():
+    """Loads flare/_torch_ops.so (flare_torch_ops.cpp: the operators' C++ kernels, built where
+    torch's headers were found) and binds it to the extension's copy of flare. False where it
+    was not built, or with FLARE_TORCH_OPS=python in the environment (the Python kernels, kept
+    for comparison)."""
+    path = os.path.join(os.path.dirname(__file__), "_torch_ops.so")
+    if os.environ.get("FLARE_TORCH_OPS") == "python" or not os.path.exists(path):
+        return False
+    torch.ops.load_library(path)
+    ctypes.CDLL(path).flare_torch_ops_bind(ctypes.c_void_p(_ext.c_api_table()))
+    return True
+
+
 _lib = torch.library.Library("flare", "DEF")
 _OPTIONS = ("Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
             "float dropout_p, float softmax_scale, bool causal, int window_left, int window_right, "
@@ -138,9 +155,13 @@ _lib.define("fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
             ") -> ()")
 _lib.define("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, " + _OPTIONS + ") -> ()")
-for _key in ("CPU", "CUDA"):
-    _lib.impl("fwd", run_forward, _key)
-    _lib.impl("bwd", run_backward, _key)
+# The kernels: C++ where flare/_torch_ops.so was built (the dispatcher then calls them unboxed,
+# with no Python between the compiled graph and the library), else these Python functions.
+CPP_KERNELS = _load_cpp_kernels()
+if not CPP_KERNELS:
+    for _key in ("CPU", "CUDA"):
+        _lib.impl("fwd", run_forward, _key)
+        _lib.impl("bwd", run_backward, _key)
 
 
 @torch.library.register_fake("flare::fwd")

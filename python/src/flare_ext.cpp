@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "c_api_table.h"
 #include "flare/c_api.h"
 
 namespace nb = nanobind;
@@ -703,6 +704,14 @@ int dtype_code(nb::handle x, const char* name) { return to_flare_tensor(x, name)
 
 NB_MODULE(_ext, m) {
   m.doc() = "flare's C ABI over PyTorch tensors and DLPack arrays (see flare/_core.py for the Python interface)";
+
+  // The address of the C ABI table that the torch operators library (flare_torch_ops.cpp) is
+  // bound to: it calls this module's copy of flare.
+  m.def("c_api_table", [] {
+    static const flare_c_api_table table{&flare_default_options, &flare_attention_forward,
+                                         &flare_attention_backward, &flare_last_error};
+    return reinterpret_cast<uintptr_t>(&table);
+  });
 
   m.def("forward", &forward, nb::arg("q").none(), nb::arg("k").none(),
         nb::arg("v").none(), nb::arg("o").none(), nb::arg("lse").none(),

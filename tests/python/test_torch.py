@@ -10,6 +10,7 @@ Truth is PyTorch's math attention in a wider type (float64 on the CPU, float32 o
 """
 
 import contextlib
+import os
 
 import pytest
 
@@ -270,6 +271,48 @@ def test_opcheck(device):
         grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         torch.library.opcheck(torch.ops.flare.bwd.default,
                               (torch.randn_like(out), q, k, v, out, lse) + grads + options)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_operator_kernels_match_the_direct_calls(device):
+    """torch.ops.flare.fwd / bwd (C++ kernels where flare/_torch_ops.so was built, else Python)
+    against the extension called directly: bitwise equal with GQA, a causal window, dropout
+    seeded through rng_state and packed sequences, on a side stream where CUDA runs; a refused
+    dtype raises ValueError naming the argument on both roads."""
+    from flare import _torch as ft
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    total, h, h_kv, d = 45, 4, 2, 32
+    q = torch.randn(total, h, d, device=device, dtype=dtype)
+    k, v = (torch.randn(total, h_kv, d, device=device, dtype=dtype) for _ in range(2))
+    cu = torch.tensor([0, 17, 17, 45], dtype=torch.int32, device=device)
+    rng_state = torch.tensor([123, -5], dtype=torch.int64)
+    options = (cu, cu, 28, 28, 0.2, 0.17, True, 9, 0, 0.0, None, False, rng_state, 0)
+    side_stream = (torch.cuda.stream(torch.cuda.Stream()) if device == "cuda"
+                   else contextlib.nullcontext())
+    with cuda_may_be_unsupported(device), side_stream:
+        results = []
+        for fwd, bwd in ((torch.ops.flare.fwd, torch.ops.flare.bwd),
+                         (ft.run_forward, ft.run_backward)):
+            out, lse = ft.forward_outputs(q, True)
+            fwd(q, k, v, out, lse, *options)
+            dout = torch.randn(out.shape, generator=torch.Generator(device).manual_seed(1),
+                               device=device, dtype=dtype)
+            dq, dk, dv = ft.backward_outputs(q, k, v)
+            bwd(dout, q, k, v, out, lse, dq, dk, dv, *options)
+            results.append((out, lse, dq, dk, dv))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+        for fwd in (torch.ops.flare.fwd, ft.run_forward):
+            out, lse = ft.forward_outputs(q, True)
+            with pytest.raises(ValueError, match="^q: dtype float64 is not supported"):
+                fwd(q.double(), k, v, out, lse, *options)
+
+
+def test_operator_kernels_are_cpp_where_built():
+    from flare import _torch as ft
+    built = os.path.exists(os.path.join(os.path.dirname(ft.__file__), "_torch_ops.so"))
+    assert ft.CPP_KERNELS == (built and os.environ.get("FLARE_TORCH_OPS") != "python")
 
 
 # ---- dropout, streams, errors -----------------------------------------------------------------
