@@ -302,9 +302,10 @@ _lib.define("block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tens
             _BLOCK_MASK + _OPTIONS + ") -> ()")
 _lib.define("block_sparse_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, " + _BLOCK_MASK + _OPTIONS + ") -> ()")
-for _key in ("CPU", "CUDA"):
-    _lib.impl("block_sparse_fwd", run_block_sparse_forward, _key)
-    _lib.impl("block_sparse_bwd", run_block_sparse_backward, _key)
+if not CPP_KERNELS:  # else flare/_torch_ops.so's
+    for _key in ("CPU", "CUDA"):
+        _lib.impl("block_sparse_fwd", run_block_sparse_forward, _key)
+        _lib.impl("block_sparse_bwd", run_block_sparse_backward, _key)
 
 
 @torch.library.register_fake("flare::block_sparse_fwd")

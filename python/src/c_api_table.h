@@ -11,5 +11,7 @@ struct flare_c_api_table {
   decltype(&flare_default_options) default_options;
   decltype(&flare_attention_forward) forward;
   decltype(&flare_attention_backward) backward;
+  decltype(&flare_block_sparse_attention_forward) block_sparse_forward;
+  decltype(&flare_block_sparse_attention_backward) block_sparse_backward;
   decltype(&flare_last_error) last_error;
 };

@@ -708,8 +708,12 @@ NB_MODULE(_ext, m) {
   // The address of the C ABI table that the torch operators library (flare_torch_ops.cpp) is
   // bound to: it calls this module's copy of flare.
   m.def("c_api_table", [] {
-    static const flare_c_api_table table{&flare_default_options, &flare_attention_forward,
-                                         &flare_attention_backward, &flare_last_error};
+    static const flare_c_api_table table{&flare_default_options,
+                                         &flare_attention_forward,
+                                         &flare_attention_backward,
+                                         &flare_block_sparse_attention_forward,
+                                         &flare_block_sparse_attention_backward,
+                                         &flare_last_error};
     return reinterpret_cast<uintptr_t>(&table);
   });
 

@@ -1,6 +1,6 @@
-// flare_torch_ops.cpp — C++ kernels for the operators torch.ops.flare.fwd and torch.ops.flare.bwd
-// (their schema is flare/_torch.py's), which torch.compile's generated code calls through the
-// dispatcher. With the kernels in Python, each call boxed its arguments into Python objects and
+// flare_torch_ops.cpp — C++ kernels for the operators torch.ops.flare.fwd / bwd and
+// block_sparse_fwd / block_sparse_bwd (their schema is flare/_torch.py's), which torch.compile's
+// generated code calls through the dispatcher. With the kernels in Python, each call boxed its arguments into Python objects and
 // ran the extension's attribute reads (about seven per tensor); here the dispatcher calls C++
 // with the at::Tensor arguments unboxed, and the views are read off them directly.
 //
@@ -173,6 +173,58 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
                       a.is_varlen ? &a.varlen : nullptr, stream_of(q)));
 }
 
+// The block-sparse operators: fwd / bwd's arguments with the mask and its block sizes after the
+// outputs (a bool mask arrives as its uint8 view, flare/_torch.py).
+flare_block_mask block_mask(const at::Tensor& mask, int64_t block_m, int64_t block_n) {
+  flare_block_mask m{};
+  m.mask = view(mask, "block_mask");
+  m.block_m = static_cast<int32_t>(block_m);
+  m.block_n = static_cast<int32_t>(block_n);
+  return m;
+}
+
+void block_sparse_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask,
+                      int64_t block_m, int64_t block_n,
+                      const std::optional<at::Tensor>& cu_seqlens_q,
+                      const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                      int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
+                      int64_t window_left, int64_t window_right, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
+                      const std::optional<at::Tensor>& rng_state, int64_t backend) {
+  TORCH_CHECK(api != nullptr, "flare's torch operators are not bound to the extension module");
+  const flare_tensor tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"), to = view(out, "o"),
+                     tl = view(lse, "lse");
+  const flare_block_mask m = block_mask(mask, block_m, block_n);
+  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_left, window_right, softcap,
+                               alibi_slopes, deterministic, rng_state, backend);
+  check(api->block_sparse_forward(&tq, &tk, &tv, &to, &tl, &m, &a.options,
+                                  a.is_varlen ? &a.varlen : nullptr, stream_of(q)));
+}
+
+void block_sparse_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                      const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                      const at::Tensor& mask, int64_t block_m, int64_t block_n,
+                      const std::optional<at::Tensor>& cu_seqlens_q,
+                      const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                      int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
+                      int64_t window_left, int64_t window_right, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
+                      const std::optional<at::Tensor>& rng_state, int64_t backend) {
+  TORCH_CHECK(api != nullptr, "flare's torch operators are not bound to the extension module");
+  const flare_tensor tdo = view(dout, "dout"), tq = view(q, "q"), tk = view(k, "k"),
+                     tv = view(v, "v"), to = view(out, "o"), tl = view(lse, "lse"),
+                     tdq = view(dq, "dq"), tdk = view(dk, "dk"), tdv = view(dv, "dv");
+  const flare_block_mask m = block_mask(mask, block_m, block_n);
+  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_left, window_right, softcap,
+                               alibi_slopes, deterministic, rng_state, backend);
+  check(api->block_sparse_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &m,
+                                   &a.options, a.is_varlen ? &a.varlen : nullptr, stream_of(q)));
+}
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) void flare_torch_ops_bind(
@@ -183,11 +235,15 @@ extern "C" __attribute__((visibility("default"))) void flare_torch_ops_bind(
 TORCH_LIBRARY_IMPL(flare, CPU, m) {
   m.impl("fwd", &fwd);
   m.impl("bwd", &bwd);
+  m.impl("block_sparse_fwd", &block_sparse_fwd);
+  m.impl("block_sparse_bwd", &block_sparse_bwd);
 }
 
 #ifdef FLARE_TORCH_OPS_CUDA
 TORCH_LIBRARY_IMPL(flare, CUDA, m) {
   m.impl("fwd", &fwd);
   m.impl("bwd", &bwd);
+  m.impl("block_sparse_fwd", &block_sparse_fwd);
+  m.impl("block_sparse_bwd", &block_sparse_bwd);
 }
 #endif
