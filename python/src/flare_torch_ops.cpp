@@ -1,8 +1,9 @@
 // flare_torch_ops.cpp — C++ kernels for the operators torch.ops.flare.fwd / bwd and
 // block_sparse_fwd / block_sparse_bwd (their schema is flare/_torch.py's), which torch.compile's
-// generated code calls through the dispatcher. With the kernels in Python, each call boxed its arguments into Python objects and
-// ran the extension's attribute reads (about seven per tensor); here the dispatcher calls C++
-// with the at::Tensor arguments unboxed, and the views are read off them directly.
+// generated code calls through the dispatcher. With the kernels in Python, each call boxed its
+// arguments into Python objects and ran the extension's attribute reads (about seven per
+// tensor); here the dispatcher calls C++ with the at::Tensor arguments unboxed, and the views
+// are read off them directly.
 //
 // Built only where torch's headers are found (python/CMakeLists.txt), as the shared library
 // flare/_torch_ops.so. It does not link flare: the extension module hands over its C ABI entry
@@ -109,6 +110,7 @@ CallArgs make_args(const std::optional<at::Tensor>& cu_seqlens_q,
                    int64_t window_left, int64_t window_right, double softcap,
                    const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
                    const std::optional<at::Tensor>& rng_state, int64_t backend) {
+  TORCH_CHECK(api != nullptr, "flare's torch operators are not bound to the extension module");
   CallArgs a;
   a.options = api->default_options();
   a.options.softmax_scale = static_cast<float>(softmax_scale);
@@ -137,44 +139,36 @@ CallArgs make_args(const std::optional<at::Tensor>& cu_seqlens_q,
   return a;
 }
 
-void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-         const at::Tensor& lse, const std::optional<at::Tensor>& cu_seqlens_q,
-         const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-         int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
-         int64_t window_left, int64_t window_right, double softcap,
-         const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
-         const std::optional<at::Tensor>& rng_state, int64_t backend) {
-  TORCH_CHECK(api != nullptr, "flare's torch operators are not bound to the extension module");
+// One forward or backward into the caller's outputs, dense (mask null) or block-sparse.
+void forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& out, const at::Tensor& lse, const flare_block_mask* mask,
+                  const CallArgs& a) {
   const flare_tensor tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"), to = view(out, "o"),
                      tl = view(lse, "lse");
-  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                               softmax_scale, causal, window_left, window_right, softcap,
-                               alibi_slopes, deterministic, rng_state, backend);
-  check(api->forward(&tq, &tk, &tv, &to, &tl, &a.options, a.is_varlen ? &a.varlen : nullptr,
-                     stream_of(q)));
+  const flare_varlen* varlen = a.is_varlen ? &a.varlen : nullptr;
+  check(mask == nullptr
+            ? api->forward(&tq, &tk, &tv, &to, &tl, &a.options, varlen, stream_of(q))
+            : api->block_sparse_forward(&tq, &tk, &tv, &to, &tl, mask, &a.options, varlen,
+                                        stream_of(q)));
 }
 
-void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
-         const at::Tensor& dv, const std::optional<at::Tensor>& cu_seqlens_q,
-         const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-         int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
-         int64_t window_left, int64_t window_right, double softcap,
-         const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
-         const std::optional<at::Tensor>& rng_state, int64_t backend) {
-  TORCH_CHECK(api != nullptr, "flare's torch operators are not bound to the extension module");
+void backward_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                   const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                   const flare_block_mask* mask, const CallArgs& a) {
   const flare_tensor tdo = view(dout, "dout"), tq = view(q, "q"), tk = view(k, "k"),
                      tv = view(v, "v"), to = view(out, "o"), tl = view(lse, "lse"),
                      tdq = view(dq, "dq"), tdk = view(dk, "dk"), tdv = view(dv, "dv");
-  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                               softmax_scale, causal, window_left, window_right, softcap,
-                               alibi_slopes, deterministic, rng_state, backend);
-  check(api->backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &a.options,
-                      a.is_varlen ? &a.varlen : nullptr, stream_of(q)));
+  const flare_varlen* varlen = a.is_varlen ? &a.varlen : nullptr;
+  check(mask == nullptr ? api->backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv,
+                                        &a.options, varlen, stream_of(q))
+                        : api->block_sparse_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk,
+                                                     &tdv, mask, &a.options, varlen,
+                                                     stream_of(q)));
 }
 
-// The block-sparse operators: fwd / bwd's arguments with the mask and its block sizes after the
-// outputs (a bool mask arrives as its uint8 view, flare/_torch.py).
+// The block-sparse operators' mask: fwd / bwd's arguments with the mask and its block sizes after
+// the outputs (a bool mask arrives as its uint8 view, flare/_torch.py).
 flare_block_mask block_mask(const at::Tensor& mask, int64_t block_m, int64_t block_n) {
   flare_block_mask m{};
   m.mask = view(mask, "block_mask");
@@ -183,47 +177,48 @@ flare_block_mask block_mask(const at::Tensor& mask, int64_t block_m, int64_t blo
   return m;
 }
 
+// The schema's shared tail of arguments, written once for the four kernels (the dispatcher
+// takes each kernel's own C++ signature), and its conversion.
+#define FLARE_OPTION_PARAMS                                                                      \
+  const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, \
+      int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,      \
+      bool causal, int64_t window_left, int64_t window_right, double softcap,                  \
+      const std::optional<at::Tensor>& alibi_slopes, bool deterministic,                       \
+      const std::optional<at::Tensor>& rng_state, int64_t backend
+#define FLARE_OPTION_ARGS                                                                     \
+  make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, \
+            causal, window_left, window_right, softcap, alibi_slopes, deterministic, rng_state, \
+            backend)
+
+void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+         const at::Tensor& lse, FLARE_OPTION_PARAMS) {
+  forward_into(q, k, v, out, lse, nullptr, FLARE_OPTION_ARGS);
+}
+
+void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
+         const at::Tensor& dv, FLARE_OPTION_PARAMS) {
+  backward_into(dout, q, k, v, out, lse, dq, dk, dv, nullptr, FLARE_OPTION_ARGS);
+}
+
 void block_sparse_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask,
-                      int64_t block_m, int64_t block_n,
-                      const std::optional<at::Tensor>& cu_seqlens_q,
-                      const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-                      int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
-                      int64_t window_left, int64_t window_right, double softcap,
-                      const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
-                      const std::optional<at::Tensor>& rng_state, int64_t backend) {
-  TORCH_CHECK(api != nullptr, "flare's torch operators are not bound to the extension module");
-  const flare_tensor tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"), to = view(out, "o"),
-                     tl = view(lse, "lse");
+                      int64_t block_m, int64_t block_n, FLARE_OPTION_PARAMS) {
   const flare_block_mask m = block_mask(mask, block_m, block_n);
-  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                               softmax_scale, causal, window_left, window_right, softcap,
-                               alibi_slopes, deterministic, rng_state, backend);
-  check(api->block_sparse_forward(&tq, &tk, &tv, &to, &tl, &m, &a.options,
-                                  a.is_varlen ? &a.varlen : nullptr, stream_of(q)));
+  forward_into(q, k, v, out, lse, &m, FLARE_OPTION_ARGS);
 }
 
 void block_sparse_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
                       const at::Tensor& mask, int64_t block_m, int64_t block_n,
-                      const std::optional<at::Tensor>& cu_seqlens_q,
-                      const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-                      int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
-                      int64_t window_left, int64_t window_right, double softcap,
-                      const std::optional<at::Tensor>& alibi_slopes, bool deterministic,
-                      const std::optional<at::Tensor>& rng_state, int64_t backend) {
-  TORCH_CHECK(api != nullptr, "flare's torch operators are not bound to the extension module");
-  const flare_tensor tdo = view(dout, "dout"), tq = view(q, "q"), tk = view(k, "k"),
-                     tv = view(v, "v"), to = view(out, "o"), tl = view(lse, "lse"),
-                     tdq = view(dq, "dq"), tdk = view(dk, "dk"), tdv = view(dv, "dv");
+                      FLARE_OPTION_PARAMS) {
   const flare_block_mask m = block_mask(mask, block_m, block_n);
-  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                               softmax_scale, causal, window_left, window_right, softcap,
-                               alibi_slopes, deterministic, rng_state, backend);
-  check(api->block_sparse_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &m,
-                                   &a.options, a.is_varlen ? &a.varlen : nullptr, stream_of(q)));
+  backward_into(dout, q, k, v, out, lse, dq, dk, dv, &m, FLARE_OPTION_ARGS);
 }
+
+#undef FLARE_OPTION_PARAMS
+#undef FLARE_OPTION_ARGS
 
 }  // namespace
 
