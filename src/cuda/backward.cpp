@@ -179,13 +179,15 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
     const int64_t rows_per_slice = int64_t{p.heads_q} * p.total_q;
     w.dq_turns_descending = sm90 && p.window_right >= 0;
     int64_t runs = std::clamp<int64_t>((2 * sms + units - 1) / units, 1, n_blocks);
-    if (sm90 && !w.dq_turns_descending) {
+    if (w.dq_turns_descending) {
+      runs = 1;
+    } else if (sm90) {
       const int64_t cta_steps =
-          int64_t{(p.seqlen_q + tile90.block_m - 1) / tile90.block_m} * p.head_group;
-      const int64_t short_runs = (4 * int64_t{n_blocks} + cta_steps - 1) / std::max<int64_t>(cta_steps, 1);
+          std::max<int64_t>(1, int64_t{(p.seqlen_q + tile90.block_m - 1) / tile90.block_m} *
+                                   p.head_group);
+      const int64_t short_runs = (4 * int64_t{n_blocks} + cta_steps - 1) / cta_steps;
       runs = std::clamp<int64_t>(std::max(runs, std::min<int64_t>(short_runs, 4)), 1, n_blocks);
     }
-    if (w.dq_turns_descending) runs = 1;
     if (sm90) {
       // Turn counters per slice and query head: one per query block of at least 64 rows, plus
       // one per sequence (the kernel's indexing). The kernel indexes them, and the slices' rows

@@ -286,15 +286,11 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) {
         const int stage = it % kStages, round = it / kStages;
         if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
-        const int row_end = min((m + 1) * kBlockM, len_q);
-        int before;
-        if (w.dq_turns_descending) {
-          const int hi = keys_seen(m * kBlockM, row_end, len_q, len_k, p.window_left, p.window_right).hi;
-          before = min((hi - 1) / kBlockN, run_bound) - n_block;
-        } else {
-          const int lo = keys_seen(m * kBlockM, row_end, len_q, len_k, p.window_left, p.window_right).lo;
-          before = n_block - max(lo / kBlockN, run_bound);
-        }
+        const KeyRange keys = keys_seen(m * kBlockM, min((m + 1) * kBlockM, len_q), len_q, len_k,
+                                        p.window_left, p.window_right);
+        const int before = w.dq_turns_descending
+                               ? min((keys.hi - 1) / kBlockN, run_bound) - n_block
+                               : n_block - max(keys.lo / kBlockN, run_bound);
         const int* const count = w.dq_turns + counts + h * static_cast<int>(w.dq_turn_stride) + m;
         while (ptx::ld_acquire_gpu(count) < before * Cfg::kConsumers) __nanosleep(64);
         ptx::mbarrier_arrive(full(stage));
