@@ -32,7 +32,7 @@
 // every key block that sees it, in whatever order the CTAs get there, and fp32 addition does not
 // commute bit for bit. So they take turns: key block n adds its tile after the key blocks that see
 // the block and come before it in the turn order, counted per (dQ slice, query head, query block)
-// in w.dq_turns (each warpgroup's add counts one). An idle thread of the producer warpgroup keeps
+// in w.dq_turns (one count per warpgroup's tile). An idle thread of the producer warpgroup keeps
 // the turns: it walks the steps as the producer does and, once a step's count is reached, gives
 // the step's `full` barrier the one arrival it waits for beyond the loads (a wait in the
 // consumers' own code made ptxas spill at d 64). The turn order follows the walks: causal and
@@ -164,7 +164,14 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
 
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages];   // kv_full, full[], empty[], at[]
+  // Deterministic mode at d <= 128: the dQ reducer, a producer thread, issues each step's TMA
+  // reductions, waits for them and releases the turn, so that no consumer warp waits for a
+  // reduction to complete (the consumer that waited held its warpgroup's next step up by that
+  // long). The consumers hand it their staged tile (dq_staged) and get the staging back once it is
+  // read (dq_free).
+  constexpr bool kReducer = kTurns && !Cfg::kSplitD;
+  // kv_full, full[], empty[], at[], and the reducer's dq_staged[] and dq_free[]
+  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages + (kReducer ? 2 * Cfg::kConsumers : 0)];
   __shared__ __align__(16) float s_lse[kStages][kBlockM];   // base-2 LSE, +inf: P = 0
   __shared__ __align__(16) float s_dsum[kStages][kBlockM];  // D, 0 past the sequence end
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -182,6 +189,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // step out by division (their LSE/D copies wait on it) the backward ran 1-4% slower at d 64 and
   // 5-13% at d 128 (A/B on an H200, one call).
   auto at = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
+  auto dq_staged = [&](int c) { return bar0 + 8u * (1 + 3 * kStages + c); };
+  auto dq_free = [&](int c) { return bar0 + 8u * (1 + 3 * kStages + Cfg::kConsumers + c); };
   __shared__ int2 s_step_at[kStages];
 
   const int tid = threadIdx.x;
@@ -231,6 +240,12 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers + (kTurns ? 1 : 0));
       ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
       ptx::mbarrier_init(at(s), 1);
+    }
+    if constexpr (kReducer) {
+      for (int c = 0; c < Cfg::kConsumers; ++c) {
+        ptx::mbarrier_init(dq_staged(c), 1);
+        ptx::mbarrier_init(dq_free(c), 1);
+      }
     }
     ptx::mbarrier_init_fence();
   }
@@ -294,6 +309,38 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         const int* const count = w.dq_turns + counts + h * static_cast<int>(w.dq_turn_stride) + m;
         while (ptx::ld_acquire_gpu(count) < before * Cfg::kConsumers) __nanosleep(64);
         ptx::mbarrier_arrive(full(stage));
+      }
+    } else if (kReducer && tid == 64) {
+      // The dQ reducer (deterministic mode, d <= 128; see kReducer): per step, each warpgroup's
+      // staged 64 × 64 tile added into the slice's accumulator rows, the staging handed back once
+      // read, and the turn released once the adds are done and visible.
+      const int row_base = s_slice_row0 + static_cast<int>(ws_row0);
+      const int counts = static_cast<int>(s_turns - w.dq_turns);
+      int m = m_begin, h = h0;
+      query_walk.settle(p, m, h);
+      for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) {
+        const int row0 = h * p.total_q + row_base + m * kBlockM;
+#pragma unroll
+        for (int c = 0; c < Cfg::kConsumers; ++c) {
+          ptx::mbarrier_wait(dq_staged(c), it & 1);
+          ptx::fence_proxy_async_global();  // the turn (the step's `full`), then these adds
+          const uint32_t stage_c = base + Cfg::kOffDqStage + c * Cfg::kDqStageBytes;
+          const int dq_row0 = row0 + (kBlockM == 128 ? c * 64 : 0), col0 = kBlockM == 128 ? 0 : c * 64;
+#pragma unroll
+          for (int cb = 0; cb < Cfg::kDqCols / 32; ++cb)
+#pragma unroll
+            for (int rb = 0; rb < 2; ++rb)
+              ptx::tma_reduce_add_2d(&tm_dq, stage_c + (cb * 2 + rb) * Cfg::kDqBoxBytes,
+                                     col0 + 32 * cb, dq_row0 + 32 * rb);
+        }
+        ptx::bulk_commit_group();
+        ptx::bulk_wait_group_read0();
+#pragma unroll
+        for (int c = 0; c < Cfg::kConsumers; ++c) ptx::mbarrier_arrive(dq_free(c));
+        ptx::bulk_wait_group0();
+        ptx::fence_proxy_async_global();
+        ptx::red_release_gpu_add(w.dq_turns + counts + h * static_cast<int>(w.dq_turn_stride) + m,
+                                 Cfg::kConsumers);
       }
     }
     return;
@@ -543,7 +590,10 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       else
         return base + Cfg::kOffDqStage + c * Cfg::kDqStageBytes + (cb * 2 + rb) * Cfg::kDqBoxBytes;
     };
-    if constexpr (!Cfg::kSplitD) {
+    if constexpr (kReducer) {
+      ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
+      if (it > 0) ptx::mbarrier_wait(dq_free(c), (it - 1) & 1);  // the previous dQ has left
+    } else if constexpr (!Cfg::kSplitD) {
       ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
       if (tid % 128 == 0) ptx::bulk_wait_group_read0();  // the previous step's dQ has left
       ptx::named_barrier_sync(kOwnDqStage + c, 128);
@@ -564,7 +614,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     }
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kOwnDqStage + c, 128);
-    if (tid % 128 == 0) {
+    if constexpr (kReducer) {
+      if (tid % 128 == 0) ptx::mbarrier_arrive(dq_staged(c));
+    } else if (tid % 128 == 0) {
       int row0 = static_cast<int>(int64_t{h} * p.total_q + ws_row0 + i0 + dq_m * 64);
       if constexpr (kTurns) {
         // The slice's rows; the turn, waited for with the step's `full`, then this reduction.
@@ -590,8 +642,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       ptx::mbarrier_arrive(empty(stage));  // Q_i, dO_i, LSE and D of this buffer are read
     }
   }
-  // The last reductions read their staging before the CTA's shared memory goes.
-  if (tid % 128 == 0) ptx::bulk_wait_group_read0();
+  // The last reductions read their staging before the CTA's shared memory goes (the reducer
+  // waits for its own).
+  if (!kReducer && tid % 128 == 0) ptx::bulk_wait_group_read0();
 
   // Epilogue: dK (× scale) and dV rounded into this warpgroup's own part of the K and V tiles (the
   // other warpgroup may still be reading K for its last dQ tile: meet first), then 16-byte stores.
