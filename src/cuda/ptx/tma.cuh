@@ -106,6 +106,17 @@ __device__ __forceinline__ void red_release_gpu_add(int* counter, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
 }
 
+// A flag in shared memory written with release, and read with acquire, semantics at CTA scope:
+// one thread hands on what it has acquired (a turn counter's adds) to another of its CTA.
+__device__ __forceinline__ void st_release_cta(uint32_t addr, int v) {
+  asm volatile("st.release.cta.shared::cta.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta(uint32_t addr) {
+  int v;
+  asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 // Moves registers between the warpgroups of a CTA: the producer gives its registers back, the
 // consumers take them (counts are per thread, multiples of 8 in [24, 256]).
 template <int kRegs>

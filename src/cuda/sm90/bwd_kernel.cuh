@@ -32,10 +32,14 @@
 // every key block that sees it, in whatever order the CTAs get there, and fp32 addition does not
 // commute bit for bit. So they take turns: key block n adds its tile after the key blocks that see
 // the block and come before it in the turn order, counted per (dQ slice, query head, query block)
-// in w.dq_turns (one count per warpgroup's tile). An idle thread of the producer warpgroup keeps
-// the turns: it walks the steps as the producer does and, once a step's count is reached, gives
-// the step's `full` barrier the one arrival it waits for beyond the loads (a wait in the
-// consumers' own code made ptxas spill at d 64). The turn order follows the walks: causal and
+// in w.dq_turns (one count per warpgroup's tile). At d <= 128 an idle thread of the producer
+// warpgroup keeps the turns: it walks the steps as the producer does and, once a step's count is
+// reached, grants the turn. At d <= 128 it grants it to a third, the dQ reducer, which takes the
+// consumers' staged tiles and adds them once their turn has come, so the consumers compute on
+// while a turn is pending and a chain of turns costs the adds alone. Past d 128 (no staging of the
+// warpgroup's own) it gives the step's `full` barrier the one arrival it waits for beyond the
+// loads (a wait in the consumers' own code made ptxas spill at d 64). The turn order follows the
+// walks: causal and
 // right-windowed walks start a key block's walk at its diagonal, so the key blocks go in
 // descending order (the grid reversed, so that CTAs start in that order) and a key block's turn at
 // a query block comes while the one above it is already steps further; other walks all start at
@@ -170,8 +174,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   // long). The consumers hand it their staged tile (dq_staged) and get the staging back once it is
   // read (dq_free).
   constexpr bool kReducer = kTurns && !Cfg::kSplitD;
-  // kv_full, full[], empty[], at[], and the reducer's dq_staged[] and dq_free[]
-  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages + (kReducer ? 2 * Cfg::kConsumers : 0)];
+  // kv_full, full[], empty[], at[], and the reducer's dq_staged[], dq_free[] and turns_granted
+  __shared__ __align__(8) uint64_t bars[1 + 3 * kStages + (kReducer ? 2 * Cfg::kConsumers + 1 : 0)];
   __shared__ __align__(16) float s_lse[kStages][kBlockM];   // base-2 LSE, +inf: P = 0
   __shared__ __align__(16) float s_dsum[kStages][kBlockM];  // D, 0 past the sequence end
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -191,6 +195,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
   auto at = [&](int s) { return bar0 + 8u * (1 + 2 * kStages + s); };
   auto dq_staged = [&](int c) { return bar0 + 8u * (1 + 3 * kStages + c); };
   auto dq_free = [&](int c) { return bar0 + 8u * (1 + 3 * kStages + Cfg::kConsumers + c); };
+  // Not a barrier: the steps whose turn the keeper has seen come, a flag the reducer reads (beside
+  // the barriers, whose base address the reducer holds anyway).
+  const uint32_t turns_granted = bar0 + 8u * (1 + 3 * kStages + 2 * Cfg::kConsumers);
   __shared__ int2 s_step_at[kStages];
 
   const int tid = threadIdx.x;
@@ -236,8 +243,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
     }
     ptx::mbarrier_init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
-      // TMA thread, LSE/D copies, and in deterministic mode the turn keeper
-      ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers + (kTurns ? 1 : 0));
+      // TMA thread, LSE/D copies, and the turn keeper (deterministic mode past d 128)
+      ptx::mbarrier_init(full(s), 1 + 128 * Cfg::kConsumers + (kTurns && !kReducer ? 1 : 0));
       ptx::mbarrier_init(empty(s), 128 * Cfg::kConsumers);
       ptx::mbarrier_init(at(s), 1);
     }
@@ -246,6 +253,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         ptx::mbarrier_init(dq_staged(c), 1);
         ptx::mbarrier_init(dq_free(c), 1);
       }
+      ptx::st_release_cta(turns_granted, 0);  // published by the __syncthreads below
     }
     ptx::mbarrier_init_fence();
   }
@@ -287,7 +295,9 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       // The turn keeper (deterministic mode; see the top of the file): the producer's walk, and
       // per step the adds into the query block's dQ rows that come before this key block's: of
       // the key blocks of the slice that see the block, those above this one (descending) or
-      // below it (ascending), one per warpgroup.
+      // below it (ascending), one per warpgroup. Once they are done the turn is granted: to the
+      // dQ reducer (d <= 128), which may be any number of steps behind, or else to the step's
+      // `full` barrier.
       // The slice's key blocks: from run_first, or down to run_last in descending turns.
       const int run_first = slice * w.kv_blocks_per_cta;
       const int run_bound =
@@ -300,7 +310,7 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
       query_walk.settle(p, m, h);
       for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) {
         const int stage = it % kStages, round = it / kStages;
-        if (round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
+        if (!kReducer && round > 0) ptx::mbarrier_wait(empty(stage), (round - 1) & 1);
         const KeyRange keys = keys_seen(m * kBlockM, min((m + 1) * kBlockM, len_q), len_q, len_k,
                                         p.window_left, p.window_right);
         const int before = w.dq_turns_descending
@@ -308,22 +318,31 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
                                : n_block - max(keys.lo / kBlockN, run_bound);
         const int* const count = w.dq_turns + counts + h * static_cast<int>(w.dq_turn_stride) + m;
         while (ptx::ld_acquire_gpu(count) < before * Cfg::kConsumers) __nanosleep(64);
-        ptx::mbarrier_arrive(full(stage));
+        if constexpr (kReducer)
+          ptx::st_release_cta(turns_granted, it + 1);
+        else
+          ptx::mbarrier_arrive(full(stage));
       }
     } else if (kReducer && tid == 64) {
-      // The dQ reducer (deterministic mode, d <= 128; see kReducer): per step, each warpgroup's
-      // staged 64 × 64 tile added into the slice's accumulator rows, the staging handed back once
-      // read, and the turn released once the adds are done and visible.
-      const int row_base = s_slice_row0 + static_cast<int>(ws_row0);
-      const int counts = static_cast<int>(s_turns - w.dq_turns);
+      // The dQ reducer (deterministic mode, d <= 128; see kReducer): per step, the turn awaited
+      // here, not before the step's compute, so that a key block's chain of turns costs the adds
+      // alone; then each warpgroup's staged 64 × 64 tile added into the slice's accumulator rows,
+      // the staging handed back once read, and the turn released once the adds are done and
+      // visible.
+      // The slice's first row and counters are read back from shared memory each step (volatile):
+      // held across the loop beside the walk's state, they spilled at d 64 with score modifiers
+      // and dropout.
       int m = m_begin, h = h0;
       query_walk.settle(p, m, h);
       for (int it = 0; it < steps; ++it, query_walk.advance(p, m, h)) {
-        const int row0 = h * p.total_q + row_base + m * kBlockM;
+        const int row0 = h * p.total_q + *static_cast<const volatile int*>(&s_slice_row0) +
+                         static_cast<int>(ws_row0) + m * kBlockM;
+        while (ptx::ld_acquire_cta(turns_granted) <= it) {
+        }
+        ptx::fence_proxy_async_global();  // the turn, then these adds
 #pragma unroll
         for (int c = 0; c < Cfg::kConsumers; ++c) {
           ptx::mbarrier_wait(dq_staged(c), it & 1);
-          ptx::fence_proxy_async_global();  // the turn (the step's `full`), then these adds
           const uint32_t stage_c = base + Cfg::kOffDqStage + c * Cfg::kDqStageBytes;
           const int dq_row0 = row0 + (kBlockM == 128 ? c * 64 : 0), col0 = kBlockM == 128 ? 0 : c * 64;
 #pragma unroll
@@ -339,7 +358,8 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
         for (int c = 0; c < Cfg::kConsumers; ++c) ptx::mbarrier_arrive(dq_free(c));
         ptx::bulk_wait_group0();
         ptx::fence_proxy_async_global();
-        ptx::red_release_gpu_add(w.dq_turns + counts + h * static_cast<int>(w.dq_turn_stride) + m,
+        int* const volatile& counts = s_turns;
+        ptx::red_release_gpu_add(counts + h * static_cast<int>(w.dq_turn_stride) + m,
                                  Cfg::kConsumers);
       }
     }
