@@ -363,6 +363,40 @@ TEST(ScoreMods, RawUnitsAgreeWithTheScaledDefinition) {
       }
 }
 
+// modified_score (the element-wise kernels' softcap and ALiBi on the scaled score) against
+// attention.h's definition in double, and its softcap factor against 1 − tanh²: fp32 rounds 1/c,
+// the product and tanhf once each. Without a cap the score passes through with the bias added
+// and the factor is exactly 1; NaN stays NaN and an infinite score is held at ±c.
+TEST(ScoreMods, ElementwiseAgreesWithTheDefinition) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (float cap : {0.0f, 0.5f, 5.0f, 30.0f})
+    for (float bias : {0.0f, -0.75f, -300.0f}) {
+      const float inverse = cap > 0.0f ? 1.0f / cap : 0.0f;
+      for (int n = 0; n < 2000; ++n) {
+        const float t = unit(rng) * (n % 3 == 0 ? 1e3f : 8.0f);
+        float factor = -1.0f;
+        const float got = modified_score(t, cap, inverse, bias, &factor);
+        if (cap == 0.0f) {
+          EXPECT_EQ(got, t + bias);
+          EXPECT_EQ(factor, 1.0f);
+          continue;
+        }
+        const double th = std::tanh(static_cast<double>(t) / cap);
+        const double want = cap * th + bias;
+        EXPECT_NEAR(got, want, 8 * 0x1p-24 * (cap + std::fabs(bias)))
+            << "cap " << cap << " bias " << bias << " t " << t;
+        EXPECT_NEAR(factor, 1.0 - th * th, 8 * 0x1p-24) << "cap " << cap << " t " << t;
+        EXPECT_EQ(modified_score(t, cap, inverse, bias), got);  // the factor is optional
+      }
+      EXPECT_TRUE(std::isnan(modified_score(std::numeric_limits<float>::quiet_NaN(), cap,
+                                            inverse, bias)));
+      if (cap > 0.0f)
+        EXPECT_NEAR(modified_score(-std::numeric_limits<float>::infinity(), cap, inverse, 0.0f),
+                    -cap, 4e-7 * cap);
+    }
+}
+
 // rows_seeing, tile_sees_all and keys_seen (the backward kernels' walk, boundary tests and
 // deterministic turns) against visible_keys row by row, windows up to INT_MAX included (the
 // bounds' sums pass 2^31 there).

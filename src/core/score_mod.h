@@ -157,6 +157,23 @@ FLARE_HD float alibi_bias(float slope, int row, int col, int len_q, int len_k) {
   return -slope * static_cast<float>(dist < 0 ? -dist : dist);
 }
 
+// The score modifiers on one scaled score t = scale·q·k, element by element in the reference's
+// order, for the kernels that form scores one at a time (the decoding kernel, the non-finite
+// fix-ups, the sm80 backward): softcap c·tanh(t / c) for c > 0, with the caller's 1 / c (a
+// division per element is a subroutine call in CUDA), then `bias` (alibi_bias, or 0 without
+// ALiBi). *dtanh, where given, receives the softcap's chain-rule factor 1 − tanh² (1 without).
+FLARE_HD float modified_score(float t, float softcap, float softcap_inverse, float bias,
+                              float* dtanh = nullptr) {
+  float s = t, factor = 1.0f;
+  if (softcap > 0.0f) {
+    const float th = tanhf(t * softcap_inverse);
+    s = softcap * th;
+    factor = 1.0f - th * th;
+  }
+  if (dtanh != nullptr) *dtanh = factor;
+  return s + bias;
+}
+
 // Slope for (batch b, query head h), or 0 when ALiBi is off.
 FLARE_HD float alibi_slope(const AttentionParams& p, int b, int h) {
   return p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.0f;

@@ -167,15 +167,13 @@ __device__ __forceinline__ HeadRows head_rows(const AttentionParams& p, int b, i
   return r;
 }
 
-// The score of pair (i, j) as the reference forms it: t = scale·q_i·k_j, softcapped, plus ALiBi.
-// `t` returns the raw scaled score the softcap derivative needs.
+// The score of pair (i, j) as the reference forms it: scale·q_i·k_j, softcapped, plus ALiBi
+// (modified_score; *dtanh, where given, the softcap's chain-rule factor).
 __device__ __forceinline__ float score(const AttentionParams& p, float qk, float slope, int i,
-                                       int j, const SequenceInfo& seq, float* t) {
-  *t = p.scale * qk;
-  float s = *t;
-  if (p.softcap > 0.0f) s = p.softcap * tanhf(__fdividef(*t, p.softcap));
-  if (p.alibi_slopes) s += alibi_bias(slope, i, j, seq.len_q, seq.len_k);
-  return s;
+                                       int j, const SequenceInfo& seq, float* dtanh = nullptr) {
+  return modified_score(p.scale * qk, p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f,
+                        p.alibi_slopes ? alibi_bias(slope, i, j, seq.len_q, seq.len_k) : 0.0f,
+                        dtanh);
 }
 
 // z_ij: 0 or 1/(1 − p) from the shared Philox mask (1 without dropout).
@@ -204,18 +202,13 @@ __device__ __forceinline__ float pair_gradient(const AttentionParams& p, const W
                                                float* pz) {
   const int d = p.head_dim;
   const float qk = q_i.dot(p.k, hr.k + int64_t{j} * p.k_row_stride, p.dtype, d, lane);
-  float t;
-  const float s = score(p, qk, slope, i, j, seq, &t);
+  float dtanh;
+  const float s = score(p, qk, slope, i, j, seq, &dtanh);
   const float prob = expf(s - lse);
   const float z = dropout_factor(p, b, h, i, j);
   *pz = prob * z;
   const float dp = z * do_i.dot(p.v, hr.v + int64_t{j} * p.v_row_stride, p.dtype, d, lane);
-  float ds = prob * (dp - dsum);
-  if (p.softcap > 0.0f) {
-    const float th = tanhf(__fdividef(t, p.softcap));
-    ds *= 1.0f - th * th;
-  }
-  return ds;
+  return prob * (dp - dsum) * dtanh;
 }
 
 }  // namespace fixup_detail
@@ -237,25 +230,25 @@ __device__ __forceinline__ void forward_recompute_row(const AttentionParams& p, 
   if (row_sees_a_key(p, b, h, i, keys.lo, keys.hi)) {
     // The reference's row max skips NaN scores (s > m is false); they reach the row through the
     // sum. Keys in blocks the block mask turns off are not visited.
-    float m = -INFINITY, t;
+    float m = -INFINITY;
     for (int j = keys.lo; j < keys.hi; ++j) {
       if (!block_allows(p, b, h, i, j)) continue;
       const float qk = q_i.dot(p.k, hr.k + int64_t{j} * p.k_row_stride, p.dtype, d, lane);
-      const float s = score(p, qk, slope, i, j, seq, &t);
+      const float s = score(p, qk, slope, i, j, seq);
       if (s > m) m = s;
     }
     float sum = 0.0f;
     for (int j = keys.lo; j < keys.hi; ++j) {
       if (!block_allows(p, b, h, i, j)) continue;
       const float qk = q_i.dot(p.k, hr.k + int64_t{j} * p.k_row_stride, p.dtype, d, lane);
-      sum += expf(score(p, qk, slope, i, j, seq, &t) - m);
+      sum += expf(score(p, qk, slope, i, j, seq) - m);
     }
     lse = m + logf(sum);
     for (int j = keys.lo; j < keys.hi; ++j) {
       if (!block_allows(p, b, h, i, j)) continue;
       const float qk = q_i.dot(p.k, hr.k + int64_t{j} * p.k_row_stride, p.dtype, d, lane);
       const float w =
-          expf(score(p, qk, slope, i, j, seq, &t) - lse) * dropout_factor(p, b, h, i, j);
+          expf(score(p, qk, slope, i, j, seq) - lse) * dropout_factor(p, b, h, i, j);
       o_i.add(w, p.v, hr.v + int64_t{j} * p.v_row_stride, p.dtype, d, lane);
     }
   }
@@ -337,15 +330,12 @@ __device__ __forceinline__ void backward_fixup_dq(const AttentionParams& p, cons
         qk += load_as_float(p.q, q_off + e, p.dtype) * load_as_float(p.k, k_off + e, p.dtype);
         dov += load_as_float(p.dout, do_off + e, p.dtype) * load_as_float(p.v, v_off + e, p.dtype);
       }
-      float t;
-      const float s = fixup_detail::score(p, qk, alibi_slope(p, b, h), i, j, seq, &t);
+      float dtanh;
+      const float s = fixup_detail::score(p, qk, alibi_slope(p, b, h), i, j, seq, &dtanh);
       const float prob = expf(s - fixup_detail::stored_lse(p, b, h, seq, i));
       const float dp = fixup_detail::dropout_factor(p, b, h, i, j) * dov;
-      float ds = prob * (dp - dsum[int64_t{h} * p.total_q + packed_q_row0(p, b, seq) + i]);
-      if (p.softcap > 0.0f) {
-        const float th = tanhf(__fdividef(t, p.softcap));
-        ds *= 1.0f - th * th;
-      }
+      const float ds =
+          prob * (dp - dsum[int64_t{h} * p.total_q + packed_q_row0(p, b, seq) + i]) * dtanh;
       acc += ds * load_as_float(p.k, k_off + c, p.dtype);
     }
     store_from_float(

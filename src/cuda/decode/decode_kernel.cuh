@@ -146,10 +146,9 @@ __device__ __forceinline__ float query_element(const DecodeParams& p, const Sequ
 // ALiBi, in the reference's order.
 __device__ __forceinline__ float modified_score(const DecodeParams& p, float dot, float slope,
                                                 int j, int t, int len) {
-  float x = dot * p.scale;
-  if (p.softcap > 0.0f) x = p.softcap * tanhf(x * p.softcap_inverse);
-  if (p.alibi_slopes != nullptr) x += alibi_bias(slope, j, t, p.seqlen_q, len);
-  return x;
+  return flare::modified_score(
+      dot * p.scale, p.softcap, p.softcap_inverse,
+      p.alibi_slopes != nullptr ? alibi_bias(slope, j, t, p.seqlen_q, len) : 0.0f);
 }
 
 __device__ __forceinline__ float slope_of(const DecodeParams& p, int i, int h) {

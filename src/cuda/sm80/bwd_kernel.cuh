@@ -642,13 +642,12 @@ __global__ void __launch_bounds__(BwdConfig<kHeadDim, kStagesUsed>::kThreads, 1)
                 if (!has_mod) {
                   prob = ptx::exp2_approx(acc_s[mt][nt][r] * p.scale_log2 - lse2[r & 1]);
                 } else {
-                  float x = acc_s[mt][nt][r] * p.scale;
-                  if (p.softcap > 0.0f) {
-                    const float th = tanhf(x / p.softcap);
-                    x = p.softcap * th;
-                    dtanh = 1.0f - th * th;
-                  }
-                  if (p.alibi_slopes != nullptr) x += alibi_bias(slope, i, j, seq.len_q, seq.len_k);
+                  // 1 / c per element: held across the tile it made ptxas spill at d 64 and 256.
+                  const float x = modified_score(
+                      acc_s[mt][nt][r] * p.scale, p.softcap, __frcp_rn(p.softcap),
+                      p.alibi_slopes != nullptr ? alibi_bias(slope, i, j, seq.len_q, seq.len_k)
+                                                : 0.0f,
+                      &dtanh);
                   prob = ptx::exp2_approx(x * kLog2e - lse2[r & 1]);
                 }
                 if (!full_tile) {
