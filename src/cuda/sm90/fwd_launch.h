@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/params.h"
+#include "cuda/dispatch.h"
 #include "flare/status.h"
 
 namespace flare::cuda::sm90 {
@@ -15,8 +16,10 @@ template <DType kDType, int kHeadDim>
 bool forward_runs_on_device();
 
 // Enqueues the forward on `stream` (a problem forward_supported() accepts, on a device that runs
-// the kernel); checks the launch, never synchronises.
+// the kernel; with overrides.forward_ctas, one it accepts with force_persistent); checks the
+// launch, never synchronises.
 template <DType kDType, int kHeadDim>
-Status launch_forward(const AttentionParams& p, cudaStream_t stream);
+Status launch_forward(const AttentionParams& p, const DispatchOverrides& overrides,
+                      cudaStream_t stream);
 
 }  // namespace flare::cuda::sm90
