@@ -65,18 +65,17 @@ Status launch_main(const AttentionParams& p, const sm80::BwdWorkspace& w, int ke
   }
 }
 
-// Whether the sm90 main kernel runs p: a problem it takes (sm90/bwd_tiles.h) on a device that runs
-// its sm_90a code; never with overrides.arch 80. Asked before the workspace is sized: the dQ
-// accumulator's rows are the bucket of the main kernel that runs, and sm90's bucket can be wider
-// than sm80's (d 80: 128, not 96).
+// Whether the sm90 main kernel runs p: a problem it takes (sm90/bwd_tiles.h), in a compiled
+// variant, on a device that runs its sm_90a code; never with overrides.arch 80. Asked before the
+// workspace is sized: the dQ accumulator's rows are the bucket of the main kernel that runs, and
+// sm90's bucket can be wider than sm80's (d 80: 128, not 96).
 bool sm90_runs(const AttentionParams& p, const DispatchOverrides& overrides) {
   if (overrides.arch == 80 || !sm90::backward_supported(p)) return false;
   switch (variant_key(p.dtype, sm90::bwd90_bucket(p.head_dim))) {
-#define FLARE_CUDA_BWD90_VARIANT(DT, HD) \
-  case variant_key(DType::DT, HD):       \
-    return sm90::backward_runs_on_device<DType::DT, HD>();
+#define FLARE_CUDA_BWD90_VARIANT(DT, HD) case variant_key(DType::DT, HD):
 #include "flare/cuda_bwd90_variants.inc"
 #undef FLARE_CUDA_BWD90_VARIANT
+      return runs_sm90_kernels();
     default:
       return false;
   }

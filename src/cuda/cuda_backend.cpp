@@ -43,16 +43,15 @@ int forward_bucket(DType dtype, int head_dim) {
 }
 
 // Whether the sm90 kernel of p's bucket runs p on the current device (never with overrides.arch
-// 80).
+// 80): a compiled variant, on a device that runs sm90 kernels.
 bool sm90_runs(const AttentionParams& p, const DispatchOverrides& overrides) {
   if (overrides.arch == 80 || !sm90::forward_supported(p, overrides.forward_ctas > 0))
     return false;
   switch (variant_key(p.dtype, sm90::fwd90_bucket(p.head_dim))) {
-#define FLARE_CUDA_FWD90_VARIANT(DT, HD) \
-  case variant_key(DType::DT, HD):       \
-    return sm90::forward_runs_on_device<DType::DT, HD>();
+#define FLARE_CUDA_FWD90_VARIANT(DT, HD) case variant_key(DType::DT, HD):
 #include "flare/cuda_fwd90_variants.inc"
 #undef FLARE_CUDA_FWD90_VARIANT
+      return runs_sm90_kernels();
     default:
       return false;
   }
@@ -92,7 +91,8 @@ Status launch_forward_kernel(const AttentionParams& p, int bucket,
 
 }  // namespace
 
-// Asked of the forward's d 128 kernel (a kFwd90Tiles bucket, hence always compiled).
+// Every sm90 unit is compiled for the same architectures, so one kernel's answer is every sm90
+// kernel's; the forward's d 128 kernel asks (a kFwd90Tiles bucket, hence always compiled).
 bool runs_sm90_kernels() { return sm90::forward_runs_on_device<DType::kBFloat16, 128>(); }
 
 Status forward(const AttentionParams& p, Stream stream) {

@@ -52,6 +52,7 @@ Status backward(const AttentionParams& p, Stream stream, const DispatchOverrides
                 DispatchRecord* record);
 
 // Whether the current device runs the sm90 kernels: an sm_90 device and sm_90a code in the build.
+// The one probe both passes' dispatch asks (cached per device, cuda/device_probe.h).
 bool runs_sm90_kernels();
 
 }  // namespace flare::cuda

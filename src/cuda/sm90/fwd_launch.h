@@ -11,7 +11,8 @@
 namespace flare::cuda::sm90 {
 
 // Whether the current device runs this variant's sm_90a code: an sm_90 device and a binary built
-// with sm_90a in CMAKE_CUDA_ARCHITECTURES.
+// with sm_90a in CMAKE_CUDA_ARCHITECTURES. Asked through runs_sm90_kernels() (cuda/dispatch.h),
+// the one probe of both passes.
 template <DType kDType, int kHeadDim>
 bool forward_runs_on_device();
 
