@@ -35,14 +35,25 @@ struct GpuBackwardProblem {
     dv.upload(pr->dv);
   }
 
-  // Poisons the gradients, runs attention_backward on `stream` and waits for the device.
-  Status backward(Stream stream = nullptr) {
+  // Poisons the gradients, runs attention_backward on `stream` (with `overrides`, telling
+  // `record` which kernels ran: gpu_util.h) and waits for the device.
+  Status backward(Stream stream = nullptr, const cuda::DispatchOverrides& overrides = {},
+                  cuda::DispatchRecord* record = nullptr) {
     dq.poison();
     dk.poison();
     dv.poison();
-    const Status s = attention_backward(dout.view(), fwd.q.view(), fwd.k.view(), fwd.v.view(),
-                                        fwd.o.view(), fwd.lse.view(), dq.view(), dk.view(),
-                                        dv.view(), fwd.options, fwd.varlen, stream);
+    Status s;
+    if (record == nullptr && overrides == cuda::DispatchOverrides{}) {
+      s = attention_backward(dout.view(), fwd.q.view(), fwd.k.view(), fwd.v.view(), fwd.o.view(),
+                             fwd.lse.view(), dq.view(), dk.view(), dv.view(), fwd.options,
+                             fwd.varlen, stream);
+    } else {
+      AttentionParams p;
+      s = make_backward_params(dout.view(), fwd.q.view(), fwd.k.view(), fwd.v.view(),
+                               fwd.o.view(), fwd.lse.view(), dq.view(), dk.view(), dv.view(),
+                               fwd.options, fwd.varlen, &p);
+      if (s.ok()) s = cuda::backward(p, stream, overrides, record);
+    }
     const cudaError_t err = cudaDeviceSynchronize();
     EXPECT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
     return s;

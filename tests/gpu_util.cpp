@@ -3,6 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/backends.h"
+
 namespace flare::test {
 
 bool cuda_device_available() {
@@ -50,11 +52,22 @@ GpuProblem::GpuProblem(const Problem& pr) : options(pr.options), varlen(pr.varle
   }
 }
 
-Status GpuProblem::forward(Stream stream) {
+Status GpuProblem::enqueue_forward(Stream stream, const cuda::DispatchOverrides& overrides,
+                                   cuda::DispatchRecord* record) const {
+  if (record == nullptr && overrides == cuda::DispatchOverrides{})
+    return attention_forward(q.view(), k.view(), v.view(), o.view(), lse.view(), options, varlen,
+                             stream);
+  AttentionParams p;
+  FLARE_RETURN_IF_ERROR(make_forward_params(q.view(), k.view(), v.view(), o.view(), lse.view(),
+                                            options, varlen, &p));
+  return cuda::forward(p, stream, overrides, record);
+}
+
+Status GpuProblem::forward(Stream stream, const cuda::DispatchOverrides& overrides,
+                           cuda::DispatchRecord* record) {
   o.poison();
   lse.poison();
-  const Status s = attention_forward(q.view(), k.view(), v.view(), o.view(), lse.view(), options,
-                                     varlen, stream);
+  const Status s = enqueue_forward(stream, overrides, record);
   const cudaError_t err = cudaDeviceSynchronize();
   EXPECT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   return s;

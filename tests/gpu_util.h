@@ -6,6 +6,10 @@
 // poisoned with NaN on the device before each call — all-ones bytes are NaN in fp16, bf16 and
 // fp32 — and copied back into the Problem's host tensors afterwards, where read_o()/read_lse()
 // and the CPU reference take over. Host-side params keep pointing at host copies.
+//
+// A call given DispatchOverrides or a DispatchRecord (cuda/dispatch.h) goes to the CUDA dispatch
+// directly, with params filled as the public entry point fills them; others go through the public
+// entry point.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -16,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/testing.h"
+#include "cuda/dispatch.h"
 #include "test_util.h"
 
 namespace flare::test {
@@ -63,28 +67,31 @@ struct GpuProblem {
   VarlenArgs varlen;
 
   explicit GpuProblem(const Problem& pr);
-  // Poisons o and lse, runs attention_forward on `stream` and waits for the device.
-  Status forward(Stream stream = nullptr);
+  // Runs attention_forward on `stream` (with `overrides`, telling `record` which kernels ran);
+  // does not wait for the device.
+  Status enqueue_forward(Stream stream, const cuda::DispatchOverrides& overrides = {},
+                         cuda::DispatchRecord* record = nullptr) const;
+  // Poisons o and lse, runs enqueue_forward and waits for the device.
+  Status forward(Stream stream = nullptr, const cuda::DispatchOverrides& overrides = {},
+                 cuda::DispatchRecord* record = nullptr);
   // Copies o and lse back into the problem's host tensors.
   void download_forward(Problem* pr) const;
 };
 
-// Forces the kernel family of both passes for the scope (cuda/testing.h): 80 the sm80 kernels.
-struct ForceArch {
-  explicit ForceArch(int arch) { cuda::testing::force_arch(arch); }
-  ~ForceArch() { cuda::testing::force_arch(0); }
-  ForceArch(const ForceArch&) = delete;
-  ForceArch& operator=(const ForceArch&) = delete;
-};
+// The sm80 kernels of both passes, also where the device would run sm90's.
+inline cuda::DispatchOverrides sm80_forced() {
+  cuda::DispatchOverrides o;
+  o.arch = 80;
+  return o;
+}
 
-// Runs the sm90 forward's persistent kernel on every call of its buckets, its grid capped at
-// `ctas` CTAs, for the scope (cuda/testing.h).
-struct ForceForwardCtas {
-  explicit ForceForwardCtas(int ctas) { cuda::testing::force_forward_ctas(ctas); }
-  ~ForceForwardCtas() { cuda::testing::force_forward_ctas(0); }
-  ForceForwardCtas(const ForceForwardCtas&) = delete;
-  ForceForwardCtas& operator=(const ForceForwardCtas&) = delete;
-};
+// The sm90 forward's persistent kernel on every call of its buckets, its grid capped at `ctas`
+// CTAs (0: the automatic choice).
+inline cuda::DispatchOverrides forward_ctas_capped(int ctas) {
+  cuda::DispatchOverrides o;
+  o.forward_ctas = ctas;
+  return o;
+}
 
 // Head dims the sm90 forward tests run in each sm90 bucket (sm90/fwd_tiles.h): the bucket's own
 // and the narrowest it takes (40, 72, 88, 104, 136, 200: zero-filled past d by TMA).
@@ -147,22 +154,24 @@ std::vector<Sm90SuiteCase> sm90_suite_cases(const std::vector<std::pair<DType, i
   return cases;
 }
 
-// `check` (a pass's run against the reference) once through the automatic choice and once forced
-// to sm80. On an sm_90 device built with sm_90a code the automatic call must take an sm90 kernel,
-// counted by `launches`; elsewhere both runs are sm80 and the test still checks them.
+// `check` (a pass's run against the reference, `check(s, overrides, &record)`) once through the
+// automatic choice and once forced to sm80. On an sm_90 device built with sm_90a code the
+// automatic call must take an sm90 kernel, as the record's field `pass` (&DispatchRecord::forward
+// or ::backward) says; elsewhere both runs are sm80 and the test still checks them.
 template <typename Check>
-void check_sm90_and_forced_sm80(const ProblemSpec& s, Check check, long (*launches)()) {
-  const bool sm90 = cuda::testing::sm90_available();
-  const long before = launches();
-  check(s);
+void check_sm90_and_forced_sm80(const ProblemSpec& s, Check check,
+                                cuda::KernelFamily cuda::DispatchRecord::*pass) {
+  const bool sm90 = cuda::runs_sm90_kernels();
+  cuda::DispatchRecord automatic;
+  check(s, cuda::DispatchOverrides{}, &automatic);
   if (sm90) {
-    EXPECT_EQ(launches(), before + 1)
+    EXPECT_EQ(automatic.*pass, cuda::KernelFamily::kSm90)
         << s.describe() << ": the automatic choice did not take the sm90 kernel";
   }
-  ForceArch force(80);
   SCOPED_TRACE("forced to sm80");
-  check(s);
-  EXPECT_EQ(launches(), before + (sm90 ? 1 : 0));
+  cuda::DispatchRecord forced;
+  check(s, sm80_forced(), &forced);
+  EXPECT_NE(forced.*pass, cuda::KernelFamily::kSm90);
 }
 
 }  // namespace flare::test

@@ -10,7 +10,7 @@
 // that leave part of the bucket zero-filled. The feature cases cover each dispatch branch of the
 // kernel: masks, softcap, ALiBi, dropout, GQA, varlen with empty sequences, rows that see no key,
 // unaligned strides (the scalar-copy path), the fewer-buffer fallback an A100 runs at d=256
-// (forced through cuda/testing.h), and deterministic mode, whose two runs must agree bit for bit.
+// (forced through cuda/dispatch.h's overrides), and deterministic mode, whose two runs must agree bit for bit.
 // The problems the sm90 (Hopper) main kernel takes run through it and, forced, through sm80.
 // Gradients within fp32 rounding of zero get the derived bound of
 // test_util.h's expect_gradients_match.
@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/dispatch.h"
 #include "cuda/sm80/bwd_tiles.h"
-#include "cuda/testing.h"
 #include "gpu_bwd_util.h"
 #include "problem_cases.h"
 #include "test_util.h"
@@ -45,14 +45,17 @@ class GpuBackward : public ::testing::Test {
   void SetUp() override { FLARE_SKIP_WITHOUT_CUDA(); }
 };
 
-// Runs the CUDA backward on `spec` and checks the three gradients; returns the gradients' bytes
-// (dq, dk, dv, padding included) for the determinism check.
-std::vector<std::vector<unsigned char>> check_backward(const ProblemSpec& spec) {
+// Runs the CUDA backward on `spec` (with `overrides`, telling `record` which kernels ran) and
+// checks the three gradients; returns the gradients' bytes (dq, dk, dv, padding included) for the
+// determinism check.
+std::vector<std::vector<unsigned char>> check_backward(
+    const ProblemSpec& spec, const cuda::DispatchOverrides& overrides = {},
+    cuda::DispatchRecord* record = nullptr) {
   SCOPED_TRACE(spec.describe());
   Problem pr = make_problem(spec);
   GpuBackwardProblem dev(&pr);
   if (::testing::Test::HasFatalFailure()) return {};
-  const Status s = dev.backward();
+  const Status s = dev.backward(nullptr, overrides, record);
   EXPECT_TRUE(s.ok()) << s.to_string();
   if (!s.ok()) return {};
   dev.download_backward(&pr);
@@ -63,10 +66,16 @@ std::vector<std::vector<unsigned char>> check_backward(const ProblemSpec& spec) 
   return {pr.dq.bytes, pr.dk.bytes, pr.dv.bytes};
 }
 
-// Runs `spec` twice and requires the three gradients to agree bit for bit.
-void expect_reproducible(const ProblemSpec& spec) {
-  const auto first = check_backward(spec);
-  const auto second = check_backward(spec);
+// Runs `spec` twice (with `overrides`) and requires the three gradients to agree bit for bit;
+// adds the runs that took the sm90 kernel to *sm90_runs where given.
+void expect_reproducible(const ProblemSpec& spec, const cuda::DispatchOverrides& overrides = {},
+                         int* sm90_runs = nullptr) {
+  cuda::DispatchRecord first_run, second_run;
+  const auto first = check_backward(spec, overrides, &first_run);
+  const auto second = check_backward(spec, overrides, &second_run);
+  if (sm90_runs != nullptr)
+    for (const cuda::DispatchRecord& run : {first_run, second_run})
+      *sm90_runs += run.backward == cuda::KernelFamily::kSm90 ? 1 : 0;
   ASSERT_EQ(first.size(), 3u);
   ASSERT_EQ(second.size(), 3u);
   const char* names[] = {"dq", "dk", "dv"};
@@ -205,7 +214,7 @@ class GpuBackwardSm90Cases : public GpuTestWithParam<Sm90SuiteCase> {};
 // Through the automatic choice and forced to sm80 (gpu_util.h: check_sm90_and_forced_sm80).
 TEST_P(GpuBackwardSm90Cases, AutomaticAndForcedSm80AgainstTheReference) {
   check_sm90_and_forced_sm80(sm90_problem(GetParam()), check_backward,
-                             cuda::testing::sm90_backward_launches);
+                             &cuda::DispatchRecord::backward);
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuBackwardSm90Cases,
@@ -227,11 +236,13 @@ TEST_F(GpuBackward, Sm90RaggedShapesSmall) {
 
 // Problems outside sm90's set run the sm80 backward on every device.
 TEST_F(GpuBackward, Sm90LeavesTheRestToSm80) {
-  const long before = cuda::testing::sm90_backward_launches();
-  check_backward(with_run_seed(fixed(1, 130, 140, 2, 2, 192, DType::kBFloat16)));  // no sm90 bucket
+  cuda::DispatchRecord ran;
+  const ProblemSpec d192 = with_run_seed(fixed(1, 130, 140, 2, 2, 192, DType::kBFloat16));
+  check_backward(d192, {}, &ran);  // no sm90 bucket
+  EXPECT_NE(ran.backward, cuda::KernelFamily::kSm90);
   ProblemSpec odd = with_run_seed(fixed(1, 130, 140, 2, 2, 59, DType::kFloat16));  // unaligned rows
-  check_backward(odd);
-  EXPECT_EQ(cuda::testing::sm90_backward_launches(), before);
+  check_backward(odd, {}, &ran);
+  EXPECT_NE(ran.backward, cuda::KernelFamily::kSm90);
 }
 
 TEST_F(GpuBackward, EveryVariantAndHeadDim) {
@@ -248,22 +259,20 @@ TEST_F(GpuBackward, EveryVariantAndHeadDim) {
 // memory is short, as on an A100) run that fallback too, on ragged causal GQA and sliding-window
 // problems.
 TEST_F(GpuBackward, FewerBufferFallback) {
-  struct Reset {
-    ~Reset() { cuda::testing::force_backward_stages(0); }
-  } reset;
   int tested = 0;
   for (const Variant& v : kVariants) {
     const cuda::sm80::BwdTile tile = cuda::sm80::bwd_tile(v.bucket);
     if (tile.min_stages == tile.stages) continue;
-    cuda::testing::force_backward_stages(tile.min_stages);
+    cuda::DispatchOverrides fewer;
+    fewer.backward_stages = tile.min_stages;
     for (int d : head_dims_of(v.bucket)) {
       ProblemSpec s = with_run_seed(fixed(2, 97, 130, 4, 2, d, v.dtype));
       s.options.causal = true;
-      check_backward(s);
+      check_backward(s, fewer);
       ProblemSpec w = with_run_seed(fixed(1, 200, 150, 2, 2, d, v.dtype));
       w.options.window_left = 40;
       w.options.window_right = 7;
-      check_backward(w);
+      check_backward(w, fewer);
     }
     ++tested;
   }
@@ -440,9 +449,8 @@ TEST_F(GpuBackward, DeterministicIsBitwiseReproducible) {
     s.options.dropout_p = 0.1f;
     s.options.causal = true;
     expect_reproducible(s);
-    ForceArch force(80);
     SCOPED_TRACE("forced to sm80");
-    expect_reproducible(s);
+    expect_reproducible(s, sm80_forced());
   }
 }
 
@@ -451,12 +459,11 @@ TEST_F(GpuBackward, DeterministicIsBitwiseReproducible) {
 // key blocks of its pair, which the key-block loop's bound and per-block state must survive (no
 // other test reaches that loop's second iteration on such a device).
 TEST_F(GpuBackward, DeterministicMultiKeyBlockCtas) {
-  ForceArch force(80);  // the sm80 kernel's runs (sm90 keeps one CTA per key block)
   for (int d : {64, 128}) {
     ProblemSpec s = with_run_seed(fixed(2, 37, 300, 132, 132, d, DType::kBFloat16));
     s.options.deterministic = true;
     s.options.causal = d == 128;
-    expect_reproducible(s);
+    expect_reproducible(s, sm80_forced());  // the sm80 kernel's runs (sm90: one CTA per key block)
   }
 }
 
@@ -465,19 +472,21 @@ TEST_F(GpuBackward, DeterministicMultiKeyBlockCtas) {
 // for ascending turns in dQ slices of several key blocks), two runs bitwise equal, through sm90
 // where the device runs it.
 TEST_F(GpuBackward, Sm90DeterministicIsBitwiseReproducible) {
-  const long before = cuda::testing::sm90_backward_launches();
+  int sm90_runs = 0;
   for (int d : {64, 128})
     for (bool is_causal : {false, true}) {
       ProblemSpec s = deterministic(with_run_seed(fixed(1, 700, 1300, 4, 2, d, DType::kBFloat16)));
       s.options.causal = is_causal;
-      expect_reproducible(s);
+      expect_reproducible(s, {}, &sm90_runs);
     }
   expect_reproducible(deterministic(causal(packed(with_run_seed(fixed(0, 0, 0, 4, 4, 128,
                                                                       DType::kFloat16)),
-                                                  {700, 0, 1300, 64}, {900, 30, 1200, 64}))));
-  expect_reproducible(deterministic(with_run_seed(fixed(2, 200, 1300, 128, 64, 64, DType::kBFloat16))));
-  if (cuda::testing::sm90_available()) {
-    EXPECT_EQ(cuda::testing::sm90_backward_launches(), before + 12);  // 6 problems, 2 runs each
+                                                  {700, 0, 1300, 64}, {900, 30, 1200, 64}))),
+                      {}, &sm90_runs);
+  expect_reproducible(deterministic(with_run_seed(fixed(2, 200, 1300, 128, 64, 64, DType::kBFloat16))),
+                      {}, &sm90_runs);
+  if (cuda::runs_sm90_kernels()) {
+    EXPECT_EQ(sm90_runs, 12);  // 6 problems, 2 runs each
   }
 }
 

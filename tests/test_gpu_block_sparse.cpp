@@ -39,10 +39,11 @@
 #include <string>
 #include <vector>
 
+#include "core/backends.h"
 #include "core/block_sparse_backends.h"
+#include "cuda/dispatch.h"
 #include "cuda/sm90/bwd_tiles.h"
 #include "cuda/sm90/fwd_tiles.h"
-#include "cuda/testing.h"
 #include "flare/block_sparse.h"
 #include "gpu_util.h"
 #include "problem_cases.h"
@@ -94,7 +95,8 @@ HostTensor make_mask(const ProblemSpec& spec, const MaskSpec& m, uint64_t seed) 
 // Every tensor of a forward and a backward call on the device. The backward reads `fwd.o` and
 // `fwd.lse` (uploaded from the host problem: the reference forward, or whatever a test wrote
 // there); the forward writes `out_o` and `out_lse`, so running it never changes the backward's
-// inputs.
+// inputs. A call given DispatchOverrides or a DispatchRecord goes to the CUDA dispatch directly
+// (gpu_util.h), with params filled as the public entry point fills them.
 struct GpuSparseProblem {
   GpuProblem fwd;  // q, k, v, o, lse, cu_seqlens, alibi, options, varlen
   GpuTensor out_o, out_lse, dout, dq, dk, dv, mask_dev;
@@ -113,33 +115,58 @@ struct GpuSparseProblem {
   }
 
   // Poisons out_o and out_lse, runs the block-sparse forward (`dense`: attention_forward on the
-  // same tensors) and waits for the device.
-  Status forward(bool dense = false) {
+  // same tensors; with `overrides`, telling `record` which kernels ran) and waits for the device.
+  Status forward(bool dense = false, const cuda::DispatchOverrides& overrides = {},
+                 cuda::DispatchRecord* record = nullptr) {
     out_o.poison();
     out_lse.poison();
-    const Status s =
-        dense ? attention_forward(fwd.q.view(), fwd.k.view(), fwd.v.view(), out_o.view(),
-                                  out_lse.view(), fwd.options, fwd.varlen)
-              : block_sparse_attention_forward(fwd.q.view(), fwd.k.view(), fwd.v.view(),
-                                               out_o.view(), out_lse.view(), mask, fwd.options,
-                                               fwd.varlen);
+    Status s;
+    if (record == nullptr && overrides == cuda::DispatchOverrides{}) {
+      s = dense ? attention_forward(fwd.q.view(), fwd.k.view(), fwd.v.view(), out_o.view(),
+                                    out_lse.view(), fwd.options, fwd.varlen)
+                : block_sparse_attention_forward(fwd.q.view(), fwd.k.view(), fwd.v.view(),
+                                                 out_o.view(), out_lse.view(), mask, fwd.options,
+                                                 fwd.varlen);
+    } else {
+      AttentionParams p;
+      s = dense ? make_forward_params(fwd.q.view(), fwd.k.view(), fwd.v.view(), out_o.view(),
+                                      out_lse.view(), fwd.options, fwd.varlen, &p)
+                : make_block_sparse_forward_params(fwd.q.view(), fwd.k.view(), fwd.v.view(),
+                                                   out_o.view(), out_lse.view(), mask,
+                                                   fwd.options, fwd.varlen, &p);
+      if (s.ok()) s = cuda::forward(p, nullptr, overrides, record);
+    }
     synchronize();
     return s;
   }
 
-  // Poisons dq, dk, dv, runs the block-sparse backward (`dense`: attention_backward) and waits.
-  Status backward(bool dense = false) {
+  // Poisons dq, dk, dv, runs the block-sparse backward (`dense`: attention_backward; with
+  // `overrides`, telling `record` which kernels ran) and waits.
+  Status backward(bool dense = false, const cuda::DispatchOverrides& overrides = {},
+                  cuda::DispatchRecord* record = nullptr) {
     dq.poison();
     dk.poison();
     dv.poison();
-    const Status s =
-        dense ? attention_backward(dout.view(), fwd.q.view(), fwd.k.view(), fwd.v.view(),
-                                   fwd.o.view(), fwd.lse.view(), dq.view(), dk.view(), dv.view(),
-                                   fwd.options, fwd.varlen)
-              : block_sparse_attention_backward(dout.view(), fwd.q.view(), fwd.k.view(),
-                                                fwd.v.view(), fwd.o.view(), fwd.lse.view(),
-                                                dq.view(), dk.view(), dv.view(), mask, fwd.options,
-                                                fwd.varlen);
+    Status s;
+    if (record == nullptr && overrides == cuda::DispatchOverrides{}) {
+      s = dense ? attention_backward(dout.view(), fwd.q.view(), fwd.k.view(), fwd.v.view(),
+                                     fwd.o.view(), fwd.lse.view(), dq.view(), dk.view(),
+                                     dv.view(), fwd.options, fwd.varlen)
+                : block_sparse_attention_backward(dout.view(), fwd.q.view(), fwd.k.view(),
+                                                  fwd.v.view(), fwd.o.view(), fwd.lse.view(),
+                                                  dq.view(), dk.view(), dv.view(), mask,
+                                                  fwd.options, fwd.varlen);
+    } else {
+      AttentionParams p;
+      s = dense ? make_backward_params(dout.view(), fwd.q.view(), fwd.k.view(), fwd.v.view(),
+                                       fwd.o.view(), fwd.lse.view(), dq.view(), dk.view(),
+                                       dv.view(), fwd.options, fwd.varlen, &p)
+                : make_block_sparse_backward_params(dout.view(), fwd.q.view(), fwd.k.view(),
+                                                    fwd.v.view(), fwd.o.view(), fwd.lse.view(),
+                                                    dq.view(), dk.view(), dv.view(), mask,
+                                                    fwd.options, fwd.varlen, &p);
+      if (s.ok()) s = cuda::backward(p, nullptr, overrides, record);
+    }
     synchronize();
     return s;
   }
@@ -209,11 +236,13 @@ struct GradientBytes {
 };
 GradientBytes gradient_bytes(const Problem& pr) { return {pr.dq.bytes, pr.dk.bytes, pr.dv.bytes}; }
 
-// One kernel family's run of both passes: the backward (twice, compared bit for bit, in
-// deterministic mode), then the forward, each checked; `extra` sees the outputs of both.
+// One kernel family's run of both passes with `overrides`: the backward (twice, compared bit for
+// bit, in deterministic mode), then the forward, each checked; `extra` sees the outputs of both.
+// `record` is left telling which kernels the last calls ran.
 void run_and_check(GpuSparseProblem& dev, Problem& pr, const References& r,
-                   const ExtraCheck& extra) {
-  Status s = dev.backward();
+                   const ExtraCheck& extra, const cuda::DispatchOverrides& overrides,
+                   cuda::DispatchRecord* record) {
+  Status s = dev.backward(false, overrides, record);
   ASSERT_TRUE(s.ok()) << s.to_string();
   dev.download_backward(&pr);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
@@ -223,7 +252,7 @@ void run_and_check(GpuSparseProblem& dev, Problem& pr, const References& r,
   expect_gradients_match_nonfinite(pr, r.bp, r.b, r.b_naive);
   if (pr.options.deterministic) {
     const GradientBytes first = gradient_bytes(pr);
-    s = dev.backward();
+    s = dev.backward(false, overrides, record);
     ASSERT_TRUE(s.ok()) << s.to_string();
     dev.download_backward(&pr);
     const GradientBytes second = gradient_bytes(pr);
@@ -231,7 +260,7 @@ void run_and_check(GpuSparseProblem& dev, Problem& pr, const References& r,
     EXPECT_TRUE(first.dk == second.dk) << "deterministic backward: dk differs between two runs";
     EXPECT_TRUE(first.dv == second.dv) << "deterministic backward: dv differs between two runs";
   }
-  s = dev.forward();
+  s = dev.forward(false, overrides, record);
   ASSERT_TRUE(s.ok()) << s.to_string();
   dev.download_forward(&pr);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
@@ -240,10 +269,12 @@ void run_and_check(GpuSparseProblem& dev, Problem& pr, const References& r,
 }
 
 // Forward and backward of `spec` under `host_mask` on the device against the references, through
-// the automatic kernel choice and, where that took an sm90 kernel, again with sm80 forced.
-// `prepare` may change the host inputs (planting values) before anything is computed.
+// the automatic kernel choice (or the one `overrides` makes) and, where that took an sm90 kernel,
+// again with sm80 forced. `prepare` may change the host inputs (planting values) before anything
+// is computed.
 void check_case(const ProblemSpec& spec, const HostTensor& host_mask, int block_m, int block_n,
-                const std::function<void(Problem*)>& prepare = {}, const ExtraCheck& extra = {}) {
+                const std::function<void(Problem*)>& prepare = {}, const ExtraCheck& extra = {},
+                const cuda::DispatchOverrides& overrides = {}) {
   SCOPED_TRACE(spec.describe() + " blocks " + std::to_string(block_m) + "x" +
                std::to_string(block_n));
   Problem pr = make_problem(spec);
@@ -256,25 +287,26 @@ void check_case(const ProblemSpec& spec, const HostTensor& host_mask, int block_
   // On an sm_90 device built with sm_90a code, the automatic choice must take the sm90 kernel of
   // every problem its predicate accepts, block mask and all (sm90/fwd_tiles.h, sm90/bwd_tiles.h:
   // fixed-length batches without dropout or score modifiers, in a bucket that takes masks).
-  const bool sm90 = cuda::testing::sm90_available();
-  const long fwd_before = cuda::testing::sm90_forward_launches();
-  const long bwd_before = cuda::testing::sm90_backward_launches();
-  run_and_check(dev, pr, r, extra);
+  const bool sm90 = cuda::runs_sm90_kernels();
+  cuda::DispatchRecord ran;
+  run_and_check(dev, pr, r, extra, overrides, &ran);
   if (::testing::Test::HasFatalFailure()) return;
-  const long fwd_sm90 = cuda::testing::sm90_forward_launches() - fwd_before;
-  const long bwd_sm90 = cuda::testing::sm90_backward_launches() - bwd_before;
+  const bool fwd_sm90 = ran.forward == cuda::KernelFamily::kSm90;
+  const bool bwd_sm90 = ran.backward == cuda::KernelFamily::kSm90;
   if (sm90) {
-    EXPECT_EQ(fwd_sm90 > 0, cuda::sm90::forward_supported(r.fp))
+    EXPECT_EQ(fwd_sm90, cuda::sm90::forward_supported(r.fp, overrides.forward_ctas > 0))
         << "the forward's automatic choice of kernel family disagrees with sm90/fwd_tiles.h";
-    EXPECT_EQ(bwd_sm90 > 0, cuda::sm90::backward_supported(r.bp))
+    EXPECT_EQ(bwd_sm90, cuda::sm90::backward_supported(r.bp))
         << "the backward's automatic choice of kernel family disagrees with sm90/bwd_tiles.h";
   }
-  if (fwd_sm90 == 0 && bwd_sm90 == 0) return;
-  ForceArch force(80);
+  if (!fwd_sm90 && !bwd_sm90) return;
   SCOPED_TRACE("forced to sm80");
-  run_and_check(dev, pr, r, extra);
-  EXPECT_EQ(cuda::testing::sm90_forward_launches() - fwd_before, fwd_sm90);
-  EXPECT_EQ(cuda::testing::sm90_backward_launches() - bwd_before, bwd_sm90);
+  cuda::DispatchOverrides sm80 = overrides;
+  sm80.arch = 80;
+  cuda::DispatchRecord forced;
+  run_and_check(dev, pr, r, extra, sm80, &forced);
+  EXPECT_NE(forced.forward, cuda::KernelFamily::kSm90);
+  EXPECT_NE(forced.backward, cuda::KernelFamily::kSm90);
 }
 
 // ---- cases ---------------------------------------------------------------------------------------
@@ -296,10 +328,11 @@ ProblemSpec seeded(const Case& c) {
   return s;
 }
 
-// The case under its mask (a random one drawn from the seed after the spec's).
-void check_case(const Case& c) {
+// The case under its mask (a random one drawn from the seed after the spec's), with `overrides`.
+void check_case(const Case& c, const cuda::DispatchOverrides& overrides = {}) {
   const ProblemSpec spec = seeded(c);
-  check_case(spec, make_mask(spec, c.mask, spec.seed + 1), c.mask.block_m, c.mask.block_n);
+  check_case(spec, make_mask(spec, c.mask, spec.seed + 1), c.mask.block_m, c.mask.block_n, {}, {},
+             overrides);
 }
 
 MaskSpec blocks(int block_m, int block_n, double density) {
@@ -704,36 +737,39 @@ TEST_P(GpuBlockSparseAllOn, EqualsDenseBitForBit) {
                                 dev.fwd.varlen)
                   .ok());
 
-  auto forward = [&](bool dense, std::vector<unsigned char>* bytes, bool* sm90) {
-    const long before = cuda::testing::sm90_forward_launches();
-    const Status s = dev.forward(dense);
+  auto forward = [&](bool dense, const cuda::DispatchOverrides& overrides,
+                     std::vector<unsigned char>* bytes, bool* sm90) {
+    cuda::DispatchRecord ran;
+    const Status s = dev.forward(dense, overrides, &ran);
     ASSERT_TRUE(s.ok()) << (dense ? "dense: " : "block-sparse: ") << s.to_string();
     dev.download_forward(&pr);
     *bytes = pr.o.bytes;
     bytes->insert(bytes->end(), pr.lse.bytes.begin(), pr.lse.bytes.end());
-    *sm90 = cuda::testing::sm90_forward_launches() > before;
+    *sm90 = ran.forward == cuda::KernelFamily::kSm90;
   };
-  auto backward = [&](bool dense, std::vector<unsigned char>* bytes, bool* sm90) {
-    const long before = cuda::testing::sm90_backward_launches();
-    const Status s = dev.backward(dense);
+  auto backward = [&](bool dense, const cuda::DispatchOverrides& overrides,
+                      std::vector<unsigned char>* bytes, bool* sm90) {
+    cuda::DispatchRecord ran;
+    const Status s = dev.backward(dense, overrides, &ran);
     ASSERT_TRUE(s.ok()) << (dense ? "dense: " : "block-sparse: ") << s.to_string();
     dev.download_backward(&pr);
     *bytes = pr.dq.bytes;
     for (const HostTensor* t : {&pr.dk, &pr.dv})
       bytes->insert(bytes->end(), t->bytes.begin(), t->bytes.end());
-    *sm90 = cuda::testing::sm90_backward_launches() > before;
+    *sm90 = ran.backward == cuda::KernelFamily::kSm90;
   };
-  // Runs both calls of one pass and compares them where they took the same kernel family;
-  // returns whether either took an sm90 kernel.
+  // Runs both calls of one pass (sm80 `forced` or the automatic choice) and compares them where
+  // they took the same kernel family; returns whether either took an sm90 kernel.
   auto compare = [&](bool is_forward, bool forced) {
     const char* pass = is_forward ? "forward" : "backward";
+    const cuda::DispatchOverrides overrides = forced ? sm80_forced() : cuda::DispatchOverrides{};
     SameKernelRun run;
     if (is_forward) {
-      forward(false, &run.sparse, &run.sparse_sm90);
-      forward(true, &run.dense, &run.dense_sm90);
+      forward(false, overrides, &run.sparse, &run.sparse_sm90);
+      forward(true, overrides, &run.dense, &run.dense_sm90);
     } else {
-      backward(false, &run.sparse, &run.sparse_sm90);
-      backward(true, &run.dense, &run.dense_sm90);
+      backward(false, overrides, &run.sparse, &run.sparse_sm90);
+      backward(true, overrides, &run.dense, &run.dense_sm90);
     }
     if (HasFatalFailure()) return false;
     if (forced) {
@@ -750,7 +786,6 @@ TEST_P(GpuBlockSparseAllOn, EqualsDenseBitForBit) {
   bool sm90_ran = compare(true, false);
   if (spec.options.deterministic) sm90_ran |= compare(false, false);
   if (HasFatalFailure() || !sm90_ran) return;
-  ForceArch force(80);
   compare(true, true);
   if (spec.options.deterministic) compare(false, true);
 }
@@ -803,7 +838,7 @@ TEST(GpuBlockSparse, SmallRaggedShapes) {
 // buffers and K/V ring.
 TEST(GpuBlockSparse, PersistentForwardWalksManyTiles) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceForwardCtas cap(3);
+  const cuda::DispatchOverrides cap = forward_ctas_capped(3);
   const Case cases[] = {
       {"d128_sparse", fixed(2, 1000, 1000, 2, 2, 128, kBF16), blocks(128, 128, 0.15)},
       {"d128_causal", causal(fixed(1, 1024, 1024, 3, 1, 128, kF16)), blocks(128, 256, 0.5)},
@@ -812,7 +847,7 @@ TEST(GpuBlockSparse, PersistentForwardWalksManyTiles) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    check_case(c);
+    check_case(c, cap);
   }
 }
 

@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "cuda/sm80/fwd_tiles.h"
+#include "cuda/dispatch.h"
 #include "cuda/sm90/fwd_tiles.h"
-#include "cuda/testing.h"
 #include "gpu_util.h"
 #include "problem_cases.h"
 #include "test_util.h"
@@ -54,12 +54,15 @@ int smallest_head_dim(const Variant& v) {
   return below + 1;
 }
 
-void check_forward(const ProblemSpec& spec) {
+// The CUDA forward of `spec` (with `overrides`, telling `record` which kernels ran) against the
+// reference.
+void check_forward(const ProblemSpec& spec, const cuda::DispatchOverrides& overrides = {},
+                   cuda::DispatchRecord* record = nullptr) {
   SCOPED_TRACE(spec.describe());
   Problem pr = make_problem(spec);
   GpuProblem gpu(pr);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  const Status s = gpu.forward();
+  const Status s = gpu.forward(nullptr, overrides, record);
   ASSERT_TRUE(s.ok()) << s.to_string();
   gpu.download_forward(&pr);
   expect_forward_matches(pr);
@@ -320,11 +323,13 @@ TEST_P(GpuForwardFeature, LargeMagnitudeInputs) {
 
 // ---- both tiles of buckets that have a short-walk tile (sm80/fwd_tiles.h) --------------------
 
-// Forces one tile choice for the scope (cuda/testing.h): 1 the primary tile, 2 the short-walk one.
-struct ForceTiles {
-  explicit ForceTiles(int choice) { cuda::testing::force_forward_tiles(choice); }
-  ~ForceTiles() { cuda::testing::force_forward_tiles(0); }
-};
+// One tile choice forced (DispatchOverrides::forward_tiles): 1 the primary tile, 2 the short-walk
+// one.
+cuda::DispatchOverrides tiles_forced(int choice) {
+  cuda::DispatchOverrides o;
+  o.forward_tiles = choice;
+  return o;
+}
 
 // The automatic choice sends causal and windowed problems with short key walks (every other test
 // here) to the short-walk tile and the rest to the primary one; each runs every mask here.
@@ -334,7 +339,7 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
   for (const Variant& v : compiled_variants()) {
     if (!cuda::sm80::has_short_fwd_tile(v.bucket)) continue;
     for (int choice : {1, 2}) {
-      ForceTiles force(choice);
+      const cuda::DispatchOverrides force = tiles_forced(choice);
       SCOPED_TRACE(std::string(choice == 1 ? "primary" : "short-walk") + " tile");
       for (int d : {v.bucket, smallest_head_dim(v)})
         for (bool causal : {false, true}) {
@@ -342,26 +347,26 @@ TEST(GpuForwardTiles, BothTilesOfEveryBucketThatHasTwo) {
           s.seqlen_q = 97 + d % 7;
           s.seqlen_k = 300;
           s.options.causal = causal;
-          check_forward(s);
+          check_forward(s, force);
         }
-      check_forward(causal_shape(base_spec(v.dtype, v.bucket, 41), 300, 97));
-      check_forward(window_gqa(base_spec(v.dtype, v.bucket, 42), 290, 310, 70, 5));
+      check_forward(causal_shape(base_spec(v.dtype, v.bucket, 41), 300, 97), force);
+      check_forward(window_gqa(base_spec(v.dtype, v.bucket, 42), 290, 310, 70, 5), force);
       ProblemSpec varlen = base_spec(v.dtype, v.bucket, 43);
       varlen.varlen_q = {0, 97, 1, 300, 5, 130};
       varlen.varlen_k = {7, 120, 0, 301, 0, 129};
       varlen.options.causal = true;
-      check_forward(varlen);
-      check_forward(with_every_modifier(base_spec(v.dtype, v.bucket, 44)));
+      check_forward(varlen, force);
+      check_forward(with_every_modifier(base_spec(v.dtype, v.bucket, 44)), force);
       ProblemSpec odd = base_spec(v.dtype, v.bucket - 3, 45);  // unaligned rows, odd head_dim
       odd.pad = 3;
       odd.options.causal = true;
-      check_forward(odd);
+      check_forward(odd, force);
       ProblemSpec large = base_spec(v.dtype, v.bucket, 46);
       large.magnitude = 1e3f;
       large.seqlen_q = large.seqlen_k = 1025;
       large.batch = 1;
       large.options.causal = true;
-      check_forward(large);
+      check_forward(large, force);
     }
     ++tested;
   }
@@ -456,7 +461,7 @@ class GpuForwardSm90Cases : public GpuTestWithParam<Sm90SuiteCase> {};
 // Through the automatic choice and forced to sm80 (gpu_util.h: check_sm90_and_forced_sm80).
 TEST_P(GpuForwardSm90Cases, AutomaticAndForcedSm80AgainstTheReference) {
   check_sm90_and_forced_sm80(sm90_problem(GetParam()), check_forward,
-                             cuda::testing::sm90_forward_launches);
+                             &cuda::DispatchRecord::forward);
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuForwardSm90Cases,
@@ -469,12 +474,12 @@ INSTANTIATE_TEST_SUITE_P(EveryVariant, GpuForwardSm90Cases,
 TEST(GpuForwardSm90, RaggedShapesSmall) {
   FLARE_SKIP_WITHOUT_CUDA();
   for (int ctas : {0, 2}) {
-    ForceForwardCtas cap(ctas);
+    const cuda::DispatchOverrides cap = forward_ctas_capped(ctas);
     for (int d : sm90_forward_buckets()) {
       ProblemSpec one = base_spec(DType::kBFloat16, d, 80);
       one.batch = 1;
-      check_forward(causal_shape(one, 97, 300));
-      check_forward(window_gqa(one, 130, 140, 40, 3));
+      check_forward(causal_shape(one, 97, 300), cap);
+      check_forward(window_gqa(one, 130, 140, 40, 3), cap);
       if (ctas == 0) check_forward(causal_shape(one, 200, 2500));  // the one-CTA kernel
     }
   }
@@ -488,18 +493,19 @@ TEST(GpuForwardSm90, RaggedShapesSmall) {
 TEST(GpuForwardSm90, PersistentCtasWalkManyTiles) {
   FLARE_SKIP_WITHOUT_CUDA();
   for (int ctas : {1, 3, 7}) {
-    ForceForwardCtas cap(ctas);
+    const cuda::DispatchOverrides cap = forward_ctas_capped(ctas);
     for (int d : sm90_forward_buckets(true)) {
       SCOPED_TRACE("ctas " + std::to_string(ctas) + ", d " + std::to_string(d));
       ProblemSpec causal = causal_shape(base_spec(DType::kBFloat16, d, 90), 333, 333);
       causal.heads_q = causal.heads_kv = 3;
-      check_forward(causal);
-      check_forward(causal_shape(base_spec(DType::kFloat16, d, 91), 97, 300));
-      check_forward(causal_shape(base_spec(DType::kBFloat16, d, 92), 300, 97));  // rows see no key
-      check_forward(window_gqa(base_spec(DType::kBFloat16, d, 93), 410, 390, 60, 0));
+      check_forward(causal, cap);
+      check_forward(causal_shape(base_spec(DType::kFloat16, d, 91), 97, 300), cap);
+      check_forward(causal_shape(base_spec(DType::kBFloat16, d, 92), 300, 97),  // rows see no key
+                    cap);
+      check_forward(window_gqa(base_spec(DType::kBFloat16, d, 93), 410, 390, 60, 0), cap);
       ProblemSpec plain = base_spec(DType::kFloat16, d, 94);
       plain.batch = 3;
-      check_forward(plain);
+      check_forward(plain, cap);
     }
   }
 }
@@ -532,29 +538,29 @@ TEST(GpuForwardSm90, PackedBatchesEveryPersistentBucket) {
       for (bool causal : {false, true}) {
         ProblemSpec s = packed({0, 97, 1, 300, 5, 130}, {7, 120, 0, 301, 0, 129}, 95);
         s.options.causal = causal;
-        check_sm90_and_forced_sm80(s, check_forward, cuda::testing::sm90_forward_launches);
+        check_sm90_and_forced_sm80(s, check_forward, &cuda::DispatchRecord::forward);
       }
       ProblemSpec window = packed({130, 64, 200}, {140, 64, 190}, 96);
       window.heads_q = 4;
       window.heads_kv = 2;
       window.options.window_left = 40;
       window.options.window_right = 3;
-      check_sm90_and_forced_sm80(window, check_forward, cuda::testing::sm90_forward_launches);
+      check_sm90_and_forced_sm80(window, check_forward, &cuda::DispatchRecord::forward);
       // Softcap and ALiBi slopes per (sequence, head): each tile takes its own sequence's slope.
       check_sm90_and_forced_sm80(problem_cases::with_score_mods(window), check_forward,
-                                 cuda::testing::sm90_forward_launches);
+                                 &cuda::DispatchRecord::forward);
       // Dropout: each tile draws its own sequence's rows of the mask.
       check_sm90_and_forced_sm80(problem_cases::dropout(window, 0.25f), check_forward,
-                                 cuda::testing::sm90_forward_launches);
+                                 &cuda::DispatchRecord::forward);
       ProblemSpec many = packed(many_q, many_k, 97);
       many.options.causal = true;
-      check_sm90_and_forced_sm80(many, check_forward, cuda::testing::sm90_forward_launches);
+      check_sm90_and_forced_sm80(many, check_forward, &cuda::DispatchRecord::forward);
       ProblemSpec long_one = packed({70, 300, 1}, {80, 2200, 3}, 98);
       long_one.options.causal = true;
-      check_sm90_and_forced_sm80(long_one, check_forward, cuda::testing::sm90_forward_launches);
-      ForceForwardCtas cap(2);
-      check_forward(many);
-      check_forward(packed({0, 97, 1, 300, 5, 130}, {7, 120, 0, 301, 0, 129}, 99));
+      check_sm90_and_forced_sm80(long_one, check_forward, &cuda::DispatchRecord::forward);
+      const cuda::DispatchOverrides cap = forward_ctas_capped(2);
+      check_forward(many, cap);
+      check_forward(packed({0, 97, 1, 300, 5, 130}, {7, 120, 0, 301, 0, 129}, 99), cap);
     }
   }
 }
@@ -566,7 +572,7 @@ TEST(GpuForwardSm90, PackedBatchesEveryPersistentBucket) {
 // A counter left dirty or shared would skip or repeat tiles, which the reference sees.
 TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceForwardCtas cap(3);
+  const cuda::DispatchOverrides cap = forward_ctas_capped(3);
   std::vector<ProblemSpec> specs;
   for (int d : {64, 128}) {
     ProblemSpec causal = causal_shape(base_spec(DType::kBFloat16, d, 95), 333, 333);
@@ -589,7 +595,7 @@ TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
       SCOPED_TRACE("one at a time, round " + std::to_string(round) + ", " + specs[i].describe());
       Problem pr = make_problem(specs[i]);
       GpuProblem gpu(pr);
-      const Status s = gpu.forward(streams[(i + round) % 3]);
+      const Status s = gpu.forward(streams[(i + round) % 3], cap);
       ASSERT_TRUE(s.ok()) << s.to_string();
       check(&pr, gpu);
     }
@@ -603,10 +609,8 @@ TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
       g->o.poison();
       g->lse.poison();
     }
-    const Status sa = attention_forward(ga.q.view(), ga.k.view(), ga.v.view(), ga.o.view(),
-                                        ga.lse.view(), ga.options, ga.varlen, s1);
-    const Status sb = attention_forward(gb.q.view(), gb.k.view(), gb.v.view(), gb.o.view(),
-                                        gb.lse.view(), gb.options, gb.varlen, s2);
+    const Status sa = ga.enqueue_forward(s1, cap);
+    const Status sb = gb.enqueue_forward(s2, cap);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_TRUE(sa.ok() && sb.ok()) << sa.to_string() << " " << sb.to_string();
     check(&a, ga);
@@ -618,8 +622,7 @@ TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
     Problem pr = make_problem(specs[2]);
     GpuProblem gpu(pr);
     ASSERT_EQ(cudaStreamBeginCapture(s1, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    const Status s = attention_forward(gpu.q.view(), gpu.k.view(), gpu.v.view(), gpu.o.view(),
-                                       gpu.lse.view(), gpu.options, gpu.varlen, s1);
+    const Status s = gpu.enqueue_forward(s1, cap);
     cudaGraph_t graph = nullptr;
     ASSERT_EQ(cudaStreamEndCapture(s1, &graph), cudaSuccess);
     ASSERT_TRUE(s.ok()) << s.to_string();
@@ -633,7 +636,7 @@ TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
       check(&pr, gpu);
       Problem between = make_problem(specs[replay]);
       GpuProblem eager(between);
-      ASSERT_TRUE(eager.forward(s1).ok());
+      ASSERT_TRUE(eager.forward(s1, cap).ok());
       check(&between, eager);
     }
     EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
@@ -647,15 +650,16 @@ TEST(GpuForwardSm90, PersistentTileCounterPerStreamAndReset) {
 // whose bucket has no persistent kernel).
 TEST(GpuForwardSm90, FeaturesOutsideItsSetRunSm80) {
   FLARE_SKIP_WITHOUT_CUDA();
-  const long before = cuda::testing::sm90_forward_launches();
   ProblemSpec varlen = base_spec(DType::kBFloat16, 256, 71);
   varlen.varlen_q = {0, 97, 1, 300};
   varlen.varlen_k = {7, 120, 0, 301};
-  check_forward(varlen);
+  cuda::DispatchRecord ran;
+  check_forward(varlen, {}, &ran);
+  EXPECT_NE(ran.forward, cuda::KernelFamily::kSm90);
   ProblemSpec odd = base_spec(DType::kBFloat16, 125, 72);  // unaligned rows
   odd.pad = 3;
-  check_forward(odd);
-  EXPECT_EQ(cuda::testing::sm90_forward_launches(), before);
+  check_forward(odd, {}, &ran);
+  EXPECT_NE(ran.forward, cuda::KernelFamily::kSm90);
 }
 
 std::string dtype_param_name(const ::testing::TestParamInfo<DType>& param) {

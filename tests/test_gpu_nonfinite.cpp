@@ -14,7 +14,7 @@
 // low-precision kernel's error measured on the problem's finite twin (same seed, nothing injected:
 // test_util.h's NaiveErrors), as tests/test_cpu_nonfinite.cpp does.
 //
-// Paths: the sm80 kernels (forced, cuda/testing.h) for every compiled head-dim bucket under a
+// Paths: the sm80 kernels (forced, cuda/dispatch.h) for every compiled head-dim bucket under a
 // causal mask, and for each feature they support — rows that see no key, sliding windows with GQA,
 // varlen with an empty sequence, softcap, ALiBi, dropout, deterministic mode, ragged ends, full
 // unmasked tiles (where the backward launches no fixup); then the sm90 kernels (taken on their own
@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/testing.h"
+#include "cuda/dispatch.h"
 #include "gpu_bwd_util.h"
 #include "gpu_util.h"
 #include "problem_cases.h"
@@ -143,15 +143,17 @@ NaiveErrors twin_budget(const ProblemSpec& spec) {
   return {naive_error(naive.o, ref.o), naive_error(naive.lse, ref.lse), g.dq, g.dk, g.dv};
 }
 
+// The checks run with `overrides` and tell `record` which kernels ran.
 void check_forward(const ProblemSpec& spec, const Injection& inj, uint64_t salt,
-                   const NaiveErrors& budget) {
+                   const NaiveErrors& budget, const cuda::DispatchOverrides& overrides,
+                   cuda::DispatchRecord* record) {
   Problem pr = make_problem(spec);
   std::mt19937_64 rng(spec.seed ^ salt);
   SCOPED_TRACE("forward, " + inject(pr, inj, rng));
   {
     GpuProblem gpu(pr);
     ASSERT_FALSE(::testing::Test::HasFatalFailure());
-    const Status s = gpu.forward();
+    const Status s = gpu.forward(nullptr, overrides, record);
     ASSERT_TRUE(s.ok()) << s.to_string();
     gpu.download_forward(&pr);
   }
@@ -159,14 +161,15 @@ void check_forward(const ProblemSpec& spec, const Injection& inj, uint64_t salt,
 }
 
 void check_backward(const ProblemSpec& spec, const Injection& inj, uint64_t salt,
-                    const NaiveErrors& budget) {
+                    const NaiveErrors& budget, const cuda::DispatchOverrides& overrides,
+                    cuda::DispatchRecord* record) {
   Problem pr = make_problem(spec);
   std::mt19937_64 rng(spec.seed ^ salt);
   SCOPED_TRACE("backward, " + inject(pr, inj, rng));
   {
     GpuBackwardProblem gpu(&pr);  // O and LSE from the float64 reference, non-finite ones too
     ASSERT_FALSE(::testing::Test::HasFatalFailure());
-    const Status s = gpu.backward();
+    const Status s = gpu.backward(nullptr, overrides, record);
     ASSERT_TRUE(s.ok()) << s.to_string();
     gpu.download_backward(&pr);
   }
@@ -175,15 +178,17 @@ void check_backward(const ProblemSpec& spec, const Injection& inj, uint64_t salt
   expect_gradients_match_nonfinite(pr, bp, ref, naive_backward(bp), &budget);
 }
 
-// Every injection into `spec`, forward (not for dO, which the forward does not read) and backward.
-void check_all_injections(const ProblemSpec& spec) {
+// Every injection into `spec`, forward (not for dO, which the forward does not read) and backward,
+// with `overrides`; `record` is left telling which kernels the last calls ran.
+void check_all_injections(const ProblemSpec& spec, const cuda::DispatchOverrides& overrides = {},
+                          cuda::DispatchRecord* record = nullptr) {
   SCOPED_TRACE(spec.describe());
   const NaiveErrors budget = twin_budget(spec);
   uint64_t salt = 0;
   for (const Injection& inj : all_injections()) {
     ++salt;
-    if (inj.target != Target::kDout) check_forward(spec, inj, salt, budget);
-    check_backward(spec, inj, salt, budget);
+    if (inj.target != Target::kDout) check_forward(spec, inj, salt, budget, overrides, record);
+    check_backward(spec, inj, salt, budget, overrides, record);
   }
 }
 
@@ -368,10 +373,9 @@ class GpuNonfiniteSm80Bucket : public ::testing::TestWithParam<BucketCase> {};
 // among them), causal: diagonal tiles in both passes.
 TEST_P(GpuNonfiniteSm80Bucket, Causal) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceArch sm80(80);
   ProblemSpec s = base_spec(GetParam().dtype, GetParam().head_dim, 1);
   s.options.causal = true;
-  check_all_injections(s);
+  check_all_injections(s, sm80_forced());
 }
 
 std::vector<BucketCase> bucket_cases() {
@@ -396,8 +400,7 @@ class GpuNonfiniteSm80Feature : public ::testing::TestWithParam<FeatureCase> {};
 
 TEST_P(GpuNonfiniteSm80Feature, AllInjections) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceArch sm80(80);
-  check_all_injections(kSm80Features[GetParam().feature].make(GetParam().dtype));
+  check_all_injections(kSm80Features[GetParam().feature].make(GetParam().dtype), sm80_forced());
 }
 
 std::vector<FeatureCase> sm80_feature_cases() {
@@ -426,18 +429,17 @@ class GpuNonfiniteSm90 : public ::testing::TestWithParam<Sm90Case> {};
 
 // check_all_injections on the device's own choice, which must take both sm90 kernels.
 void check_all_injections_on_sm90(const ProblemSpec& s) {
-  const long forward_before = cuda::testing::sm90_forward_launches();
-  const long backward_before = cuda::testing::sm90_backward_launches();
-  check_all_injections(s);
-  EXPECT_GT(cuda::testing::sm90_forward_launches(), forward_before)
+  cuda::DispatchRecord ran;
+  check_all_injections(s, {}, &ran);
+  EXPECT_EQ(ran.forward, cuda::KernelFamily::kSm90)
       << "the sm90 forward did not take " << s.describe();
-  EXPECT_GT(cuda::testing::sm90_backward_launches(), backward_before)
+  EXPECT_EQ(ran.backward, cuda::KernelFamily::kSm90)
       << "the sm90 backward did not take " << s.describe();
 }
 
 TEST_P(GpuNonfiniteSm90, AllInjections) {
   FLARE_SKIP_WITHOUT_CUDA();
-  if (!cuda::testing::sm90_available())
+  if (!cuda::runs_sm90_kernels())
     GTEST_SKIP() << "the sm90 kernels need an sm_90 device and sm_90a code in the build";
   ProblemSpec s = kSm90Masks[GetParam().mask].make(GetParam().dtype);
   s.head_dim = GetParam().head_dim;
@@ -465,7 +467,7 @@ INSTANTIATE_TEST_SUITE_P(Masks, GpuNonfiniteSm90, ::testing::ValuesIn(sm90_cases
 // Without a mask (every key of a row's own sequence visible) and causal.
 TEST(GpuNonfiniteSm90Packed, AllInjections) {
   FLARE_SKIP_WITHOUT_CUDA();
-  if (!cuda::testing::sm90_available())
+  if (!cuda::runs_sm90_kernels())
     GTEST_SKIP() << "the sm90 kernels need an sm_90 device and sm_90a code in the build";
   for (bool causal : {false, true})
     for (int d : {64, 128}) {
@@ -490,12 +492,19 @@ TEST(GpuNonfiniteDeterministic, DeviceChoiceCausal) {
 
 // ---- the examples, on both paths ---------------------------------------------------
 
-class GpuNonfiniteExamples : public ::testing::TestWithParam<int> {};  // 80: sm80 forced, 0: auto
+// The parameter is DispatchOverrides::arch: 80 the sm80 kernels forced, 0 the device's choice.
+class GpuNonfiniteExamples : public ::testing::TestWithParam<int> {
+ protected:
+  cuda::DispatchOverrides path() const {
+    cuda::DispatchOverrides o;
+    o.arch = GetParam();
+    return o;
+  }
+};
 
 // Causal, s 2, v = [1, +Inf] (key 1's row): row 0 cannot see key 1, so O[0] is finite.
 TEST_P(GpuNonfiniteExamples, HiddenInfiniteValueLeavesRowZeroFinite) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceArch arch(GetParam());
   ProblemSpec s = base_spec(DType::kBFloat16, 64, 301);
   s.batch = 1;
   s.seqlen_q = s.seqlen_k = 2;
@@ -506,7 +515,7 @@ TEST_P(GpuNonfiniteExamples, HiddenInfiniteValueLeavesRowZeroFinite) {
     pr.v.set({0, 1, 0, c}, std::numeric_limits<float>::infinity());
   SCOPED_TRACE(s.describe() + ", +Inf in the whole row of v at s 1");
   GpuProblem gpu(pr);
-  ASSERT_TRUE(gpu.forward().ok());
+  ASSERT_TRUE(gpu.forward(nullptr, path()).ok());
   gpu.download_forward(&pr);
   for (int c = 0; c < s.head_dim; ++c) {
     ASSERT_TRUE(std::isfinite(pr.o.get({0, 0, 0, c}))) << "O[0][" << c << "]";
@@ -519,7 +528,6 @@ TEST_P(GpuNonfiniteExamples, HiddenInfiniteValueLeavesRowZeroFinite) {
 // finite; sequence 1's rows see it, so theirs is infinite.
 TEST_P(GpuNonfiniteExamples, NextSequencesInfiniteValueLeavesEarlierRowsFinite) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceArch arch(GetParam());
   ProblemSpec s = base_spec(DType::kBFloat16, 64, 303);
   s.varlen_q = {3, 2};
   s.varlen_k = {3, 2};
@@ -528,7 +536,7 @@ TEST_P(GpuNonfiniteExamples, NextSequencesInfiniteValueLeavesEarlierRowsFinite) 
   for (int c = 0; c < s.head_dim; ++c) pr.v.set({3, 0, c}, std::numeric_limits<float>::infinity());
   SCOPED_TRACE(s.describe() + ", +Inf in the whole row of v at token 3");
   GpuProblem gpu(pr);
-  ASSERT_TRUE(gpu.forward().ok());
+  ASSERT_TRUE(gpu.forward(nullptr, path()).ok());
   gpu.download_forward(&pr);
   for (int c = 0; c < s.head_dim; ++c) {
     for (int64_t token : {0, 1, 2})
@@ -541,7 +549,6 @@ TEST_P(GpuNonfiniteExamples, NextSequencesInfiniteValueLeavesEarlierRowsFinite) 
 // Causal, s 2, dO = [+Inf, 1] (row 0): row 0 sees key 0 only, so dK and dV of key 1 are finite.
 TEST_P(GpuNonfiniteExamples, InfiniteGradientOfRowZeroLeavesKeyOneFinite) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceArch arch(GetParam());
   ProblemSpec s = base_spec(DType::kBFloat16, 64, 302);
   s.batch = 1;
   s.seqlen_q = s.seqlen_k = 2;
@@ -552,7 +559,7 @@ TEST_P(GpuNonfiniteExamples, InfiniteGradientOfRowZeroLeavesKeyOneFinite) {
     pr.dout.set({0, 0, 0, c}, std::numeric_limits<float>::infinity());
   SCOPED_TRACE(s.describe() + ", +Inf in the whole row of dout at s 0");
   GpuBackwardProblem gpu(&pr);
-  ASSERT_TRUE(gpu.backward().ok());
+  ASSERT_TRUE(gpu.backward(nullptr, path()).ok());
   gpu.download_backward(&pr);
   for (int c = 0; c < s.head_dim; ++c) {
     ASSERT_TRUE(std::isfinite(pr.dk.get({0, 1, 0, c}))) << "dK[1][" << c << "]";
@@ -563,8 +570,8 @@ TEST_P(GpuNonfiniteExamples, InfiniteGradientOfRowZeroLeavesKeyOneFinite) {
 // q = +Inf against keys with negative entries only: every score of row 0 is −Inf, and the
 // reference's softmax is exp(−inf − −inf) = NaN, not the O = 0, LSE = −inf of a row that sees no
 // key. Causal (the forward fixup kernel recomputes the row) and unmasked (the kernel writes NaN
-// itself).
-void expect_minus_infinity_row_is_nan(bool causal) {
+// itself). With `overrides`.
+void expect_minus_infinity_row_is_nan(bool causal, const cuda::DispatchOverrides& overrides) {
   ProblemSpec s = base_spec(DType::kBFloat16, 64, causal ? 303 : 304);
   s.batch = 1;
   s.seqlen_q = s.seqlen_k = 130;
@@ -578,7 +585,7 @@ void expect_minus_infinity_row_is_nan(bool causal) {
   }
   SCOPED_TRACE(s.describe() + ", +Inf in the whole row of q at s 0, every k entry negative");
   GpuProblem gpu(pr);
-  ASSERT_TRUE(gpu.forward().ok());
+  ASSERT_TRUE(gpu.forward(nullptr, overrides).ok());
   gpu.download_forward(&pr);
   EXPECT_TRUE(std::isnan(pr.lse.get({0, 0, 0})));
   for (int c = 0; c < s.head_dim; ++c)
@@ -588,14 +595,12 @@ void expect_minus_infinity_row_is_nan(bool causal) {
 
 TEST_P(GpuNonfiniteExamples, AllVisibleScoresMinusInfinityGiveNanCausal) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceArch arch(GetParam());
-  expect_minus_infinity_row_is_nan(true);
+  expect_minus_infinity_row_is_nan(true, path());
 }
 
 TEST_P(GpuNonfiniteExamples, AllVisibleScoresMinusInfinityGiveNanUnmasked) {
   FLARE_SKIP_WITHOUT_CUDA();
-  ForceArch arch(GetParam());
-  expect_minus_infinity_row_is_nan(false);
+  expect_minus_infinity_row_is_nan(false, path());
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, GpuNonfiniteExamples, ::testing::Values(80, 0),

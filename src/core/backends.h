@@ -66,7 +66,8 @@ Status flash_simd_level(const char** name);
 }  // namespace cpu
 
 namespace cuda {
-// Implemented in src/cuda when FLARE_WITH_CUDA, else stubs that return kUnsupported.
+// Implemented in src/cuda when FLARE_WITH_CUDA, else stubs that return kUnsupported. The
+// dispatch chooses every kernel itself here; cuda/dispatch.h has the same calls with overrides.
 Status forward(const AttentionParams& p, Stream stream);
 Status backward(const AttentionParams& p, Stream stream);
 // attention_with_kvcache on CUDA tensors (src/cuda/decode): the append, the attention over the

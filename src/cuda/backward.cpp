@@ -28,12 +28,12 @@
 
 #include "core/backends.h"
 #include "cuda/device_probe.h"
+#include "cuda/dispatch.h"
 #include "cuda/sm80/bwd_launch.h"
 #include "cuda/sm80/bwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
 #include "cuda/sm90/bwd_launch.h"
 #include "cuda/sm90/bwd_tiles.h"
-#include "cuda/testing.h"
 #include "cuda/variant_key.h"
 
 namespace flare {
@@ -65,17 +65,17 @@ Status launch_main(const AttentionParams& p, const sm80::BwdWorkspace& w, int ke
   }
 }
 
-// Whether the sm90 main kernel runs p: a problem it takes (sm90/bwd_tiles.h) on a device that runs
-// its sm_90a code. Asked before the workspace is sized: the dQ accumulator's rows are the bucket
-// of the main kernel that runs, and sm90's bucket can be wider than sm80's (d 80: 128, not 96).
-bool sm90_runs(const AttentionParams& p) {
-  if (testing::forced_arch() == 80 || !sm90::backward_supported(p)) return false;
+// Whether the sm90 main kernel runs p: a problem it takes (sm90/bwd_tiles.h), in a compiled
+// variant, on a device that runs its sm_90a code; never with overrides.arch 80. Asked before the
+// workspace is sized: the dQ accumulator's rows are the bucket of the main kernel that runs, and
+// sm90's bucket can be wider than sm80's (d 80: 128, not 96).
+bool sm90_runs(const AttentionParams& p, const DispatchOverrides& overrides) {
+  if (overrides.arch == 80 || !sm90::backward_supported(p)) return false;
   switch (variant_key(p.dtype, sm90::bwd90_bucket(p.head_dim))) {
-#define FLARE_CUDA_BWD90_VARIANT(DT, HD) \
-  case variant_key(DType::DT, HD):       \
-    return sm90::backward_runs_on_device<DType::DT, HD>();
+#define FLARE_CUDA_BWD90_VARIANT(DT, HD) case variant_key(DType::DT, HD):
 #include "flare/cuda_bwd90_variants.inc"
 #undef FLARE_CUDA_BWD90_VARIANT
+      return runs_sm90_kernels();
     default:
       return false;
   }
@@ -84,7 +84,6 @@ bool sm90_runs(const AttentionParams& p) {
 // The sm90 main kernel of w.bucket; only after sm90_runs(p).
 Status launch_main_sm90(const AttentionParams& p, const sm80::BwdWorkspace& w,
                         cudaStream_t stream) {
-  testing::count_sm90_backward_launch();
   switch (variant_key(p.dtype, w.bucket)) {
 #define FLARE_CUDA_BWD90_VARIANT(DT, HD) \
   case variant_key(DType::DT, HD):       \
@@ -120,8 +119,10 @@ bool has_masked_pairs(const AttentionParams& p) {
          p.seqlen_k % kBlocksDivide != 0;
 }
 
-// Everything after the device is current: workspace, the launches, the free.
-Status run_backward(const AttentionParams& p, cudaStream_t stream) {
+// Everything after the device is current: workspace, the launches, the free. `*family` is the
+// main kernel's family, once chosen.
+Status run_backward(const AttentionParams& p, const DispatchOverrides& overrides,
+                    KernelFamily* family, cudaStream_t stream) {
   DeviceFacts device;
   if (const Status s = current_device_facts(&device); !s.ok())
     return Status::device_error("backward: " + s.message());
@@ -136,7 +137,7 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   // Double-buffered Q/dO where the device's shared memory allows, else the tile's fallback.
   w.stages =
       sm80::bwd_smem_bytes(w.bucket, tile.stages) <= smem_optin ? tile.stages : tile.min_stages;
-  const int forced = testing::forced_backward_stages();
+  const int forced = overrides.backward_stages;
   if ((forced == tile.stages || forced == tile.min_stages) &&
       sm80::bwd_smem_bytes(w.bucket, forced) <= smem_optin)
     w.stages = forced;
@@ -159,8 +160,9 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
   w.pair_store = out_strides % 2 == 0 && aligned(p.dk, 4) && aligned(p.dv, 4);
   w.store16 = p.head_dim % 8 == 0 && out_strides % 8 == 0 && aligned(p.dk, 16) && aligned(p.dv, 16);
 
-  const bool sm90 = sm90_runs(p);
+  const bool sm90 = sm90_runs(p, overrides);
   if (sm90) w.bucket = sm90::bwd90_bucket(p.head_dim);
+  *family = sm90 ? KernelFamily::kSm90 : KernelFamily::kSm80;
 
   const int key_blocks = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
   int64_t turns = 0;  // sm90's dQ turn counters
@@ -249,12 +251,22 @@ Status run_backward(const AttentionParams& p, cudaStream_t stream) {
 }  // namespace
 
 Status backward(const AttentionParams& p, Stream stream) {
+  return backward(p, stream, DispatchOverrides{}, nullptr);
+}
+
+Status backward(const AttentionParams& p, Stream stream, const DispatchOverrides& overrides,
+                DispatchRecord* record) {
+  KernelFamily family = KernelFamily::kNone;
+  if (record != nullptr) record->backward = family;
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16)
     return Status::unsupported(
         "q: the CUDA backward takes float16 or bfloat16 tensors (as FlashAttention does), got " +
         std::string(dtype_name(p.dtype)) + "; convert the inputs, or use CPU tensors");
-  return on_device(p.device_index,
-                   [&] { return run_backward(p, static_cast<cudaStream_t>(stream)); });
+  const Status status = on_device(p.device_index, [&] {
+    return run_backward(p, overrides, &family, static_cast<cudaStream_t>(stream));
+  });
+  if (record != nullptr) record->backward = family;
+  return status;
 }
 
 }  // namespace cuda

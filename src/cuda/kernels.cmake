@@ -86,7 +86,7 @@ flare_cuda90_variants(bwd ${FLARE_CUDA_BWD90_HEAD_DIMS})
 # Forward dispatch (the backward's is src/cuda/backward.cpp, listed below) and the forward's
 # non-finite fixup kernel.
 target_sources(flare PRIVATE src/cuda/cuda_backend.cpp src/cuda/fwd_fixup.cu
-                             src/cuda/sm90/tile_counter.cpp src/cuda/testing.cpp)
+                             src/cuda/sm90/tile_counter.cpp)
 
 # KV-cache decoding (src/cuda/decode): one unit per dtype, each with the three head-dim buckets.
 target_sources(flare PRIVATE src/cuda/decode/decode.cpp src/cuda/decode/decode_fp16.cu

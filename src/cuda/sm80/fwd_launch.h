@@ -8,9 +8,9 @@
 #include <cstdint>
 
 #include "core/params.h"
+#include "cuda/dispatch.h"
 #include "cuda/sm80/fwd_tiles.h"
 #include "cuda/sm80/tile_order.h"
-#include "cuda/testing.h"
 #include "flare/status.h"
 
 namespace flare::cuda::sm80 {
@@ -39,11 +39,13 @@ Status launch_forward_tile(const AttentionParams& p, cudaStream_t stream) {
 }
 
 // Enqueues the forward on `stream`: the bucket's short-walk tile where it has one and rows see few
-// keys under a causal or windowed mask (or where a test forces it), else its primary tile.
+// keys under a causal or windowed mask (or where overrides.forward_tiles asks for it), else its
+// primary tile.
 template <DType kDType, int kHeadDim>
-Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
+Status launch_forward(const AttentionParams& p, const DispatchOverrides& overrides,
+                      cudaStream_t stream) {
   if constexpr (has_short_fwd_tile(kHeadDim)) {
-    const int forced = testing::forced_forward_tiles();
+    const int forced = overrides.forward_tiles;
     if (forced != 0 ? forced == 2 : takes_short_fwd_tile(p))
       return launch_forward_tile<kDType, kHeadDim, true>(p, stream);
   }

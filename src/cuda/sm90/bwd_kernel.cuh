@@ -721,12 +721,6 @@ __global__ void __launch_bounds__(Bwd90Config<kDType, kHeadDim>::kThreads, 1)
 }
 
 template <DType kDType, int kHeadDim>
-bool backward_runs_on_device() {
-  return runs_sm90a_code(
-      reinterpret_cast<const void*>(attention_backward_sm90_kernel<kDType, kHeadDim, false, false, false>));
-}
-
-template <DType kDType, int kHeadDim>
 Status launch_backward_main(const AttentionParams& p, const sm80::BwdWorkspace& w,
                             cudaStream_t stream) {
   using Cfg = Bwd90Config<kDType, kHeadDim>;

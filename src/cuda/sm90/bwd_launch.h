@@ -11,10 +11,6 @@
 
 namespace flare::cuda::sm90 {
 
-// Whether the current device runs this variant's sm_90a code.
-template <DType kDType, int kHeadDim>
-bool backward_runs_on_device();
-
 // dK, dV written and dQ added into w.dq_accum (one slice) for a problem backward_supported()
 // accepts; checks the launch, never synchronises.
 template <DType kDType, int kHeadDim>

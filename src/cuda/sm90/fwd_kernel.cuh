@@ -64,7 +64,6 @@
 #include "cuda/sm90/fwd_tiles.h"
 #include "cuda/sm90/tensor_map.h"
 #include "cuda/sm90/tile_counter.h"
-#include "cuda/testing.h"
 
 namespace flare::cuda::sm90 {
 
@@ -839,16 +838,18 @@ bool forward_runs_on_device() {
 }
 
 // The persistent kernel over `tiles` query tiles: one CTA per SM, or one per tile when there are
-// fewer (the tests may cap it lower). Its tile counter is the stream's (tile_counter.h), or while
-// the stream captures a graph one of the launch's own, from the stream-ordered allocator, zeroed
-// and freed in stream order: nothing waits for the device.
+// fewer, or at most `max_ctas` where that is not 0 (DispatchOverrides::forward_ctas). Its tile
+// counter is the stream's (tile_counter.h), or while the stream captures a graph one of the
+// launch's own, from the stream-ordered allocator, zeroed and freed in stream order: nothing
+// waits for the device.
 template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
 Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
-                         const CUtensorMap& tm_v, int64_t tiles, cudaStream_t stream) {
+                         const CUtensorMap& tm_v, int64_t tiles, int max_ctas,
+                         cudaStream_t stream) {
   using Cfg = Fwd90Config<kDType, kHeadDim, true>;
   DeviceFacts device;
   FLARE_RETURN_IF_ERROR(current_device_facts(&device));
-  const int ctas = testing::forced_forward_ctas() > 0 ? testing::forced_forward_ctas() : device.sms;
+  const int ctas = max_ctas > 0 ? max_ctas : device.sms;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, ctas)));
   auto run = [&](int* counter) {
     return launch(attention_forward_sm90_persistent_kernel<kDType, kHeadDim, kScoreMods, kDropout>,
@@ -872,12 +873,12 @@ Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, cons
 // The one-CTA or the persistent kernel (fwd90_row), plain, with score modifiers, or with dropout.
 template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
 Status launch_tiles(const AttentionParams& p, const Fwd90Tile& row, const CUtensorMap& tm_q,
-                    const CUtensorMap& tm_k, const CUtensorMap& tm_v, int64_t tiles,
+                    const CUtensorMap& tm_k, const CUtensorMap& tm_v, int64_t tiles, int max_ctas,
                     cudaStream_t stream) {
   if constexpr (fwd90_tile(kHeadDim, true).head_dim != 0) {
     if (row.persistent)
       return launch_persistent<kDType, kHeadDim, kScoreMods, kDropout>(p, tm_q, tm_k, tm_v, tiles,
-                                                                       stream);
+                                                                       max_ctas, stream);
   }
   using Cfg = Fwd90Config<kDType, kHeadDim, false>;
   const int64_t m_blocks = (int64_t{p.seqlen_q} + Cfg::kBlockM - 1) / Cfg::kBlockM;
@@ -889,8 +890,10 @@ Status launch_tiles(const AttentionParams& p, const Fwd90Tile& row, const CUtens
 }
 
 template <DType kDType, int kHeadDim>
-Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  const Fwd90Tile row = fwd90_row(p, testing::forced_forward_ctas() > 0);  // fwd_tiles.h
+Status launch_forward(const AttentionParams& p, const DispatchOverrides& overrides,
+                      cudaStream_t stream) {
+  const int max_ctas = overrides.forward_ctas;
+  const Fwd90Tile row = fwd90_row(p, max_ctas > 0);  // fwd_tiles.h
   const int64_t tiles = fwd90_tile_count(p, row.block_m);
   if (tiles == 0) return {};
   CUtensorMap tm_q, tm_k, tm_v;
@@ -906,10 +909,13 @@ Status launch_forward(const AttentionParams& p, cudaStream_t stream) {
                   p.v_row_stride, p.v_head_stride, p.v_batch_stride, row.block_n, "v");
   if (!st.ok()) return st;
   if (p.dropout_p > 0.0f)
-    return launch_tiles<kDType, kHeadDim, true, true>(p, row, tm_q, tm_k, tm_v, tiles, stream);
+    return launch_tiles<kDType, kHeadDim, true, true>(p, row, tm_q, tm_k, tm_v, tiles, max_ctas,
+                                                      stream);
   if (p.has_score_mods())
-    return launch_tiles<kDType, kHeadDim, true, false>(p, row, tm_q, tm_k, tm_v, tiles, stream);
-  return launch_tiles<kDType, kHeadDim, false, false>(p, row, tm_q, tm_k, tm_v, tiles, stream);
+    return launch_tiles<kDType, kHeadDim, true, false>(p, row, tm_q, tm_k, tm_v, tiles, max_ctas,
+                                                       stream);
+  return launch_tiles<kDType, kHeadDim, false, false>(p, row, tm_q, tm_k, tm_v, tiles, max_ctas,
+                                                      stream);
 }
 
 }  // namespace flare::cuda::sm90

@@ -101,7 +101,7 @@ constexpr int fwd90_bucket(int head_dim) {
 
 // The row that runs p: the first of its bucket that takes p's key count, or the persistent
 // kernel's for packed variable-length batches (it draws only the tiles that hold rows, in any
-// mix of lengths) and with `force_persistent` (the tests' hook, cuda/testing.h), where the bucket
+// mix of lengths) and with `force_persistent` (DispatchOverrides::forward_ctas), where the bucket
 // has one. A zero row for a head_dim no bucket holds.
 inline Fwd90Tile fwd90_row(const AttentionParams& p, bool force_persistent = false) {
   const int bucket = fwd90_bucket(p.head_dim);
