@@ -1261,7 +1261,7 @@ void decode_merge(const AttentionParams& p, const DecodePlan& plan, const float*
   const bool sees_keys = lo_r < hi_r;
   const double l_row = l > 0.0 ? l : std::numeric_limits<double>::quiet_NaN();
   const double factor = sees_keys ? 1.0 / l_row : 0.0;
-  float row[256];
+  float row[256] = {};  // only d entries are read; zeroed, gcc 13 warns of uninitialised reads
   for (int dim = 0; dim < d; ++dim) row[dim] = static_cast<float>(acc[dim]);
   store_rows(row, d, factor, 1, d, p.o, p.dtype, hd.o + int64_t{r} * p.o_row_stride, p.o_row_stride);
   p.lse[hd.lse + r] = sees_keys ? static_cast<float>(static_cast<double>(m) + std::log(l_row)) : -kInf;
