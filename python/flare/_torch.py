@@ -1,13 +1,16 @@
 """PyTorch integration: flare's forward and backward with autograd, eager and under torch.compile.
 
-Two roads lead to the same two functions, forward() and backward() below:
+Two roads lead to the same two kernels, forward and backward:
 
-- Eager calls go through Attention, a torch.autograd.Function whose forward and backward call the
-  compiled module directly. That is the hot path of a training step, and the host must stay
-  ahead of the GPU there: on an H100 host a forward with autograd through a
-  torch.library.custom_op cost 384 µs of host time and a forward + backward 681 µs (the op's
-  generated autograd wrapper, argument defaulting and aliasing checks, all in Python), against
-  136 µs and 540 µs of GPU time at GPT-3 2.7B's attention shape (bench/host_overhead.py).
+- Eager calls are the hot path of a training step, and the host must stay ahead of the GPU
+  there: on an H100 host a forward with autograd through a torch.library.custom_op cost 384 µs of
+  host time and a forward + backward 681 µs (the op's generated autograd wrapper, argument
+  defaulting and aliasing checks, all in Python), against 136 µs and 540 µs of GPU time at GPT-3
+  2.7B's attention shape (bench/host_overhead.py). Where flare/_torch_ops.so was built they go
+  through torch.ops.flare.attention, whose autograd is a C++ torch::autograd::Function: its
+  backward runs in the autograd engine with no Python, as SDPA's does (the Python Function cost
+  an H200 host 3-60 µs per forward + backward more than SDPA, 78fecd6). Elsewhere they go through
+  Attention, a torch.autograd.Function whose forward and backward call the extension directly.
 - Under torch.compile, the same autograd.Function allocates its outputs and calls the operators
   torch.ops.flare.fwd and torch.ops.flare.bwd, defined here with torch.library (a schema that
   writes into the given outputs, a fake kernel, and CPU and CUDA kernels: C++ from
@@ -155,6 +158,9 @@ _lib.define("fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
             ") -> ()")
 _lib.define("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, " + _OPTIONS + ") -> ()")
+# The eager road with autograd in C++ (flare_torch_ops.cpp): (out, lse) with a backward the
+# autograd engine runs without Python. Only where the C++ kernels were built.
+_lib.define("attention(Tensor q, Tensor k, Tensor v, " + _OPTIONS + ") -> (Tensor, Tensor)")
 # The kernels: C++ where flare/_torch_ops.so was built (the dispatcher then calls them unboxed,
 # with no Python between the compiled graph and the library), else these Python functions.
 CPP_KERNELS = _load_cpp_kernels()
@@ -259,10 +265,14 @@ def attention(q, k, v, options, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             o.dropout_p, o.softmax_scale, o.causal, o.window_left, o.window_right, o.softcap,
             alibi_slopes, o.deterministic, draw_rng_state(o.dropout_p), o.backend)
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return Attention.apply(*args)
+        return _compiled_forward(*args)
+    if CPP_KERNELS:
+        return torch.ops.flare.attention(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return Attention.apply(*args)
-    if torch.compiler.is_compiling():
-        return _compiled_forward(*args)
     return forward(*args)
 
 

@@ -9,8 +9,16 @@
 // flare/_torch_ops.so. It does not link flare: the extension module hands over its C ABI entry
 // points (c_api_table.h) through flare_torch_ops_bind() when flare/_torch.py loads this library.
 // Errors raise the Python exception the extension raises for the same status code.
+//
+// It also carries torch.ops.flare.attention, the eager road of flash_attn_func with autograd in
+// C++: its Autograd kernel is a torch::autograd::Function whose backward the autograd engine runs
+// without entering Python, as SDPA's does. flare/_torch.py's Python Function remains the road
+// under torch.compile (which traces it) and where this library was not built.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #ifdef FLARE_TORCH_OPS_CUDA
@@ -20,6 +28,9 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "c_api_table.h"
 
@@ -217,6 +228,96 @@ void block_sparse_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Ten
   backward_into(dout, q, k, v, out, lse, dq, dk, dv, &m, FLARE_OPTION_ARGS);
 }
 
+// ---- torch.ops.flare.attention: the eager road with autograd in C++ --------------------------
+
+// out like q and lse (float32: (b, h, s_q), or (h, total_q) for a packed batch), contiguous, as
+// flare/_torch.py's forward_outputs allocates them (for q of a wrong rank a dummy lse: the
+// library reports q's rank, which it checks first).
+std::pair<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& q, bool is_varlen) {
+  std::vector<int64_t> lse_shape{1};
+  if (is_varlen && q.dim() == 3) lse_shape = {q.size(1), q.size(0)};
+  if (!is_varlen && q.dim() == 4) lse_shape = {q.size(0), q.size(2), q.size(1)};
+  return {at::empty_like(q, at::MemoryFormat::Contiguous),
+          at::empty(lse_shape, q.options().dtype(at::kFloat))};
+}
+
+// A gradient autograd hands over may have any layout (an expanded one has stride 0): flare reads
+// rows with a unit last stride, so others are copied, as flash_attn does.
+at::Tensor unit_last_stride(const at::Tensor& t) {
+  return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
+}
+
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+      const at::Tensor& v, const std::optional<at::Tensor>& cu_seqlens_q,
+      const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+      double dropout_p, double softmax_scale, bool causal, int64_t window_left,
+      int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+      bool deterministic, const std::optional<at::Tensor>& rng_state, int64_t backend) {
+    const CallArgs a = FLARE_OPTION_ARGS;
+    auto [out, lse] = forward_outputs(q, a.is_varlen);
+    forward_into(q, k, v, out, lse, nullptr, a);
+    // The backward's arguments: tensors saved (absent optional ones as undefined), the rest as
+    // values.
+    ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q.value_or(at::Tensor()),
+                            cu_seqlens_k.value_or(at::Tensor()),
+                            alibi_slopes.value_or(at::Tensor()), rng_state.value_or(at::Tensor())});
+    ctx->saved_data["ints"] = std::vector<int64_t>{max_seqlen_q, max_seqlen_k, window_left,
+                                                   window_right, backend, causal, deterministic};
+    ctx->saved_data["reals"] = std::vector<double>{dropout_p, softmax_scale, softcap};
+    // lse never has a gradient (flash_attn's softmax_lse is not differentiable either), and no
+    // zero-filled one is made for it.
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list none(17);  // one per forward argument after ctx
+    if (!grads[0].defined()) return none;      // out did not reach the loss
+    const torch::autograd::variable_list t = ctx->get_saved_variables();
+    const auto ints = ctx->saved_data["ints"].toIntVector();
+    const auto reals = ctx->saved_data["reals"].toDoubleVector();
+    auto optional = [](const at::Tensor& x) {
+      return x.defined() ? std::optional<at::Tensor>(x) : std::nullopt;
+    };
+    const CallArgs a = make_args(optional(t[5]), optional(t[6]), ints[0], ints[1], reals[0],
+                                 reals[1], ints[5] != 0, ints[2], ints[3], reals[2],
+                                 optional(t[7]), ints[6] != 0, optional(t[8]), ints[4]);
+    const at::Tensor &q = t[0], &k = t[1], &v = t[2];
+    at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous),
+               dk = at::empty_like(k, at::MemoryFormat::Contiguous),
+               dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+    backward_into(unit_last_stride(grads[0]), q, k, v, t[3], t[4], dq, dk, dv, nullptr, a);
+    none[0] = dq;
+    none[1] = dk;
+    none[2] = dv;
+    return none;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, FLARE_OPTION_PARAMS) {
+  const torch::autograd::variable_list r = AttentionFunction::apply(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+      causal, window_left, window_right, softcap, alibi_slopes, deterministic, rng_state,
+      backend);
+  return {r[0], r[1]};
+}
+
+// Tensors without autograd (torch.inference_mode) reach the backend keys directly.
+std::tuple<at::Tensor, at::Tensor> attention_without_autograd(const at::Tensor& q,
+                                                              const at::Tensor& k,
+                                                              const at::Tensor& v,
+                                                              FLARE_OPTION_PARAMS) {
+  const CallArgs a = FLARE_OPTION_ARGS;
+  auto [out, lse] = forward_outputs(q, a.is_varlen);
+  forward_into(q, k, v, out, lse, nullptr, a);
+  return {out, lse};
+}
+
 #undef FLARE_OPTION_PARAMS
 #undef FLARE_OPTION_ARGS
 
@@ -227,7 +328,10 @@ extern "C" __attribute__((visibility("default"))) void flare_torch_ops_bind(
   api = table;
 }
 
+TORCH_LIBRARY_IMPL(flare, Autograd, m) { m.impl("attention", &attention); }
+
 TORCH_LIBRARY_IMPL(flare, CPU, m) {
+  m.impl("attention", &attention_without_autograd);
   m.impl("fwd", &fwd);
   m.impl("bwd", &bwd);
   m.impl("block_sparse_fwd", &block_sparse_fwd);
@@ -236,6 +340,7 @@ TORCH_LIBRARY_IMPL(flare, CPU, m) {
 
 #ifdef FLARE_TORCH_OPS_CUDA
 TORCH_LIBRARY_IMPL(flare, CUDA, m) {
+  m.impl("attention", &attention_without_autograd);
   m.impl("fwd", &fwd);
   m.impl("bwd", &bwd);
   m.impl("block_sparse_fwd", &block_sparse_fwd);

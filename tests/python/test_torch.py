@@ -309,6 +309,62 @@ def test_operator_kernels_match_the_direct_calls(device):
                 fwd(q.double(), k, v, out, lse, *options)
 
 
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("case", ["gqa_window_dropout_packed", "softcap_alibi", "expanded_grad"])
+def test_cpp_autograd_matches_the_python_function(device, case):
+    """flash_attn_func's eager road where flare/_torch_ops.so was built (torch.ops.flare.attention,
+    autograd in C++) against the Python autograd.Function that torch.compile traces: outputs and
+    gradients bitwise equal, the gradient arriving as autograd hands it over (an expanded one has
+    stride 0); under inference_mode the forward alone; the graph node is C++ there."""
+    from flare import _core, _torch as ft
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    h, h_kv, d = 4, 2, 32
+    cu = None
+    if case == "gqa_window_dropout_packed":
+        total = 45
+        q = torch.randn(total, h, d, device=device, dtype=dtype)
+        k, v = (torch.randn(total, h_kv, d, device=device, dtype=dtype) for _ in range(2))
+        cu = torch.tensor([0, 17, 17, 45], dtype=torch.int32, device=device)
+        options = _core.Options(softmax_scale=None, causal=True, window_size=(9, 0), softcap=0.0,
+                                dropout_p=0.2, deterministic=False, backend="auto")
+        seqlens, slopes = (28, 28), None
+    else:
+        q = torch.randn(2, 19, h, d, device=device, dtype=dtype)
+        k, v = (torch.randn(2, 23, h_kv, d, device=device, dtype=dtype) for _ in range(2))
+        options = _core.Options(softmax_scale=0.2, causal=case == "softcap_alibi",
+                                window_size=(-1, -1), softcap=5.0 if case == "softcap_alibi" else 0.0,
+                                dropout_p=0.0, deterministic=True, backend="auto")
+        seqlens = (0, 0)
+        slopes = (torch.rand(2, h, device=device) if case == "softcap_alibi" else None)
+    for t in (q, k, v):
+        t.requires_grad_()
+    o = options
+    rng_state = torch.tensor([123, 9], dtype=torch.int64) if o.dropout_p > 0 else None
+    args = (q, k, v, cu, cu) + seqlens + (o.dropout_p, o.softmax_scale, o.causal, o.window_left,
+                                          o.window_right, o.softcap, slopes, o.deterministic,
+                                          rng_state, o.backend)
+    with cuda_may_be_unsupported(device):
+        results = []
+        for road in (torch.ops.flare.attention, ft.Attention.apply) if ft.CPP_KERNELS else ():
+            out, lse = road(*args)
+            seeded = torch.Generator(device).manual_seed(1)
+            grad = (torch.randn(out.shape[-1], generator=seeded, device=device,
+                                dtype=dtype).expand(out.shape) if case == "expanded_grad"
+                    else torch.randn(out.shape, generator=seeded, device=device, dtype=dtype))
+            results.append((out, lse) + torch.autograd.grad(out, (q, k, v), grad))
+            if road is torch.ops.flare.attention:
+                assert "Cpp" in type(out.grad_fn).__name__
+                assert not lse.requires_grad
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+        if ft.CPP_KERNELS:
+            with torch.inference_mode():
+                out, lse = torch.ops.flare.attention(*((q.detach(), k.detach(), v.detach())
+                                                       + args[3:]))
+            assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
 def test_operator_kernels_are_cpp_where_built():
     from flare import _torch as ft
     built = os.path.exists(os.path.join(os.path.dirname(ft.__file__), "_torch_ops.so"))
