@@ -209,26 +209,33 @@ TEST(CpuBlockSparse, TilesComputedEqualBlocksOn) {
   for (int64_t i = 0; i < mask.view.numel(); ++i) on += mask.bytes[static_cast<size_t>(i)] != 0;
   Problem pr = make_problem(spec);
   const BlockMask m{mask.view, bm, bn};
-  const int64_t before = cpu::block_sparse_tiles_run.load();
-  ASSERT_TRUE(block_sparse_forward(pr, m).ok());
-  const int64_t forward = cpu::block_sparse_tiles_run.load() - before;
-  EXPECT_EQ(forward, on);
-  ASSERT_TRUE(block_sparse_backward(pr, m).ok());
-  EXPECT_EQ(cpu::block_sparse_tiles_run.load() - before - forward, 2 * on)
-      << "the backward visits each block on once for dK/dV and once for dQ";
+  // The flash backend's entry points, which count the tiles they compute.
+  AttentionParams fp, bp;
+  ASSERT_TRUE(make_block_sparse_forward_params(pr.q.view, pr.k.view, pr.v.view, pr.o.view,
+                                               pr.lse.view, m, pr.options, pr.varlen, &fp)
+                  .ok());
+  int64_t tiles = -1;
+  ASSERT_TRUE(cpu::block_sparse_flash_forward(fp, &tiles).ok());
+  EXPECT_EQ(tiles, on);
+  ASSERT_TRUE(make_block_sparse_backward_params(pr.dout.view, pr.q.view, pr.k.view, pr.v.view,
+                                                pr.o.view, pr.lse.view, pr.dq.view, pr.dk.view,
+                                                pr.dv.view, m, pr.options, pr.varlen, &bp)
+                  .ok());
+  ASSERT_TRUE(cpu::block_sparse_flash_backward(bp, &tiles).ok());
+  EXPECT_EQ(tiles, 2 * on) << "the backward visits each block on once for dK/dV and once for dQ";
   // With a causal mask, blocks above the diagonal are skipped too, though on in the mask.
   const HostTensor all = fill_mask(1, 1, rows, cols, DType::kUInt8, false, every_block);
   AttentionOptions causal;
   causal.causal = true;
-  const int64_t before_causal = cpu::block_sparse_tiles_run.load();
-  ASSERT_TRUE(block_sparse_attention_forward(pr.q.view, pr.k.view, pr.v.view, pr.o.view,
-                                             pr.lse.view, {all.view, bm, bn}, causal)
+  ASSERT_TRUE(make_block_sparse_forward_params(pr.q.view, pr.k.view, pr.v.view, pr.o.view,
+                                               pr.lse.view, {all.view, bm, bn}, causal, {}, &fp)
                   .ok());
+  ASSERT_TRUE(cpu::block_sparse_flash_forward(fp, &tiles).ok());
   int64_t reachable = 0;  // blocks with a key j ≤ i + (90 − 100) for some row i of the block
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c)
       reachable += c * bn <= std::min<int64_t>(100, (r + 1) * bm) - 1 - 10;
-  EXPECT_EQ(cpu::block_sparse_tiles_run.load() - before_causal, 2 * 4 * reachable);
+  EXPECT_EQ(tiles, 2 * 4 * reachable);
 }
 
 // ---- pattern helpers -----------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 // (cpu::reference_forward / reference_backward in core/backends.h) reads the mask itself.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 
 #include "core/params.h"
@@ -30,12 +29,11 @@ namespace cpu {
 
 // Tiled online-softmax block-sparse attention in fp32 (threads; deterministic backward). Visits
 // only the (query block, key block) pairs whose mask entry is on and that the window reaches.
-Status block_sparse_flash_forward(const AttentionParams& p);
-Status block_sparse_flash_backward(const AttentionParams& p);
-
-// (query block, key block, query head) tiles computed since start, summed over the forward and
-// both backward passes, so tests can check that masked blocks are skipped without timing.
-extern std::atomic<int64_t> block_sparse_tiles_run;
+// *tiles_run, where given, receives the (query block, key block, query head) tiles the call
+// computed (the backward's two passes summed), so tests can check that masked blocks are skipped
+// without timing.
+Status block_sparse_flash_forward(const AttentionParams& p, int64_t* tiles_run = nullptr);
+Status block_sparse_flash_backward(const AttentionParams& p, int64_t* tiles_run = nullptr);
 
 }  // namespace cpu
 }  // namespace flare

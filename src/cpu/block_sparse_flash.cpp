@@ -22,7 +22,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -39,8 +38,6 @@
 #include "cpu/head_location.h"
 
 namespace flare::cpu {
-
-std::atomic<int64_t> block_sparse_tiles_run{0};
 
 namespace {
 
@@ -134,13 +131,14 @@ float dropout_factor(const AttentionParams& p, const HeadLocation& hd, int row, 
 // ---- per-thread scratch ---------------------------------------------------------------------------
 
 // Tiles of one thread, sized for the largest (query block, key block) pair of the call.
-struct Scratch {
+struct alignas(64) Scratch {  // a line of its own: tiles_run counts per tile
   std::vector<float> q, dout, acc;   // (rows, d)
   std::vector<float> k, v, dk, dv;   // (cols, d)
   std::vector<float> m, l, lse, delta;  // (rows)
   std::vector<float> s;              // (cols)
   std::vector<char> seen;            // (rows): the row met a key
   Tile tile;
+  int64_t tiles_run = 0;  // tiles this thread computed (the entry points' *tiles_run)
 
   Scratch(int rows, int cols, int d)
       : q(size_t(rows) * d), dout(size_t(rows) * d), acc(size_t(rows) * d), k(size_t(cols) * d),
@@ -193,7 +191,7 @@ int thread_count(size_t tasks) {
 }
 
 // Calls visit(tile) for each key tile of query block qb that the mask turns on and that holds a
-// visible key, with its K and V rows loaded into sc->k and sc->v; counted in block_sparse_tiles_run.
+// visible key, with its K and V rows loaded into sc->k and sc->v; counted in sc->tiles_run.
 template <typename Visit>
 void for_each_key_tile(const AttentionParams& p, const HeadLocation& hd, int qb, Scratch* sc, Visit visit) {
   const int key_blocks = static_cast<int>(ceil_div(hd.seq.len_k, p.block_n));
@@ -201,7 +199,7 @@ void for_each_key_tile(const AttentionParams& p, const HeadLocation& hd, int qb,
     if (!block_on(p, hd.b, hd.h, qb, kb)) continue;
     const Tile& t = tile_at(p, hd.seq, qb, kb, &sc->tile);
     if (!t.any) continue;
-    block_sparse_tiles_run.fetch_add(1, std::memory_order_relaxed);
+    ++sc->tiles_run;
     load_rows(p.k, p.dtype, hd.k + t.j0 * p.k_row_stride, p.k_row_stride, t.cols, p.head_dim, sc->k.data());
     load_rows(p.v, p.dtype, hd.v + t.j0 * p.v_row_stride, p.v_row_stride, t.cols, p.head_dim, sc->v.data());
     visit(t);
@@ -324,7 +322,7 @@ void key_block_backward(const AttentionParams& p, const Task& task, const float*
       if (!block_on(p, hd.b, hd.h, qb, kb)) continue;
       const Tile& t = tile_at(p, seq, qb, kb, &sc->tile);
       if (!t.any) continue;
-      block_sparse_tiles_run.fetch_add(1, std::memory_order_relaxed);
+      ++sc->tiles_run;
       if (!loaded) {  // K and V only once some tile needs them
         load_rows(p.k, p.dtype, first.k + j0 * p.k_row_stride, p.k_row_stride, cols, d,
                   sc->k.data());
@@ -377,11 +375,19 @@ void query_block_backward(const AttentionParams& p, const Task& task, const floa
              p.dq_row_stride);
 }
 
+// The tiles every thread computed, where the caller asked for the count.
+void report_tiles(const std::vector<Scratch>& scratch, int64_t* tiles_run) {
+  if (tiles_run == nullptr) return;
+  *tiles_run = 0;
+  for (const Scratch& sc : scratch) *tiles_run += sc.tiles_run;
+}
+
 }  // namespace
 
 // ---- entry points -------------------------------------------------------------------------------
 
-Status block_sparse_flash_forward(const AttentionParams& p) {
+Status block_sparse_flash_forward(const AttentionParams& p, int64_t* tiles_run) {
+  if (tiles_run != nullptr) *tiles_run = 0;
   std::vector<Task> tasks;
   if (!make_tasks(p, p.heads_q, true, &tasks))
     return Status::out_of_memory("cpu block-sparse forward: task list");
@@ -393,10 +399,12 @@ Status block_sparse_flash_forward(const AttentionParams& p) {
   const int64_t n = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) forward_block(p, tasks[i], &scratch[omp_get_thread_num()]);
+  report_tiles(scratch, tiles_run);
   return {};
 }
 
-Status block_sparse_flash_backward(const AttentionParams& p) {
+Status block_sparse_flash_backward(const AttentionParams& p, int64_t* tiles_run) {
+  if (tiles_run != nullptr) *tiles_run = 0;
   std::vector<Task> q_tasks, k_tasks;
   if (!make_tasks(p, p.heads_q, true, &q_tasks) || !make_tasks(p, p.heads_kv, false, &k_tasks))
     return Status::out_of_memory("cpu block-sparse backward: task lists");
@@ -423,6 +431,7 @@ Status block_sparse_flash_backward(const AttentionParams& p) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < nq; ++i) query_block_backward(p, q_tasks[i], delta.data(), mine);
   }
+  report_tiles(scratch, tiles_run);
   return {};
 }
 
