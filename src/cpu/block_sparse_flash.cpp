@@ -104,19 +104,14 @@ void axpy(float w, const float* x, float* y, int d) {
   for (int c = 0; c < d; ++c) y[c] += w * x[c];
 }
 
-// Score of (row, key j) from its raw dot product, in attention.h's order: scale, softcap, ALiBi.
-// *dcap receives the softcap chain-rule factor 1 − tanh² (1 when softcap is off).
+// Score of (row, key j) from its raw dot product, in attention.h's order: scale, softcap, ALiBi
+// (modified_score). *dcap receives the softcap chain-rule factor 1 − tanh² (1 when softcap is off).
 float score(const AttentionParams& p, const HeadLocation& hd, float raw, int row, int j,
             float* dcap) {
-  float s = raw * p.scale;
-  *dcap = 1.0f;
-  if (p.softcap > 0.0f) {
-    const float th = std::tanh(s / p.softcap);
-    s = p.softcap * th;
-    *dcap = 1.0f - th * th;
-  }
-  if (p.alibi_slopes != nullptr) s += alibi_bias(hd.slope, row, j, hd.seq.len_q, hd.seq.len_k);
-  return s;
+  return modified_score(
+      raw * p.scale, p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f,
+      p.alibi_slopes != nullptr ? alibi_bias(hd.slope, row, j, hd.seq.len_q, hd.seq.len_k) : 0.0f,
+      dcap);
 }
 
 // Dropout multiplier of (row, j): `keep` or 0.
