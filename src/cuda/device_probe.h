@@ -160,7 +160,9 @@ inline bool runs_sm90a_code(const void* kernel) {
   std::lock_guard<std::mutex> lock(d.mutex);
   probe_detail::KernelFacts* facts = nullptr;
   if (!probe_detail::kernel_facts(d, kernel, &facts).ok()) return false;
-  return facts->binary_version == 90;
+  // Both: compute_80 PTX compiled just in time on this device also reports binary version 90,
+  // and the sm90 kernels' bodies are empty outside the sm_90a compilation.
+  return facts->binary_version == 90 && facts->ptx_version >= 90;
 }
 
 // Lets `kernel` use `bytes` of dynamic shared memory on the current device (once per size).
