@@ -230,15 +230,18 @@ void block_sparse_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Ten
 
 // ---- torch.ops.flare.attention: the eager road with autograd in C++ --------------------------
 
-// out like q and lse (float32: (b, h, s_q), or (h, total_q) for a packed batch), contiguous, as
-// flare/_torch.py's forward_outputs allocates them (for q of a wrong rank a dummy lse: the
-// library reports q's rank, which it checks first).
-std::pair<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& q, bool is_varlen) {
+// The forward into new outputs: out like q and lse (float32: (b, h, s_q), or (h, total_q) for a
+// packed batch), contiguous, as flare/_torch.py's forward_outputs allocates them (for q of a
+// wrong rank a dummy lse: the library reports q's rank, which it checks first).
+std::pair<at::Tensor, at::Tensor> forward_new(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const CallArgs& a) {
   std::vector<int64_t> lse_shape{1};
-  if (is_varlen && q.dim() == 3) lse_shape = {q.size(1), q.size(0)};
-  if (!is_varlen && q.dim() == 4) lse_shape = {q.size(0), q.size(2), q.size(1)};
-  return {at::empty_like(q, at::MemoryFormat::Contiguous),
-          at::empty(lse_shape, q.options().dtype(at::kFloat))};
+  if (a.is_varlen && q.dim() == 3) lse_shape = {q.size(1), q.size(0)};
+  if (!a.is_varlen && q.dim() == 4) lse_shape = {q.size(0), q.size(2), q.size(1)};
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  at::Tensor lse = at::empty(lse_shape, q.options().dtype(at::kFloat));
+  forward_into(q, k, v, out, lse, nullptr, a);
+  return {out, lse};
 }
 
 // A gradient autograd hands over may have any layout (an expanded one has stride 0): flare reads
@@ -255,9 +258,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       double dropout_p, double softmax_scale, bool causal, int64_t window_left,
       int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
       bool deterministic, const std::optional<at::Tensor>& rng_state, int64_t backend) {
-    const CallArgs a = FLARE_OPTION_ARGS;
-    auto [out, lse] = forward_outputs(q, a.is_varlen);
-    forward_into(q, k, v, out, lse, nullptr, a);
+    auto [out, lse] = forward_new(q, k, v, FLARE_OPTION_ARGS);
     // The backward's arguments: tensors saved (absent optional ones as undefined), the rest as
     // values.
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q.value_or(at::Tensor()),
@@ -312,10 +313,7 @@ std::tuple<at::Tensor, at::Tensor> attention_without_autograd(const at::Tensor& 
                                                               const at::Tensor& k,
                                                               const at::Tensor& v,
                                                               FLARE_OPTION_PARAMS) {
-  const CallArgs a = FLARE_OPTION_ARGS;
-  auto [out, lse] = forward_outputs(q, a.is_varlen);
-  forward_into(q, k, v, out, lse, nullptr, a);
-  return {out, lse};
+  return forward_new(q, k, v, FLARE_OPTION_ARGS);
 }
 
 #undef FLARE_OPTION_PARAMS
@@ -330,7 +328,8 @@ extern "C" __attribute__((visibility("default"))) void flare_torch_ops_bind(
 
 TORCH_LIBRARY_IMPL(flare, Autograd, m) { m.impl("attention", &attention); }
 
-TORCH_LIBRARY_IMPL(flare, CPU, m) {
+// The same kernels for CPU and CUDA tensors.
+static void register_kernels(torch::Library& m) {
   m.impl("attention", &attention_without_autograd);
   m.impl("fwd", &fwd);
   m.impl("bwd", &bwd);
@@ -338,12 +337,8 @@ TORCH_LIBRARY_IMPL(flare, CPU, m) {
   m.impl("block_sparse_bwd", &block_sparse_bwd);
 }
 
+TORCH_LIBRARY_IMPL(flare, CPU, m) { register_kernels(m); }
+
 #ifdef FLARE_TORCH_OPS_CUDA
-TORCH_LIBRARY_IMPL(flare, CUDA, m) {
-  m.impl("attention", &attention_without_autograd);
-  m.impl("fwd", &fwd);
-  m.impl("bwd", &bwd);
-  m.impl("block_sparse_fwd", &block_sparse_fwd);
-  m.impl("block_sparse_bwd", &block_sparse_bwd);
-}
+TORCH_LIBRARY_IMPL(flare, CUDA, m) { register_kernels(m); }
 #endif
