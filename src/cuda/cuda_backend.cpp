@@ -114,9 +114,13 @@ Status forward(const AttentionParams& p, Stream stream, const DispatchOverrides&
     if (record != nullptr) record->forward = family;
     // Under a window or on a packed batch a row's O may have met a hidden key's ±Inf/NaN V in
     // the P·V product (fwd_fixup.h): the rows the kernel marked are recomputed exactly
-    // (fwd_fixup.cu), as are the rows a block mask left with LSE = −inf that see a key.
-    // Otherwise no tile holds a hidden real key, and the kernels' own results are the reference's.
-    if (status.ok() && (rows_may_meet_hidden_keys(p) || p.block_mask != nullptr))
+    // (fwd_fixup.cu), as are the rows a block mask left with LSE = −inf that see a key, unless
+    // the sm90 kernel recomputed them itself. Otherwise no tile holds a hidden real key, and the
+    // kernels' own results are the reference's.
+    const bool fixed_in_kernel =
+        family == KernelFamily::kSm90 && sm90_forward_fixes_rows_itself(p);
+    if (status.ok() && !fixed_in_kernel &&
+        (rows_may_meet_hidden_keys(p) || p.block_mask != nullptr))
       status = launch_forward_fixup(p, s);
     return status;
   });

@@ -3,10 +3,12 @@
 //
 // Launched after the forward kernel under a sliding-window or causal mask and on packed batches,
 // the only forward problems where a tile's P·V product can multiply a hidden key's ±Inf/NaN V by
-// P = 0 (rows_may_meet_hidden_keys, fwd_fixup.h), and under a block mask, where a row left with LSE = −inf may still see a key (all its scores
-// −inf: NaN in the reference) — off blocks are skipped whole, so they never pollute a row.
-// The forward kernels mark a row whose O came out non-finite with LSE = NaN; rows that see no key
-// and were not marked keep O = 0, LSE = −inf and are skipped here. One read of the LSE entries when nothing is marked.
+// P = 0 (rows_may_meet_hidden_keys, fwd_fixup.h), and under a block mask, where a row left with
+// LSE = −inf may still see a key (all its scores −inf: NaN in the reference) — off blocks are
+// skipped whole, so they never pollute a row. Not after the sm90 kernel where it recomputes its
+// rows itself (sm90_forward_fixes_rows_itself). The forward kernels mark a row whose O came out
+// non-finite with LSE = NaN; rows that see no key and were not marked keep O = 0, LSE = −inf and
+// are skipped here. One read of the LSE entries when nothing is marked.
 #include "cuda/fwd_fixup.h"
 
 #include <cuda_runtime.h>
@@ -34,13 +36,9 @@ __global__ void __launch_bounds__(kRowsPerCta, 1)
   bool marked = false;
   if (i < seq.len_q) {
     const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i];
-    if (!(fabsf(lse) < INFINITY)) {
-      // NaN marks a non-finite O, also in a row that sees no key (its P = 0 met a masked key's
-      // ±Inf/NaN V; recomputed, it is O = 0, LSE = −inf); ±inf needs a recompute only where the
-      // row sees a key.
-      const KeyRange keys = visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
-      marked = lse != lse || row_sees_a_key(p, b, h, i, keys.lo, keys.hi);
-    }
+    // NaN marks a non-finite O, also in a row that sees no key (its P = 0 met a masked key's
+    // ±Inf/NaN V; recomputed, it is O = 0, LSE = −inf).
+    marked = !(fabsf(lse) < INFINITY) && forward_row_marked(p, b, h, seq, i, lse);
   }
   for (uint32_t todo = __ballot_sync(0xffffffffu, marked); todo != 0; todo &= todo - 1)
     forward_recompute_row(p, b, h, i0 + __ffs(todo) - 1);

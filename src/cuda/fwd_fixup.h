@@ -18,6 +18,14 @@ FLARE_HD bool rows_may_meet_hidden_keys(const AttentionParams& p) {
   return p.has_window() || p.is_varlen();
 }
 
+// Whether the sm90 forward kernel recomputes its marked rows itself, in each warp's epilogue
+// (sm90/fwd_kernel.cuh), so that no fixup kernel follows it: dense calls without dropout. With
+// dropout the recompute's code spills the kernel's registers, and under a block mask rows in
+// tiles no CTA ran need the fixup kernel's pass over every row.
+FLARE_HD bool sm90_forward_fixes_rows_itself(const AttentionParams& p) {
+  return p.dropout_p == 0.0f && p.block_mask == nullptr;
+}
+
 // After a forward kernel (sm80 or sm90) under a window or on a packed batch: every row whose LSE
 // came out non-finite and that sees a key — a row whose O the kernel found ±Inf/NaN, marked with
 // LSE = NaN, or one left with LSE = −inf although it sees keys — is recomputed exactly from the

@@ -25,13 +25,17 @@
 //
 // Where they run, so that a finite call pays only the epilogue's test: in kernels of their own,
 // launched after the forward (src/cuda/fwd_fixup.cu, under windows) and after the backward's
-// convert step (sm80/bwd_prepost.cu, under masks or ragged blocks). The main kernels only mark
+// convert step (sm80/bwd_prepost.cu, under masks or ragged blocks); the sm90 forward without
+// dropout or block mask recomputes its own marked rows (forward_fix_row, a call that is not
+// inlined, in each warp's epilogue), which saves the fixup kernel's launch (host time) and its
+// pass over the LSE. The main kernels only mark
 // what needs recomputing — the forward a row's LSE as NaN, the backward and convert kernels a
 // flag in the workspace — so that the fixup kernels find it cheaply. A call from the main kernels
 // was measured and is not free: with the fixup code in it (called or inlined), ptxas capped the
 // sm80 d 32 forward kernels at 168 registers and spilled (the grouped one had 209, no spill), the
-// skewed d 128 backward spilled on sm_90a, and a callee's registers count against its caller
-// (convert: 38 → 80-100).
+// skewed d 128 backward spilled on sm_90a, the sm90 forward's dropout kernels spilled, and a
+// callee's registers count against its caller (convert: 38 → 80-100). The sm90 forward's other
+// kernels keep their registers (128 at d 64, 168 at d 80-256) and spill nothing with the call.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -254,6 +258,27 @@ __device__ __forceinline__ void forward_recompute_row(const AttentionParams& p, 
   }
   o_i.store(p.o, hr.o + int64_t{i} * p.o_row_stride, p.dtype, 1.0f, 0, d, lane);
   if (lane == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i] = lse;
+}
+
+// Whether row i of (b, h), which the forward finished with a non-finite LSE, needs recomputing:
+// marked (NaN: its O came out non-finite), or ±inf although it sees a key. A row that sees no key
+// keeps O = 0, LSE = −inf.
+__device__ __forceinline__ bool forward_row_marked(const AttentionParams& p, int b, int h,
+                                                   const SequenceInfo& seq, int i, float lse) {
+  if (lse != lse) return true;
+  const KeyRange keys = visible_keys(i, seq.len_q, seq.len_k, p.window_left, p.window_right);
+  return row_sees_a_key(p, b, h, i, keys.lo, keys.hi);
+}
+
+// Row i of (b, h), whose stored LSE is non-finite, recomputed where forward_row_marked says so.
+// Called by a whole warp from a forward kernel's epilogue, after the warp's own O and LSE stores,
+// and only where a row came out non-finite: not inlined, so that the kernel's registers are not
+// its.
+inline __device__ __noinline__ void forward_fix_row(const AttentionParams& p, int b, int h,
+                                                    int i) {
+  const SequenceInfo seq = sequence_info(p, b);
+  if (forward_row_marked(p, b, h, seq, i, fixup_detail::stored_lse(p, b, h, seq, i)))
+    forward_recompute_row(p, b, h, i);
 }
 
 // Backward, dK and dV: keys [key_begin, key_begin + keys) of (batch b, kv head hk), key indices

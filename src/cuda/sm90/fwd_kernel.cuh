@@ -520,6 +520,7 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
   constexpr int kHeadDim = Cfg::kHeadDim;
   float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + q_row0 + m0;
   const FinishedRow finish(p, len_k);
+  uint32_t nonfinite_rows = 0;  // bit `half`: this lane's row r0 + 8·half has a non-finite LSE
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
@@ -537,8 +538,11 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
     }
     probe += __shfl_xor_sync(0xffffffffu, probe, 1);  // the row's four lanes
     probe += __shfl_xor_sync(0xffffffffu, probe, 2);
-    if (t == 0 && r < rows_q)
-      lse_row[r] = finish.lse(l, row_max[half], probe);
+    if (t == 0 && r < rows_q) {
+      const float lse = finish.lse(l, row_max[half], probe);
+      lse_row[r] = lse;
+      nonfinite_rows |= (fabsf(lse) < INFINITY ? 0u : 1u) << half;
+    }
   }
   __syncwarp();
 
@@ -546,6 +550,20 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
                 int64_t{q_row0 + m0} * p.o_row_stride + h * p.o_head_stride;
   store_rows<kHeadDim / 8>(gO, p.o_row_stride, smem_q, Cfg::kQPanelBytes, c * 64 + warp * 16, 0,
                            rows_q, p.head_dim, lane);
+
+  // Rows that may have met a hidden key's V and came out non-finite are recomputed here, by the
+  // warp, after its own stores (nonfinite_fixup.cuh): a finite tile pays two ballots, and no
+  // fixup kernel follows this one (sm90_forward_fixes_rows_itself, fwd_fixup.h).
+  if constexpr (!kDropout) {
+    if (finish.marks && sm90_forward_fixes_rows_itself(p)) {
+      __syncwarp();
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        for (uint32_t todo = __ballot_sync(0xffffffffu, (nonfinite_rows >> half) & 1u);
+             todo != 0; todo &= todo - 1)
+          forward_fix_row(p, b, h, m0 + c * 64 + warp * 16 + (__ffs(todo) - 1) / 4 + half * 8);
+    }
+  }
 }
 
 // One CTA per query tile: the Q tile, then the tile's steps (load_steps, attend_steps) and its
