@@ -161,6 +161,7 @@ _lib.define("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor l
 # The eager road with autograd in C++ (flare_torch_ops.cpp): (out, lse) with a backward the
 # autograd engine runs without Python. Only where the C++ kernels were built.
 _lib.define("attention(Tensor q, Tensor k, Tensor v, " + _OPTIONS + ") -> (Tensor, Tensor)")
+_attention_op = torch.ops.flare.attention.default  # looked up once: the eager call is hot
 # The kernels: C++ where flare/_torch_ops.so was built (the dispatcher then calls them unboxed,
 # with no Python between the compiled graph and the library), else these Python functions.
 CPP_KERNELS = _load_cpp_kernels()
@@ -260,17 +261,19 @@ def attention(q, k, v, options, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     is a checked _core.Options."""
     max_seqlen_q, max_seqlen_k = _max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k)
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     o = options
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            o.dropout_p, o.softmax_scale, o.causal, o.window_left, o.window_right, o.softcap,
-            alibi_slopes, o.deterministic, draw_rng_state(o.dropout_p), o.backend)
-    if torch.compiler.is_compiling():
+    rest = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o.dropout_p, o.softmax_scale,
+            o.causal, o.window_left, o.window_right, o.softcap, alibi_slopes, o.deterministic,
+            draw_rng_state(o.dropout_p), o.backend)
+    compiling = torch.compiler.is_compiling()
+    if CPP_KERNELS and not compiling:  # the operator gives q, k and v a unit last stride itself
+        return _attention_op(q, k, v, *rest)
+    args = (_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)) + rest
+    q, k, v = args[:3]
+    if compiling:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return Attention.apply(*args)
         return _compiled_forward(*args)
-    if CPP_KERNELS:
-        return torch.ops.flare.attention(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return Attention.apply(*args)
     return forward(*args)

@@ -29,6 +29,19 @@ library rejects) with a message that starts with the argument's name.
 from . import _core, _ext
 
 
+_torch_module = None
+
+
+def _torch_road():
+    """flare._torch, imported on the first torch call (flare itself does not import torch) and
+    kept: the import statement costs a lookup on every call."""
+    global _torch_module
+    if _torch_module is None:
+        from . import _torch
+        _torch_module = _torch
+    return _torch_module
+
+
 def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                return_attn_probs, seed, backend, stream, varlen, block_mask=None):
@@ -55,14 +68,16 @@ def _attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if stream is not None:
             raise ValueError("stream: applies to non-torch arrays; torch tensors run on "
                              "torch.cuda.current_stream()")
-        from . import _torch
-        varlen_args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           alibi_slopes=alibi_slopes)
+        torch_road = _torch_road()
         if block_mask is None:
-            out, lse = _torch.attention(q, k, v, options, **varlen_args)
+            out, lse = torch_road.attention(q, k, v, options, cu_seqlens_q=cu_seqlens_q,
+                                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                            max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes)
         else:
-            out, lse = _torch.block_sparse_attention(q, k, v, block_mask, options, **varlen_args)
+            out, lse = torch_road.block_sparse_attention(
+                q, k, v, block_mask, options, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                alibi_slopes=alibi_slopes)
     else:
         # deterministic only matters to the backward, which these arrays do not get here.
         _core.flag(deterministic, "deterministic")

@@ -230,6 +230,15 @@ void block_sparse_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Ten
 
 // ---- torch.ops.flare.attention: the eager road with autograd in C++ --------------------------
 
+// flare reads rows with a unit last stride: strided tensors of other layouts (a gradient autograd
+// hands over may be expanded, with stride 0) are copied, as flash_attn does. Other layouts are
+// left for view() to reject.
+at::Tensor unit_last_stride(const at::Tensor& t) {
+  return t.layout() == at::kStrided && t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1
+             ? t.contiguous()
+             : t;
+}
+
 // The forward into new outputs: out like q and lse (float32: (b, h, s_q), or (h, total_q) for a
 // packed batch), contiguous, as flare/_torch.py's forward_outputs allocates them (for q of a
 // wrong rank a dummy lse: the library reports q's rank, which it checks first).
@@ -244,20 +253,17 @@ std::pair<at::Tensor, at::Tensor> forward_new(const at::Tensor& q, const at::Ten
   return {out, lse};
 }
 
-// A gradient autograd hands over may have any layout (an expanded one has stride 0): flare reads
-// rows with a unit last stride, so others are copied, as flash_attn does.
-at::Tensor unit_last_stride(const at::Tensor& t) {
-  return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
-}
-
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-      const at::Tensor& v, const std::optional<at::Tensor>& cu_seqlens_q,
+      torch::autograd::AutogradContext* ctx, const at::Tensor& q_arg, const at::Tensor& k_arg,
+      const at::Tensor& v_arg, const std::optional<at::Tensor>& cu_seqlens_q,
       const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
       double dropout_p, double softmax_scale, bool causal, int64_t window_left,
       int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
       bool deterministic, const std::optional<at::Tensor>& rng_state, int64_t backend) {
+    // The copies a layout needs are the ones saved, so the backward does not copy again.
+    const at::Tensor q = unit_last_stride(q_arg), k = unit_last_stride(k_arg),
+                     v = unit_last_stride(v_arg);
     auto [out, lse] = forward_new(q, k, v, FLARE_OPTION_ARGS);
     // The backward's arguments: tensors saved (absent optional ones as undefined), the rest as
     // values.
@@ -313,7 +319,8 @@ std::tuple<at::Tensor, at::Tensor> attention_without_autograd(const at::Tensor& 
                                                               const at::Tensor& k,
                                                               const at::Tensor& v,
                                                               FLARE_OPTION_PARAMS) {
-  return forward_new(q, k, v, FLARE_OPTION_ARGS);
+  return forward_new(unit_last_stride(q), unit_last_stride(k), unit_last_stride(v),
+                     FLARE_OPTION_ARGS);
 }
 
 #undef FLARE_OPTION_PARAMS
