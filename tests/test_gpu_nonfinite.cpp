@@ -479,6 +479,46 @@ TEST(GpuNonfiniteSm90Packed, AllInjections) {
     }
 }
 
+// The persistent sm90 forward's rows are recomputed by the CTA that finishes last, which then
+// leaves its counters at 0 (sm90/fwd_kernel.cuh, tile_counter.h): three CTAs over many tiles,
+// ±Inf/NaN in V hidden from the rows before it in every (batch, head), causal and under a window,
+// launched on one stream with a finite call between; a counter left dirty would leave a later
+// launch's rows unfixed, which the reference sees.
+TEST(GpuNonfiniteSm90Persistent, LastCtaRecomputesOnEveryLaunch) {
+  FLARE_SKIP_WITHOUT_CUDA();
+  if (!cuda::runs_sm90_kernels())
+    GTEST_SKIP() << "the sm90 kernels need an sm_90 device and sm_90a code in the build";
+  const cuda::DispatchOverrides cap = forward_ctas_capped(3);
+  const float values[] = {std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::infinity(), 0.0f,
+                          -std::numeric_limits<float>::infinity()};
+  for (int d : {64, 128})
+    for (bool window : {false, true})
+      for (float value : values) {  // 0: the finite call between
+        ProblemSpec s = base_spec(DType::kBFloat16, d, 114);
+        s.seqlen_q = s.seqlen_k = 700;
+        s.heads_q = s.heads_kv = 3;
+        s.options.causal = !window;
+        if (window) s.options.window_left = s.options.window_right = 150;
+        const NaiveErrors budget = twin_budget(s);
+        Problem pr = make_problem(s);
+        if (value != 0.0f)
+          for (int64_t b = 0; b < s.batch; ++b)
+            for (int64_t h = 0; h < s.heads_kv; ++h)
+              for (int64_t c = 0; c < d; ++c) pr.v.set({b, 400, h, c}, value);
+        SCOPED_TRACE(s.describe() + (value != 0.0f ? ", " + value_name(value) +
+                                                         " in the whole row of v at s 400"
+                                                   : ", finite"));
+        GpuProblem gpu(pr);
+        cuda::DispatchRecord record;
+        const Status st = gpu.forward(nullptr, cap, &record);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        EXPECT_EQ(record.forward, cuda::KernelFamily::kSm90);
+        gpu.download_forward(&pr);
+        expect_forward_matches_nonfinite(pr, &budget);
+      }
+}
+
 // Deterministic mode on the device's own choice: the sm90 forward where the device has it, and the
 // sm80 backward's split dQ slices (the sm90 backward takes one slice only).
 TEST(GpuNonfiniteDeterministic, DeviceChoiceCausal) {

@@ -27,21 +27,10 @@ constexpr int kRowsPerCta = 256;
 // CTA would leave most SMs idle and take tens of microseconds.
 __global__ void __launch_bounds__(kRowsPerCta, 1)
     forward_fixup_kernel(const __grid_constant__ AttentionParams p) {
-  const int lane = threadIdx.x & 31;
   const int h = blockIdx.y, b = blockIdx.z;
-  const SequenceInfo seq = sequence_info(p, b);
   const int i0 = blockIdx.x * kRowsPerCta + (threadIdx.x & ~31);
-  if (i0 >= seq.len_q) return;  // whole warps: the ballot below needs every lane
-  const int i = i0 + lane;
-  bool marked = false;
-  if (i < seq.len_q) {
-    const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0 + i];
-    // NaN marks a non-finite O, also in a row that sees no key (its P = 0 met a masked key's
-    // ±Inf/NaN V; recomputed, it is O = 0, LSE = −inf).
-    marked = !(fabsf(lse) < INFINITY) && forward_row_marked(p, b, h, seq, i, lse);
-  }
-  for (uint32_t todo = __ballot_sync(0xffffffffu, marked); todo != 0; todo &= todo - 1)
-    forward_recompute_row(p, b, h, i0 + __ffs(todo) - 1);
+  if (i0 >= sequence_info(p, b).len_q) return;  // whole warps: the ballot needs every lane
+  forward_fix_marked_rows(p, b, h, i0, 32);
 }
 
 }  // namespace

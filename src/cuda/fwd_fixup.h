@@ -18,10 +18,11 @@ FLARE_HD bool rows_may_meet_hidden_keys(const AttentionParams& p) {
   return p.has_window() || p.is_varlen();
 }
 
-// Whether the sm90 forward kernel recomputes its marked rows itself, in each warp's epilogue
-// (sm90/fwd_kernel.cuh), so that no fixup kernel follows it: dense calls without dropout. With
-// dropout the recompute's code spills the kernel's registers, and under a block mask rows in
-// tiles no CTA ran need the fixup kernel's pass over every row.
+// Whether the sm90 forward kernel recomputes its marked rows itself (sm90/fwd_kernel.cuh: the
+// one-CTA kernel after its tile, the persistent kernel's last CTA after every tile), so that no
+// fixup kernel follows it: dense calls without dropout. With dropout the recompute's code spills
+// the kernel's registers, and under a block mask rows in tiles no CTA ran need the fixup
+// kernel's pass over every row.
 FLARE_HD bool sm90_forward_fixes_rows_itself(const AttentionParams& p) {
   return p.dropout_p == 0.0f && p.block_mask == nullptr;
 }

@@ -26,16 +26,18 @@
 // Where they run, so that a finite call pays only the epilogue's test: in kernels of their own,
 // launched after the forward (src/cuda/fwd_fixup.cu, under windows) and after the backward's
 // convert step (sm80/bwd_prepost.cu, under masks or ragged blocks); the sm90 forward without
-// dropout or block mask recomputes its own marked rows (forward_fix_row, a call that is not
-// inlined, in each warp's epilogue), which saves the fixup kernel's launch (host time) and its
-// pass over the LSE. The main kernels only mark
+// dropout or block mask recomputes its own marked rows (forward_fix_marked_rows: the one-CTA
+// kernel after its tile, the persistent kernel's last CTA after every tile is written), which
+// saves the fixup kernel's launch (host time) and its pass over the LSE. The main kernels only mark
 // what needs recomputing — the forward a row's LSE as NaN, the backward and convert kernels a
 // flag in the workspace — so that the fixup kernels find it cheaply. A call from the main kernels
 // was measured and is not free: with the fixup code in it (called or inlined), ptxas capped the
 // sm80 d 32 forward kernels at 168 registers and spilled (the grouped one had 209, no spill), the
 // skewed d 128 backward spilled on sm_90a, the sm90 forward's dropout kernels spilled, and a
 // callee's registers count against its caller (convert: 38 → 80-100). The sm90 forward's other
-// kernels keep their registers (128 at d 64, 168 at d 80-256) and spill nothing with the call.
+// kernels keep their registers (128 at d 64, 168 at d 80-256) and spill nothing with the code,
+// but inside the persistent kernel's tile loop it cost the loop its uniform registers (wgmma
+// descriptors computed on the vector path: 5-7% slower at d 64 and 128, H200).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -270,15 +272,21 @@ __device__ __forceinline__ bool forward_row_marked(const AttentionParams& p, int
   return row_sees_a_key(p, b, h, i, keys.lo, keys.hi);
 }
 
-// Row i of (b, h), whose stored LSE is non-finite, recomputed where forward_row_marked says so.
-// Called by a whole warp from a forward kernel's epilogue, after the warp's own O and LSE stores,
-// and only where a row came out non-finite: not inlined, so that the kernel's registers are not
-// its.
-inline __device__ __noinline__ void forward_fix_row(const AttentionParams& p, int b, int h,
-                                                    int i) {
+// Rows [i0, i0 + rows) of (b, h), rows ≤ 32: each whose stored LSE is non-finite and that
+// forward_row_marked picks is recomputed, one by one. Called by a whole warp, after every store of
+// the rows' O and LSE.
+__device__ __forceinline__ void forward_fix_marked_rows(const AttentionParams& p, int b, int h,
+                                                        int i0, int rows) {
+  const int lane = threadIdx.x & 31;
   const SequenceInfo seq = sequence_info(p, b);
-  if (forward_row_marked(p, b, h, seq, i, fixup_detail::stored_lse(p, b, h, seq, i)))
-    forward_recompute_row(p, b, h, i);
+  const int i = i0 + lane;
+  bool marked = false;
+  if (lane < rows && i < seq.len_q) {
+    const float lse = fixup_detail::stored_lse(p, b, h, seq, i);
+    marked = !(fabsf(lse) < INFINITY) && forward_row_marked(p, b, h, seq, i, lse);
+  }
+  for (uint32_t todo = __ballot_sync(0xffffffffu, marked); todo != 0; todo &= todo - 1)
+    forward_recompute_row(p, b, h, i0 + __ffs(todo) - 1);
 }
 
 // Backward, dK and dV: keys [key_begin, key_begin + keys) of (batch b, kv head hk), key indices

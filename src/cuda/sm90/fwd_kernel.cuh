@@ -509,18 +509,21 @@ __device__ __forceinline__ void attend_steps(float (&acc_o)[Cfg::kHeadDim / 2], 
 // the same swizzle (eight rows of one chunk column hit eight bank quads), then 16-byte stores.
 // Non-finite inputs (cuda/nonfinite_fixup.cuh): as in the sm80 kernel, a row with no positive
 // sum that sees every key (no window) is NaN, and under a window a row whose O comes out
-// non-finite gets LSE = NaN, for the forward fixup kernel to recompute exactly.
+// non-finite gets LSE = NaN, to be recomputed exactly. Returns whether this lane finished a row
+// that needs recomputing where the kernel does that itself (sm90_forward_fixes_rows_itself);
+// else the fixup kernel follows.
 template <class Cfg, bool kDropout>
-__device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 2],
+__device__ __forceinline__ bool write_tile(const float (&acc_o)[Cfg::kHeadDim / 2],
                                            const float (&row_max)[2], const float (&row_sum)[2],
                                            const AttentionParams& p, unsigned char* smem_q, int b,
-                                           int h, int q_row0, int m0, int rows_q, int len_k, int r0,
-                                           int t, int c, int warp, int lane) {
+                                           int h, int q_row0, int m0, int rows_q, int len_q,
+                                           int len_k, int r0, int t, int c, int warp, int lane) {
   using Element = typename Cfg::Element;
   constexpr int kHeadDim = Cfg::kHeadDim;
   float* lse_row = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + q_row0 + m0;
   const FinishedRow finish(p, len_k);
-  uint32_t nonfinite_rows = 0;  // bit `half`: this lane's row r0 + 8·half has a non-finite LSE
+  const bool fixes_rows = !kDropout && finish.marks && sm90_forward_fixes_rows_itself(p);
+  bool needs_fix = false;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
@@ -541,7 +544,8 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
     if (t == 0 && r < rows_q) {
       const float lse = finish.lse(l, row_max[half], probe);
       lse_row[r] = lse;
-      nonfinite_rows |= (fabsf(lse) < INFINITY ? 0u : 1u) << half;
+      if (fixes_rows && !(fabsf(lse) < INFINITY))
+        needs_fix |= forward_row_marked(p, b, h, SequenceInfo{0, 0, len_q, len_k}, m0 + r, lse);
     }
   }
   __syncwarp();
@@ -550,20 +554,7 @@ __device__ __forceinline__ void write_tile(const float (&acc_o)[Cfg::kHeadDim / 
                 int64_t{q_row0 + m0} * p.o_row_stride + h * p.o_head_stride;
   store_rows<kHeadDim / 8>(gO, p.o_row_stride, smem_q, Cfg::kQPanelBytes, c * 64 + warp * 16, 0,
                            rows_q, p.head_dim, lane);
-
-  // Rows that may have met a hidden key's V and came out non-finite are recomputed here, by the
-  // warp, after its own stores (nonfinite_fixup.cuh): a finite tile pays two ballots, and no
-  // fixup kernel follows this one (sm90_forward_fixes_rows_itself, fwd_fixup.h).
-  if constexpr (!kDropout) {
-    if (finish.marks && sm90_forward_fixes_rows_itself(p)) {
-      __syncwarp();
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        for (uint32_t todo = __ballot_sync(0xffffffffu, (nonfinite_rows >> half) & 1u);
-             todo != 0; todo &= todo - 1)
-          forward_fix_row(p, b, h, m0 + c * 64 + warp * 16 + (__ffs(todo) - 1) / 4 + half * 8);
-    }
-  }
+  return needs_fix;
 }
 
 // One CTA per query tile: the Q tile, then the tile's steps (load_steps, attend_steps) and its
@@ -655,8 +646,15 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
       },
       w.last_lo, w.first_hi, m0, p.seqlen_q, p.seqlen_k, alibi_slope(p, b, h),
       static_cast<uint32_t>(b * p.heads_q + h), r0, t);
-  write_tile<Cfg, kDropout>(acc_o, row_max, row_sum, p, smem, b, h, 0, m0, rows_q, p.seqlen_k, r0,
-                            t, c, warp, lane);
+  const bool needs_fix = write_tile<Cfg, kDropout>(acc_o, row_max, row_sum, p, smem, b, h, 0, m0,
+                                                    rows_q, p.seqlen_q, p.seqlen_k, r0, t, c,
+                                                    warp, lane);
+  // The warp's marked rows, recomputed after its own stores (write_tile), which __syncwarp
+  // orders before the recompute's loads and stores.
+  if (__any_sync(0xffffffffu, needs_fix)) {
+    __syncwarp();
+    forward_fix_marked_rows(p, b, h, m0 + c * 64 + warp * 16, 16);
+  }
 #else
   (void)p;
   (void)tm_q;
@@ -665,13 +663,50 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 #endif
 }
 
+// The persistent kernel's consumers, after their last tile: the rows any CTA marked
+// (write_tile) are recomputed by the CTA whose consumers finish last, once every CTA's O and LSE
+// are written; recomputing them tile by tile inside the loop cost the loop its uniform registers
+// (nonfinite_fixup.cuh). `counter` [2] counts the CTAs done, [3] is set where a row needs
+// recomputing; the last CTA leaves both at 0 for the stream's next launch (tile_counter.h).
+// `consumer` is the thread's index among the consumers (0 .. 128·kConsumers).
+template <class Cfg>
+__device__ __forceinline__ void fix_rows_after_every_tile(const AttentionParams& p, int* counter,
+                                                          bool needs_fix, int consumer) {
+  constexpr int kConsumerThreads = 128 * Cfg::kConsumers, kWarps = kConsumerThreads / 32;
+  constexpr int kBarrier = 1;  // a named barrier of the consumers alone (0 is __syncthreads)
+  __shared__ int s_last;
+  if (needs_fix) atomicExch(counter + 3, 1);
+  __threadfence();  // this thread's O, LSE and flag before the count below
+  ptx::named_barrier_sync(kBarrier, kConsumerThreads);
+  if (consumer == 0)
+    s_last = atomicAdd(counter + 2, 1) == static_cast<int>(gridDim.x) - 1;
+  ptx::named_barrier_sync(kBarrier, kConsumerThreads);
+  if (!s_last) return;
+  __threadfence();  // every other CTA's stores, counted before ours, are visible from here on
+  if (*static_cast<volatile int*>(counter + 3) != 0) {
+    // A pass over every row, the fixup kernel's (fwd_fixup.cu) on this CTA's warps: a slow path
+    // for inputs with ±Inf/NaN.
+    for (int b = 0; b < p.batch; ++b) {
+      const int len_q = sequence_info(p, b).len_q;
+      for (int h = 0; h < p.heads_q; ++h)
+        for (int i0 = consumer / 32 * 32; i0 < len_q; i0 += kWarps * 32)
+          forward_fix_marked_rows(p, b, h, i0, 32);
+    }
+  }
+  ptx::named_barrier_sync(kBarrier, kConsumerThreads);  // every read of [3] before the reset
+  if (consumer == 0) {
+    counter[2] = 0;
+    counter[3] = 0;
+  }
+}
+
 template <DType kDType, int kHeadDim, bool kScoreMods, bool kDropout>
 __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads, 1)
     attention_forward_sm90_persistent_kernel(const __grid_constant__ AttentionParams p,
                                              const __grid_constant__ CUtensorMap tm_q,
                                              const __grid_constant__ CUtensorMap tm_k,
                                              const __grid_constant__ CUtensorMap tm_v,
-                                             int* tile_counter /* {next ticket, CTAs done} */) {
+                                             int* tile_counter /* tile_counter.h's four ints */) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Fwd90Config<kDType, kHeadDim, true>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
@@ -803,7 +838,8 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
   const int c = tid / 128 - 1;
   const int warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int r0 = c * 64 + warp * 16 + g;
-  int ring_step = 0;  // K/V steps consumed, over every tile so far
+  int ring_step = 0;       // K/V steps consumed, over every tile so far
+  bool needs_fix = false;  // this lane finished a row to recompute (write_tile)
 
   for (int k = 0;; ++k) {
     const int qb = k % kQBuffers;
@@ -833,12 +869,17 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
         static_cast<uint32_t>(w.b * p.heads_q + w.h), r0, t);
     ring_step += steps;
 
-    write_tile<Cfg, kDropout>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes, w.b, w.h,
-                              w.q_row0, w.m0, w.rows_q, w.len_k, r0, t, c, warp, lane);
+    needs_fix |= write_tile<Cfg, kDropout>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes,
+                                           w.b, w.h, w.q_row0, w.m0, w.rows_q, w.len_q, w.len_k,
+                                           r0, t, c, warp, lane);
     // The Q buffer goes back to the producer; its next TMA write (async proxy) must follow this
     // warp's staging through it (generic proxy).
     ptx::fence_proxy_async_shared();
     ptx::mbarrier_arrive(q_empty(qb));
+  }
+  if constexpr (!kDropout) {
+    if (rows_may_meet_hidden_keys(p) && sm90_forward_fixes_rows_itself(p))
+      fix_rows_after_every_tile<Cfg>(p, tile_counter, needs_fix, tid - 128);
   }
 #else
   (void)p;
@@ -880,9 +921,9 @@ Status launch_persistent(const AttentionParams& p, const CUtensorMap& tm_q, cons
   if (counter != nullptr) return run(counter);
   void* own = nullptr;
   FLARE_RETURN_IF_ERROR(cuda_status("forward", "cudaMallocAsync of the tile counter",
-                                    cudaMallocAsync(&own, 2 * sizeof(int), stream)));
+                                    cudaMallocAsync(&own, kTileCounterInts * sizeof(int), stream)));
   Status status = cuda_status("forward", "cudaMemsetAsync of the tile counter",
-                              cudaMemsetAsync(own, 0, 2 * sizeof(int), stream));
+                              cudaMemsetAsync(own, 0, kTileCounterInts * sizeof(int), stream));
   if (status.ok()) status = run(static_cast<int*>(own));
   const Status freed = cuda_status("forward", "cudaFreeAsync", cudaFreeAsync(own, stream));
   return status.ok() ? freed : status;

@@ -39,9 +39,9 @@ Status stream_tile_counter(cudaStream_t stream, int** counter) {
   }
   void* p = nullptr;
   FLARE_RETURN_IF_ERROR(cuda_status(kContext, "cudaMallocAsync of the stream's tile counter",
-                                    cudaMallocAsync(&p, 2 * sizeof(int), stream)));
+                                    cudaMallocAsync(&p, kTileCounterInts * sizeof(int), stream)));
   if (const Status s = cuda_status(kContext, "cudaMemsetAsync of the stream's tile counter",
-                                   cudaMemsetAsync(p, 0, 2 * sizeof(int), stream));
+                                   cudaMemsetAsync(p, 0, kTileCounterInts * sizeof(int), stream));
       !s.ok()) {
     (void)cudaFreeAsync(p, stream);
     return s;

@@ -14,7 +14,7 @@
 // stream, beside that stream's own launches, so a captured launch allocates a counter of its own
 // (the capture records the allocation, the zeroing and the free as graph nodes).
 //
-// The counters live as long as the process (two ints per stream ever used; a stream's id is never
+// The counters live as long as the process (four ints per stream ever used; a stream's id is never
 // reused), and a cudaDeviceReset would invalidate them.
 #pragma once
 
@@ -24,8 +24,13 @@
 
 namespace flare::cuda::sm90 {
 
-// The tile counter of `stream` on the current device, two ints {next ticket, CTAs done}, both 0
-// between launches; nullptr when the stream is capturing a graph.
+// The counter's ints: {next ticket, CTAs whose producer is done} for the tile walk, and {CTAs
+// whose consumers are done, a row needs recomputing} for the rows the last CTA recomputes
+// (sm90/fwd_kernel.cuh). The last CTA of each pair resets it.
+inline constexpr int kTileCounterInts = 4;
+
+// The tile counter of `stream` on the current device, kTileCounterInts ints, all 0 between
+// launches; nullptr when the stream is capturing a graph.
 Status stream_tile_counter(cudaStream_t stream, int** counter);
 
 }  // namespace flare::cuda::sm90
