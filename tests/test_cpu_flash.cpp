@@ -290,7 +290,7 @@ std::vector<Case> cases() {
     add("decode_varlen_empty", s);
   }
   {
-    ProblemSpec s = fixed(1, 4, 2, 2, 2, 32);
+    ProblemSpec s = fixed(2, 4, 2, 8, 8, 32);
     s.options.causal = true;
     add("decode_rows_before_diagonal", s);
   }
