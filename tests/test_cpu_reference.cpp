@@ -391,9 +391,10 @@ TEST(ScoreMods, ElementwiseAgreesWithTheDefinition) {
       }
       EXPECT_TRUE(std::isnan(modified_score(std::numeric_limits<float>::quiet_NaN(), cap,
                                             inverse, bias)));
-      if (cap > 0.0f)
+      if (cap > 0.0f) {
         EXPECT_NEAR(modified_score(-std::numeric_limits<float>::infinity(), cap, inverse, 0.0f),
                     -cap, 4e-7 * cap);
+      }
     }
 }
 

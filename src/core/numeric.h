@@ -3,6 +3,7 @@
 // these; the rounding matches the hardware conversions the CUDA kernels use.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -15,6 +16,12 @@ namespace flare {
 // folded into one FFMA) and turns its LSE back to base e.
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+
+// The base an online softmax subtracts from a row's scores before exponentiating: its running
+// max, or 0 while the row has seen only −inf scores, so that those give exp(−inf − 0) = 0 rather
+// than the NaN of −inf − (−inf). Every backend's online softmax and merge of partial results
+// takes it from here (in base 2 or e alike).
+FLARE_HD float softmax_base(float max) { return max == -INFINITY ? 0.0f : max; }
 
 FLARE_HD uint32_t float_bits(float f) {
   uint32_t u;

@@ -36,6 +36,7 @@
 #include "core/philox.h"
 #include "core/score_mod.h"
 #include "cpu/head_location.h"
+#include "cpu/row_finish.h"
 
 namespace flare::cpu {
 
@@ -226,8 +227,7 @@ void forward_block(const AttentionParams& p, const Task& task, Scratch* sc) {
         mx = std::max(mx, sc->s[j - t.j0]);
       }
       const float m_new = std::max(sc->m[r], mx);
-      // A row that has seen only −inf scores keeps m = −inf; exponentiate against 0 then.
-      const float m_use = m_new == -kInf ? 0.0f : m_new;
+      const float m_use = softmax_base(m_new);
       const float alpha = std::exp(sc->m[r] - m_use);
       float* ar = &sc->acc[int64_t{r} * d];
       if (alpha != 1.0f)
@@ -244,14 +244,10 @@ void forward_block(const AttentionParams& p, const Task& task, Scratch* sc) {
   });
 
   for (int r = 0; r < rows; ++r) {
-    // As flash.cpp: l = 0 for a row that met keys only when every score was −inf, 0/0 = NaN.
-    const bool seen = sc->seen[r] != 0;
-    const double l_row = sc->l[r] > 0.0f ? sc->l[r] : std::numeric_limits<double>::quiet_NaN();
-    const double factor = seen ? static_cast<double>(p.dropout_scale) / l_row : 0.0;
-    store_rows(&sc->acc[int64_t{r} * d], factor, 1, d, p.o, p.dtype,
+    const RowFinish end = finish_row(sc->seen[r] != 0, sc->m[r], sc->l[r], p.dropout_scale);
+    store_rows(&sc->acc[int64_t{r} * d], end.factor, 1, d, p.o, p.dtype,
                hd.o + int64_t{i0 + r} * p.o_row_stride, p.o_row_stride);
-    p.lse[hd.lse + i0 + r] =
-        seen ? static_cast<float>(static_cast<double>(sc->m[r]) + std::log(l_row)) : -kInf;
+    p.lse[hd.lse + i0 + r] = end.lse;
   }
 }
 

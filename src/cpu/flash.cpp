@@ -86,6 +86,7 @@
 #include "cpu/flash_tasks.h"
 #include "cpu/head_location.h"
 #include "cpu/key_rows.h"
+#include "cpu/row_finish.h"
 
 // Compiled once per instruction-set level, each copy in its own namespace and with its own
 // target (flash_simd.h); flash_dispatch.cpp defines cpu::flash_forward / flash_backward and calls
@@ -978,16 +979,11 @@ void forward_block(const AttentionParams& p, const KeyRows& keys, int b, int h, 
   }
 
   for (int r = 0; r < nq; ++r) {
-    // l = 0 for a row that sees keys only when every visible score is −inf: the reference's
-    // softmax is then 0/0, NaN. A NaN l (a NaN or +inf score) gives NaN as it stands.
-    const bool sees_keys = lo[r] < hi[r];
-    const double l_row = l[r] > 0.0f ? l[r] : std::numeric_limits<double>::quiet_NaN();
-    const double factor = sees_keys ? static_cast<double>(p.dropout_scale) / l_row : 0.0;
+    const RowFinish end = finish_row(lo[r] < hi[r], m[r], l[r], p.dropout_scale);
     for (int dim = 0; dim < d; ++dim) row_buffer[dim] = ot[dim * ld + r];
-    store_rows(row_buffer, d, factor, 1, d, p.o, p.dtype, hd.o + int64_t{i0 + r} * p.o_row_stride,
-               p.o_row_stride);
-    p.lse[hd.lse + i0 + r] =
-        sees_keys ? static_cast<float>(static_cast<double>(m[r]) + std::log(l_row)) : -kInf;
+    store_rows(row_buffer, d, end.factor, 1, d, p.o, p.dtype,
+               hd.o + int64_t{i0 + r} * p.o_row_stride, p.o_row_stride);
+    p.lse[hd.lse + i0 + r] = end.lse;
   }
 }
 
@@ -1190,7 +1186,7 @@ void decode_task(const AttentionParams& p, const KeyRows& keys, const DecodeTask
           vmax = simd::max(vmax, sc);
         }
         const float m_new = std::max(m[row], simd::reduce_max(vmax));
-        const float m_use = m_new == -kInf ? 0.0f : m_new;  // no key seen yet: p stays 0
+        const float m_use = softmax_base(m_new);  // no key seen yet: p stays 0
         const float alpha = std::exp(m[row] - m_use);
         Vec sum = Vec{};
         for (int n = 0; n < kvecs; ++n) {
@@ -1246,7 +1242,7 @@ void decode_merge(const AttentionParams& p, const DecodePlan& plan, const float*
   float m = -kInf;
   for (int64_t i = plan.first_task[set_index]; i < plan.first_task[set_index + 1]; ++i)
     m = std::max(m, partial[(plan.tasks[i].slot + row_in_task) * int64_t{dpad + 2} + dpad]);
-  const double m_use = m == -kInf ? 0.0 : m;
+  const double m_use = softmax_base(m);
   double l = 0.0;
   std::fill(acc, acc + d, 0.0);
   for (int64_t i = plan.first_task[set_index]; i < plan.first_task[set_index + 1]; ++i) {
@@ -1255,16 +1251,14 @@ void decode_merge(const AttentionParams& p, const DecodePlan& plan, const float*
     l += w * part[dpad + 1];
     for (int dim = 0; dim < d; ++dim) acc[dim] += w * part[dim];
   }
-  // As forward_block: NaN when the row sees keys but the sum is 0 (every score −inf) or NaN.
   int lo_r, hi_r, unused_lo, unused_hi;
   block_ranges(p, hd, r, 1, &lo_r, &hi_r, &unused_lo, &unused_hi);
-  const bool sees_keys = lo_r < hi_r;
-  const double l_row = l > 0.0 ? l : std::numeric_limits<double>::quiet_NaN();
-  const double factor = sees_keys ? 1.0 / l_row : 0.0;
+  const RowFinish end = finish_row(lo_r < hi_r, m, l, 1.0);  // decoding has no dropout
   float row[256] = {};  // only d entries are read; zeroed, gcc 13 warns of uninitialised reads
   for (int dim = 0; dim < d; ++dim) row[dim] = static_cast<float>(acc[dim]);
-  store_rows(row, d, factor, 1, d, p.o, p.dtype, hd.o + int64_t{r} * p.o_row_stride, p.o_row_stride);
-  p.lse[hd.lse + r] = sees_keys ? static_cast<float>(static_cast<double>(m) + std::log(l_row)) : -kInf;
+  store_rows(row, d, end.factor, 1, d, p.o, p.dtype, hd.o + int64_t{r} * p.o_row_stride,
+             p.o_row_stride);
+  p.lse[hd.lse + r] = end.lse;
 }
 
 Status decode_forward(const AttentionParams& p, const KeyRows& keys) {

@@ -14,6 +14,7 @@
 
 #include <cmath>
 
+#include "core/numeric.h"
 #include "cuda/ptx/fast_math.cuh"
 
 namespace flare::cuda {
@@ -52,7 +53,7 @@ template <bool kLazy>
 __device__ __forceinline__ MaxStep advance_row_max(float& max, float seen) {
   const float m_old = max;
   const float m_new = kLazy ? (seen > m_old + kLazyRescaleLog2 ? seen : m_old) : fmaxf(m_old, seen);
-  const float base = m_new == -INFINITY ? 0.0f : m_new;
+  const float base = softmax_base(m_new);
   max = m_new;
   return {base, ptx::exp2_approx(m_old - base), m_new != m_old};
 }

@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
     if (row0 + r >= rows_total || e >= p.head_dim) continue;
     float m = -INFINITY;
     for (int w = 0; w < TL::kWarps; ++w) m = fmaxf(m, warp_m[w][r]);
-    const float m_use = m == -INFINITY ? 0.0f : m;
+    const float m_use = softmax_base(m);
     float l = 0.0f, o = 0.0f;
     for (int w = 0; w < TL::kWarps; ++w) {
       const float scale = ptx::exp2_approx(warp_m[w][r] - m_use);
@@ -627,7 +627,7 @@ __global__ void __launch_bounds__(128, 1) merge_kernel(const DecodeParams p) {
     m = fmaxf(m, part_lse[c]);
   }
   for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  const float m_use = m == -INFINITY ? 0.0f : m;
+  const float m_use = softmax_base(m);
   float sum = 0.0f;
 #pragma unroll
   for (int c = 0; c < kPerLane; ++c) sum += expf(part_lse[c] - m_use);  // NaN partials: NaN
