@@ -669,18 +669,22 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 // (nonfinite_fixup.cuh). `counter` [2] counts the CTAs done, [3] is set where a row needs
 // recomputing; the last CTA leaves both at 0 for the stream's next launch (tile_counter.h).
 // `consumer` is the thread's index among the consumers (0 .. 128·kConsumers).
+// The persistent forward's named barriers (0 is __syncthreads).
+enum Fwd90Barrier : int {
+  kConsumersDone = 1,  // every consumer is past its last tile (fix_rows_after_every_tile)
+};
+
 template <class Cfg>
 __device__ __forceinline__ void fix_rows_after_every_tile(const AttentionParams& p, int* counter,
                                                           bool needs_fix, int consumer) {
   constexpr int kConsumerThreads = 128 * Cfg::kConsumers, kWarps = kConsumerThreads / 32;
-  constexpr int kBarrier = 1;  // a named barrier of the consumers alone (0 is __syncthreads)
   __shared__ int s_last;
   if (needs_fix) atomicExch(counter + 3, 1);
   __threadfence();  // this thread's O, LSE and flag before the count below
-  ptx::named_barrier_sync(kBarrier, kConsumerThreads);
+  ptx::named_barrier_sync(kConsumersDone, kConsumerThreads);
   if (consumer == 0)
     s_last = atomicAdd(counter + 2, 1) == static_cast<int>(gridDim.x) - 1;
-  ptx::named_barrier_sync(kBarrier, kConsumerThreads);
+  ptx::named_barrier_sync(kConsumersDone, kConsumerThreads);
   if (!s_last) return;
   __threadfence();  // every other CTA's stores, counted before ours, are visible from here on
   if (*static_cast<volatile int*>(counter + 3) != 0) {
@@ -693,7 +697,7 @@ __device__ __forceinline__ void fix_rows_after_every_tile(const AttentionParams&
           forward_fix_marked_rows(p, b, h, i0, 32);
     }
   }
-  ptx::named_barrier_sync(kBarrier, kConsumerThreads);  // every read of [3] before the reset
+  ptx::named_barrier_sync(kConsumersDone, kConsumerThreads);  // every read of [3] before the reset
   if (consumer == 0) {
     counter[2] = 0;
     counter[3] = 0;
