@@ -17,6 +17,7 @@
 
 #include "core/backends.h"
 #include "core/message.h"
+#include "core/numeric.h"
 #include "core/params.h"
 #include "flare/attention.h"
 
@@ -507,7 +508,7 @@ Status make_forward_params(const TensorView& q, const TensorView& k, const Tenso
   r.cu_seqlens_k = is_varlen ? static_cast<const int32_t*>(varlen.cu_seqlens_k.data) : nullptr;
   r.scale = opt.softmax_scale > 0.0f ? opt.softmax_scale
                                      : static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  r.scale_log2 = static_cast<float>(r.scale * 1.4426950408889634);
+  r.scale_log2 = static_cast<float>(r.scale * kLog2eDouble);
   r.causal = opt.causal;
   r.window_left = opt.window_left;
   r.window_right = opt.causal ? 0 : opt.window_right;  // causal is the window (left, 0)

@@ -14,7 +14,8 @@ namespace flare {
 
 // log2(e) and ln(2) as floats: the kernels' online softmax runs in base 2 (exp2 with the scale
 // folded into one FFMA) and turns its LSE back to base e.
-inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr double kLog2eDouble = 1.4426950408889634;  // for host products taken in double
+inline constexpr float kLog2e = static_cast<float>(kLog2eDouble);
 inline constexpr float kLn2 = 0.6931471805599453f;
 
 // The base an online softmax subtracts from a row's scores before exponentiating: its running

@@ -37,6 +37,8 @@
 #include <cstring>
 #include <utility>
 
+#include "core/numeric.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>  // declares every level's intrinsics, whatever the compiler's target
 #endif
@@ -206,7 +208,7 @@ inline Vec exp(Vec x) {
   // n = round(x·log2 e) by adding 1.5·2^23, whose ulp is 1: the sum is n + 1.5·2^23 exactly,
   // its low mantissa bits hold n, and NaN stays NaN without a float-to-int conversion.
   const Vec magic = splat(12582912.0f);
-  const Vec shifted = fma(x, splat(1.44269504088896341f), magic);
+  const Vec shifted = fma(x, splat(kLog2e), magic);
   const Vec nf = shifted - magic;
   // r = x − n·ln 2 in two FMA steps (Cody–Waite): |r| ≤ ln2/2 plus rounding, almost exact.
   Vec r = fma(nf, splat(-0.693145751953125f), x);
