@@ -1,11 +1,12 @@
-// Tests of the shared numeric building blocks: fp16/bf16 conversions (exhaustive where the domain
-// is small, against the compiler's own _Float16 where available) and the Philox 4x32-10 dropout
+// Tests of the shared numeric building blocks: fp16/bf16/fp8-e4m3 conversions (exhaustive where
+// the domain is small, against the compiler's own _Float16 where available) and the Philox 4x32-10 dropout
 // generator (published known-answer vectors, and the statistics of the resulting mask).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <vector>
 
 #include "core/numeric.h"
 #include "core/philox.h"
@@ -59,6 +60,70 @@ TEST(Numeric, BFloat16RoundsToNearestEven) {
   EXPECT_EQ(bf16_to_float(float_to_bf16(1.0f + 3.0f / 256)), 1.0f + 1.0f / 64);
   EXPECT_EQ(bf16_to_float(float_to_bf16(1.0f + 1.0f / 256 + 1.0f / 65536)), 1.0f + 1.0f / 128);
   EXPECT_TRUE(std::isinf(bf16_to_float(float_to_bf16(3.4e38f * 2))));
+}
+
+// Every E4M3 code against the format's definition, computed in double.
+double e4m3_definition(int code) {
+  const int exp = (code >> 3) & 15, man = code & 7;
+  if (exp == 15 && man == 7) return std::nan("");
+  const double mag = exp == 0 ? std::ldexp(man, -9) : std::ldexp(8 + man, exp - 10);
+  return (code & 0x80) ? -mag : mag;
+}
+
+TEST(Numeric, E4M3DecodesEveryCode) {
+  for (int code = 0; code < 256; ++code) {
+    const double want = e4m3_definition(code);
+    const float got = e4m3_to_float(static_cast<uint8_t>(code));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << "code " << code;
+    } else {
+      EXPECT_EQ(static_cast<double>(got), want) << "code " << code;
+      EXPECT_EQ(std::signbit(got), (code & 0x80) != 0) << "code " << code;
+    }
+  }
+  EXPECT_EQ(e4m3_to_float(0x7e), kE4M3Max);
+}
+
+TEST(Numeric, E4M3RoundTripsEveryValue) {
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) continue;  // NaN
+    EXPECT_EQ(float_to_e4m3(e4m3_to_float(static_cast<uint8_t>(code))), code) << "code " << code;
+  }
+}
+
+// Against the nearest code found by search (ties to the even code, whose mantissa's last bit is
+// 0), over every midpoint, its neighbours, and random values across the whole range.
+TEST(Numeric, E4M3RoundsToNearestEvenAndSaturates) {
+  auto nearest = [](float x) {
+    int best = 0;
+    double best_err = INFINITY;
+    for (int code = 0; code <= 0x7e; ++code) {
+      const double err = std::fabs(std::fabs(static_cast<double>(x)) - e4m3_definition(code));
+      if (err < best_err || (err == best_err && (code & 1) == 0)) {
+        best = code;
+        best_err = err;
+      }
+    }
+    return (std::signbit(x) ? 0x80 : 0) | best;
+  };
+  std::vector<float> xs;
+  for (int code = 0; code < 0x7e; ++code) {
+    const float mid = static_cast<float>(0.5 * (e4m3_definition(code) + e4m3_definition(code + 1)));
+    xs.insert(xs.end(), {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)});
+  }
+  std::mt19937 rng(static_cast<uint32_t>(test::test_seed()));
+  std::uniform_real_distribution<float> exponent(-12.0f, 9.0f);
+  for (int i = 0; i < 20000; ++i) xs.push_back(std::exp2(exponent(rng)) * (i % 2 ? -1.0f : 1.0f));
+  for (float x : xs) {
+    if (std::fabs(x) >= kE4M3Max) continue;  // saturation, below
+    EXPECT_EQ(float_to_e4m3(x), nearest(x)) << "x " << x << " (seed " << test::test_seed() << ")";
+  }
+  for (float x : {448.0f, 449.0f, 464.0f, 1e30f, INFINITY})
+    EXPECT_EQ(float_to_e4m3(x), 0x7e) << "x " << x;
+  EXPECT_EQ(float_to_e4m3(-INFINITY), 0xfe);
+  EXPECT_EQ(float_to_e4m3(1e-30f), 0x00);
+  EXPECT_EQ(float_to_e4m3(-1e-30f), 0x80);
+  EXPECT_TRUE(std::isnan(e4m3_to_float(float_to_e4m3(NAN))));
 }
 
 // Known-answer vectors of Philox4x32-10 published with the Random123 library.

@@ -75,6 +75,44 @@ FLARE_HD uint16_t float_to_half(float f) {
   return sign | static_cast<uint16_t>(((abs + rounding) >> 13) - (112u << 10));
 }
 
+// FP8 E4M3 as OCP's FP8 formats define it (torch.float8_e4m3fn, CUDA's __nv_fp8_e4m3): sign, four
+// exponent bits (bias 7), three mantissa bits; subnormals down to 2^-9, the largest finite value
+// 448 and no infinities (S.1111.111 is NaN). The FP8 forward (src/cuda/sm90/notes.md) takes its
+// inputs in it and rounds P to it; the reference and the kernels convert through these two.
+inline constexpr float kE4M3Max = 448.0f;
+
+FLARE_HD float e4m3_to_float(uint8_t x) {
+  const uint32_t sign = static_cast<uint32_t>(x & 0x80u) << 24;
+  const uint32_t exp = (x >> 3) & 0xfu, man = x & 0x7u;
+  if (exp == 15 && man == 7) return bits_float(sign | 0x7fc00000u);  // NaN
+  if (exp == 0) {  // zero or subnormal: man · 2^-9
+    const float mag = static_cast<float>(man) * (1.0f / 512.0f);
+    return sign ? -mag : mag;
+  }
+  return bits_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// Round to nearest even and saturate, as the hardware's cvt.rn.satfinite does: a magnitude of
+// 448 or more (infinities included) gives ±448, NaN gives NaN.
+FLARE_HD uint8_t float_to_e4m3(float f) {
+  const uint32_t u = float_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7fu;   // NaN
+  if (abs >= 0x43e00000u) return sign | 0x7eu;  // ≥ 448 (rounding cannot pass it below)
+  if (abs < 0x3c800000u) {                      // below 2^-6: subnormal
+    // In units of 2^-9, rounded to nearest even with float arithmetic (the scale is exact); 8
+    // units carry into the smallest normal's code, 0x08.
+    const float mag = bits_float(abs) * 512.0f;
+    const uint32_t m = static_cast<uint32_t>(mag);
+    const float frac = mag - static_cast<float>(m);
+    const uint32_t r = m + ((frac > 0.5f || (frac == 0.5f && (m & 1u))) ? 1u : 0u);
+    return sign | static_cast<uint8_t>(r);
+  }
+  const uint32_t rounding = 0x7ffffu + ((abs >> 20) & 1u);
+  return sign | static_cast<uint8_t>(((abs + rounding) >> 20) - (120u << 3));
+}
+
 // Round a float to the precision of `dtype` (identity for fp32).
 FLARE_HD float round_to(DType dtype, float x) {
   if (dtype == DType::kFloat16) return half_to_float(float_to_half(x));
