@@ -35,6 +35,14 @@ FLARE_HD float bits_float(uint32_t u) {
   return f;
 }
 
+// x ≥ 0 (below 2^23) rounded to the nearest integer, ties to even, in float arithmetic: the
+// subnormal ranges of the narrow formats, in units of their smallest step.
+FLARE_HD uint32_t round_to_integer_even(float x) {
+  const uint32_t m = static_cast<uint32_t>(x);
+  const float frac = x - static_cast<float>(m);
+  return m + ((frac > 0.5f || (frac == 0.5f && (m & 1u))) ? 1u : 0u);
+}
+
 FLARE_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
 FLARE_HD uint16_t float_to_bf16(float f) {
@@ -63,13 +71,8 @@ FLARE_HD uint16_t float_to_half(float f) {
   if (abs > 0x7f800000u) return sign | 0x7e00u;            // NaN
   if (abs >= 0x477ff000u) return sign | 0x7c00u;           // rounds to >= 65520 → inf
   if (abs < 0x38800000u) {                                 // below 2^-14: subnormal half
-    // Scale into units of 2^-24 and round to nearest even using float arithmetic.
-    const float mag = bits_float(abs) * 16777216.0f;       // exact (power-of-two scale)
-    const uint32_t m = static_cast<uint32_t>(mag);
-    const float frac = mag - static_cast<float>(m);
-    uint32_t r = m;
-    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++r;
-    return sign | static_cast<uint16_t>(r);
+    // In units of 2^-24 (an exact power-of-two scale), rounded to nearest even.
+    return sign | static_cast<uint16_t>(round_to_integer_even(bits_float(abs) * 16777216.0f));
   }
   const uint32_t rounding = 0xfffu + ((abs >> 13) & 1u);
   return sign | static_cast<uint16_t>(((abs + rounding) >> 13) - (112u << 10));
@@ -101,13 +104,9 @@ FLARE_HD uint8_t float_to_e4m3(float f) {
   if (abs > 0x7f800000u) return sign | 0x7fu;   // NaN
   if (abs >= 0x43e00000u) return sign | 0x7eu;  // ≥ 448 (rounding cannot pass it below)
   if (abs < 0x3c800000u) {                      // below 2^-6: subnormal
-    // In units of 2^-9, rounded to nearest even with float arithmetic (the scale is exact); 8
-    // units carry into the smallest normal's code, 0x08.
-    const float mag = bits_float(abs) * 512.0f;
-    const uint32_t m = static_cast<uint32_t>(mag);
-    const float frac = mag - static_cast<float>(m);
-    const uint32_t r = m + ((frac > 0.5f || (frac == 0.5f && (m & 1u))) ? 1u : 0u);
-    return sign | static_cast<uint8_t>(r);
+    // In units of 2^-9 (an exact scale), rounded to nearest even; 8 units carry into the
+    // smallest normal's code, 0x08.
+    return sign | static_cast<uint8_t>(round_to_integer_even(bits_float(abs) * 512.0f));
   }
   const uint32_t rounding = 0x7ffffu + ((abs >> 20) & 1u);
   return sign | static_cast<uint8_t>(((abs + rounding) >> 20) - (120u << 3));
