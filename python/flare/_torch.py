@@ -268,15 +268,10 @@ def attention(q, k, v, options, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     compiling = torch.compiler.is_compiling()
     if CPP_KERNELS and not compiling:  # the operator gives q, k and v a unit last stride itself
         return _attention_op(q, k, v, *rest)
-    args = (_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)) + rest
-    q, k, v = args[:3]
-    if compiling:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return Attention.apply(*args)
-        return _compiled_forward(*args)
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return Attention.apply(*args)
-    return forward(*args)
+        return Attention.apply(q, k, v, *rest)
+    return (_compiled_forward if compiling else forward)(q, k, v, *rest)
 
 
 # ---- block-sparse attention ----------------------------------------------------------------------
