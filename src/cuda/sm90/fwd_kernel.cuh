@@ -79,6 +79,11 @@ struct Fwd90Config {
   static constexpr int kStages = kTile.stages;
   static constexpr bool kBlockSparse = fwd90_takes_block_mask(kTile);  // fwd_tiles.h
   static constexpr bool kOverlapSteps = kTile.overlap_steps;
+  // Each consumer warpgroup runs only the steps its own rows need (warpgroup_steps): where a
+  // step is narrower than the tile, so that under a causal mask the warpgroups' last steps
+  // differ. With 128-row tiles of 128-key steps they never do (only a ragged last tile would
+  // gain), and the range cost d 80/96/128 1-4.5% at s <= 2048 on an H200.
+  static constexpr bool kWarpgroupSteps = kBlockM > kBlockN;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   // 64-column panels of a tile; at d 80 and 96 the last is partly used (TMA zero-fills it).
   static constexpr int kPanels = (kHeadDim + 63) / 64;
@@ -210,6 +215,47 @@ struct ForwardTiles {
   }
 };
 
+// The part of a tile's steps [0, steps) that consumer warpgroup c's 64 rows need: steps
+// [lo, hi), and the keys all of its rows see (a step inside needs no mask). A warpgroup passes
+// the tile's other steps without a product: under a causal mask a 192-row tile's first
+// warpgroup needs up to two steps fewer than its last, and a tile's last rows may not reach
+// every warpgroup (a 64-row remainder leaves two of three without rows). The warpgroups share
+// the SM's tensor cores and MUFU, so the work one skips goes to the others. Block-sparse tiles
+// run every step on every warpgroup (their steps are the mask's, not a range).
+// The consumer warpgroup (0..) of thread tid. Where warpgroups run step ranges of their own, the
+// index comes through a shuffle, which tells ptxas it is warp-uniform: computed from threadIdx
+// alone, the ranges' ring steps and the wgmma descriptors built from them left the uniform
+// datapath (R2UR on every step) and ran d 128 11% slower on an H200. Elsewhere it stays as it
+// was, and so does the machine code.
+template <class Cfg>
+__device__ __forceinline__ int consumer_warpgroup(int tid) {
+  if constexpr (Cfg::kWarpgroupSteps) return __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
+  return tid / 128 - 1;
+}
+
+struct WarpgroupSteps {
+  int lo, hi;
+  int last_lo, first_hi;
+};
+
+template <class Cfg>
+__device__ __forceinline__ WarpgroupSteps warpgroup_steps(const AttentionParams& p,
+                                                          const TileWork& w, int c, int steps,
+                                                          bool sparse) {
+  constexpr int kBlockN = Cfg::kBlockN;
+  if (!Cfg::kWarpgroupSteps || sparse) return {0, steps, w.last_lo, w.first_hi};
+  const int rows = min(64, w.rows_q - 64 * c);
+  if (rows <= 0) return {0, 0, w.last_lo, w.first_hi};
+  const int i0 = w.m0 + 64 * c;
+  const KeyRange first = visible_keys(i0, w.len_q, w.len_k, p.window_left, p.window_right);
+  const KeyRange last =
+      visible_keys(i0 + rows - 1, w.len_q, w.len_k, p.window_left, p.window_right);
+  if (last.hi <= first.lo) return {0, 0, last.lo, first.hi};  // no row sees a key
+  const int lo = max(first.lo / kBlockN - w.n_begin, 0);
+  const int hi = min((last.hi + kBlockN - 1) / kBlockN - w.n_begin, steps);
+  return {lo, max(hi, lo), last.lo, first.hi};
+}
+
 // ---- the steps both kernels run ---------------------------------------------------------------
 
 // The K/V ring in shared memory: kStages buffers of K and of V (k, v: the first of each), each
@@ -291,6 +337,24 @@ __device__ __forceinline__ void load_steps(const KvRing<Cfg>& ring, int r_first,
     if (j + 1 < steps) ring.load(true, r_first + j + 1, n_next, tm_k, hk, row0, b, step_tile);
     ring.load(false, r_first + j, n, tm_v, hk, row0, b, step_tile);
     n = n_next;
+  }
+}
+
+// Consumer: ring steps [r_first + begin, r_first + end) passed without a product (steps outside
+// the warpgroup's WarpgroupSteps): each buffer goes back once its load has landed. The wait keeps
+// the arrival in its own phase of the empty barrier (a warpgroup passing several steps would
+// otherwise count toward a stage's earlier phase) and keeps a buffer from being released while its
+// copy is still in flight.
+template <class Cfg>
+__device__ __forceinline__ void pass_steps(const KvRing<Cfg>& ring, int r_first, int begin,
+                                           int end) {
+  constexpr int kStages = Cfg::kStages;
+  for (int j = begin; j < end; ++j) {
+    const int r = r_first + j, stage = r % kStages;
+    ptx::mbarrier_wait(ring.k_full(stage), (r / kStages) & 1);
+    ptx::mbarrier_wait(ring.v_full(stage), (r / kStages) & 1);
+    if constexpr (Cfg::kOverlapSteps) ptx::mbarrier_arrive(ring.k_empty(stage));
+    ptx::mbarrier_arrive(ring.v_empty(stage));
   }
 }
 
@@ -630,7 +694,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
   // Consumer warpgroup c: query rows 64c..64c+63 of the tile; this thread's two rows are r0 and
   // r0 + 8 (the accumulator layout, ptx/wgmma.cuh).
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int c = tid / 128 - 1;
+  const int c = consumer_warpgroup<Cfg>(tid);
   const int warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int r0 = c * 64 + warp * 16 + g;
 
@@ -638,14 +702,17 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, false>::kThreads
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  const WarpgroupSteps mine = warpgroup_steps<Cfg>(p, w, c, steps, sparse());
+  pass_steps(ring, 0, 0, mine.lo);
   ptx::mbarrier_wait(q_full, 0);
   attend_steps<Cfg, kScoreMods, kDropout>(
-      acc_o, row_max, row_sum, p, ring, 0, steps, sQ + c * 64 * 128,
+      acc_o, row_max, row_sum, p, ring, mine.lo, mine.hi - mine.lo, sQ + c * 64 * 128,
       [&](int stage, int j) {
-        return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + j;
+        return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : n_begin + mine.lo + j;
       },
-      w.last_lo, w.first_hi, m0, p.seqlen_q, p.seqlen_k, alibi_slope(p, b, h),
+      mine.last_lo, mine.first_hi, m0, p.seqlen_q, p.seqlen_k, alibi_slope(p, b, h),
       static_cast<uint32_t>(b * p.heads_q + h), r0, t);
+  pass_steps(ring, 0, mine.hi, steps);
   const bool needs_fix = write_tile<Cfg, kDropout>(acc_o, row_max, row_sum, p, smem, b, h, 0, m0,
                                                     rows_q, p.seqlen_q, p.seqlen_k, r0, t, c,
                                                     warp, lane);
@@ -839,7 +906,7 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
   // Consumer warpgroup c: query rows 64c..64c+63 of each tile; this thread's two rows are r0 and
   // r0 + 8 (the accumulator layout, ptx/wgmma.cuh).
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int c = tid / 128 - 1;
+  const int c = consumer_warpgroup<Cfg>(tid);
   const int warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int r0 = c * 64 + warp * 16 + g;
   int ring_step = 0;       // K/V steps consumed, over every tile so far
@@ -864,13 +931,17 @@ __global__ void __launch_bounds__(Fwd90Config<kDType, kHeadDim, true>::kThreads,
     const int steps =
         sparse() ? *static_cast<volatile int*>(&s_tile_steps[qb]) : w.n_end - w.n_begin;
 
+    const WarpgroupSteps mine = warpgroup_steps<Cfg>(p, w, c, steps, sparse());
+    pass_steps(ring, ring_step, 0, mine.lo);
     attend_steps<Cfg, kScoreMods, kDropout>(
-        acc_o, row_max, row_sum, p, ring, ring_step, steps, q_rows,
+        acc_o, row_max, row_sum, p, ring, ring_step + mine.lo, mine.hi - mine.lo, q_rows,
         [&](int stage, int j) {
-          return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage]) : w.n_begin + j;
+          return sparse() ? *static_cast<volatile int*>(&s_step_tile[stage])
+                          : w.n_begin + mine.lo + j;
         },
-        w.last_lo, w.first_hi, w.m0, w.len_q, w.len_k, alibi_slope(p, w.b, w.h),
+        mine.last_lo, mine.first_hi, w.m0, w.len_q, w.len_k, alibi_slope(p, w.b, w.h),
         static_cast<uint32_t>(w.b * p.heads_q + w.h), r0, t);
+    pass_steps(ring, ring_step, mine.hi, steps);
     ring_step += steps;
 
     needs_fix |= write_tile<Cfg, kDropout>(acc_o, row_max, row_sum, p, smem + qb * Cfg::kQBytes,
