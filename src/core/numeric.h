@@ -24,6 +24,11 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 // takes it from here (in base 2 or e alike).
 FLARE_HD float softmax_base(float max) { return max == -INFINITY ? 0.0f : max; }
 
+// A row's LSE (base e) from a base-2 online softmax: its max in log2 units and its row sum l > 0
+// taken relative to that max. The GPU kernels' finishing steps (FinishedRow, the decoding kernel)
+// take it from here.
+FLARE_HD float lse_from_log2(float max_log2, float l) { return max_log2 * kLn2 + logf(l); }
+
 FLARE_HD uint32_t float_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);

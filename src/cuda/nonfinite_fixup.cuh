@@ -83,7 +83,7 @@ struct FinishedRow {
   }
   __device__ float lse(float l, float max_log2, float probe) const {
     return marks && probe_found(probe) ? NAN
-           : l > 0.0f                  ? max_log2 * kLn2 + logf(l)
+           : l > 0.0f                  ? lse_from_log2(max_log2, l)
            : every_key_visible         ? NAN
                                        : -INFINITY;
   }

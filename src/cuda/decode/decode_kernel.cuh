@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(128, ctas_per_sm(kHeadDim)) decode_kernel(cons
     }
     // l = 0: no key seen (O 0, LSE −inf); NaN in l stays NaN in both.
     float out = l == 0.0f ? 0.0f : o / l;
-    float lse = l == 0.0f ? -INFINITY : (m + log2f(l)) * kLn2;
+    float lse = l == 0.0f ? -INFINITY : lse_from_log2(m, l);
     if (failed) out = lse = NAN;
     const int j = row_query(r), h = row_head(r);
     const int64_t row_id = (static_cast<int64_t>(i) * p.heads_q + h) * p.seqlen_q + j;
