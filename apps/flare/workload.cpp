@@ -112,6 +112,8 @@ const char* short_dtype_name(DType dtype) {
       return "int32";
     case DType::kUInt8:
       return "uint8";
+    case DType::kFloat8E4M3:
+      return "fp8e4m3";
   }
   return "?";
 }

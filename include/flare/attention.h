@@ -84,6 +84,30 @@ Status attention_backward(const TensorView& dout, const TensorView& q, const Ten
                           Stream stream = nullptr);
 
 // Library version string, e.g. "0.1.0".
+// ---- FP8 inputs (forward only, as in FlashAttention-3) ------------------------------------------
+// q, k and v in float8_e4m3, each element standing for its value times a descale factor: element
+// (b, i, h, :) of q is e4m3(q) · q_descale[b, h, i / block_rows] (likewise k and v over their own
+// rows, i counted within the sequence), a dimension of size 1 in a descale broadcasting over that
+// axis. o is float32, float16 or bfloat16 (rounded once from an fp32 result), lse float32; shapes,
+// masks and every other option are attention_forward's.
+//   q_descale, k_descale, v_descale: float32 (batch | 1, heads | 1, blocks | 1), heads being q's
+//     for q (or k's: under GQA the query heads of a group then share their kv head's factor, as
+//     FlashAttention-3's per-(batch, kv head) descales do) and k's for k and v; blocks =
+//     ceil(seqlen / block_rows) (packed batches: ceil(max_seqlen / block_rows)). Undefined: 1.
+//     So per tensor (1, 1, 1), per head (b, h, 1), per block of rows (b, h, blocks).
+//   block_rows: rows per block; required (≥ 1) where a descale has blocks > 1.
+// CPU tensors: the inputs are dequantized to float32 (each element rounded once) and run
+// attention_forward's float32 path. CUDA tensors: FLARE_UNSUPPORTED (no FP8 kernel yet).
+struct Fp8Descale {
+  TensorView q, k, v;
+  int block_rows = 0;
+};
+
+Status attention_forward_fp8(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& o, const TensorView& lse,
+                             const Fp8Descale& descale = {}, const AttentionOptions& options = {},
+                             const VarlenArgs& varlen = {}, Stream stream = nullptr);
+
 const char* version();
 // True when this build carries the CUDA kernels.
 bool cuda_built();

@@ -23,13 +23,15 @@ enum flare_status_code {
   FLARE_INTERNAL = 5
 };
 
-/* uint8 is for block masks (flare_block_mask); attention's tensors are floating point. */
+/* uint8 is for block masks (flare_block_mask); attention's tensors are floating point;
+ * float8_e4m3 is for the q, k and v of flare_attention_forward_fp8. */
 enum flare_dtype {
   FLARE_FLOAT32 = 0,
   FLARE_FLOAT16 = 1,
   FLARE_BFLOAT16 = 2,
   FLARE_INT32 = 3,
-  FLARE_UINT8 = 4
+  FLARE_UINT8 = 4,
+  FLARE_FLOAT8_E4M3 = 5
 };
 enum flare_device { FLARE_CPU = 0, FLARE_CUDA = 1 };
 enum flare_backend { FLARE_BACKEND_AUTO = 0, FLARE_BACKEND_REFERENCE = 1, FLARE_BACKEND_FLASH = 2 };
@@ -81,6 +83,23 @@ int flare_attention_backward(const flare_tensor* dout, const flare_tensor* q,
                              const flare_tensor* dk, const flare_tensor* dv,
                              const flare_attention_options* options, const flare_varlen* varlen,
                              void* stream);
+
+/* FP8 inputs, forward only: the C mirror of flare::attention_forward_fp8 (flare/attention.h
+ * states the semantics). q, k, v float8_e4m3; o float32, float16 or bfloat16; each descale
+ * float32 (batch | 1, heads | 1, blocks | 1) or undefined (1). descale may be NULL (every factor
+ * 1). CUDA tensors give FLARE_UNSUPPORTED (no FP8 kernel yet). */
+typedef struct flare_fp8_descale {
+  flare_tensor q_descale;
+  flare_tensor k_descale;
+  flare_tensor v_descale;
+  int32_t block_rows; /* rows per block where a descale has blocks > 1 */
+} flare_fp8_descale;
+
+int flare_attention_forward_fp8(const flare_tensor* q, const flare_tensor* k,
+                                const flare_tensor* v, const flare_tensor* o,
+                                const flare_tensor* lse, const flare_fp8_descale* descale,
+                                const flare_attention_options* options,
+                                const flare_varlen* varlen, void* stream);
 
 /* ---- context parallelism: the C mirror of flare/dist.h ---------------------------------------
  * One sequence split across ranks; docs/context-parallel.md describes the algorithm and launch.

@@ -12,7 +12,16 @@
 
 namespace flare {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3, kUInt8 = 4 };
+// kFloat8E4M3 (OCP FP8 E4M3: 1 sign, 4 exponent, 3 mantissa bits, ±448, NaN 0x7f/0xff, no Inf):
+// the inputs of attention_forward_fp8 only.
+enum class DType : int {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kInt32 = 3,
+  kUInt8 = 4,
+  kFloat8E4M3 = 5
+};
 enum class DeviceType : int { kCPU = 0, kCUDA = 1 };
 
 const char* dtype_name(DType dtype);

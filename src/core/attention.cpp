@@ -45,7 +45,7 @@ const char* device_name(DeviceType d) { return d == DeviceType::kCUDA ? "cuda" :
 
 bool known_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
-         d == DType::kInt32 || d == DType::kUInt8;
+         d == DType::kInt32 || d == DType::kUInt8 || d == DType::kFloat8E4M3;
 }
 
 // The C API casts caller integers to these enums, so any value can arrive here.
@@ -97,13 +97,28 @@ Status check_view(const TensorView& t, const char* name) {
   return {};
 }
 
-// q, k, v and everything shaped like them: floating point, unit head_dim stride.
-Status check_qkv_like(const TensorView& t, const char* name, int ndim, const char* layout) {
+// Which element types a call's q, k and v take: attention_forward_fp8's float8_e4m3, or the
+// 16/32-bit floats of every other entry point (and of every output).
+enum class Inputs { kFloat, kFloat8 };
+
+// q, k, v and everything shaped like them: floating point of the `inputs` kind, unit head_dim
+// stride.
+Status check_qkv_like(const TensorView& t, const char* name, int ndim, const char* layout,
+                      Inputs inputs = Inputs::kFloat) {
   FLARE_RETURN_IF_ERROR(check_rank(t, name, ndim, layout));
   FLARE_RETURN_IF_ERROR(check_view(t, name));
   // An empty tensor has no element to address: its strides mean nothing (NumPy gives them 0).
   if (has_elements(t) && t.shape[ndim - 1] > 1 && t.stride[ndim - 1] != 1)
     return invalid(name, ": last (head_dim) stride must be 1, got ", t.stride[ndim - 1]);
+  if (inputs == Inputs::kFloat8) {
+    if (t.dtype != DType::kFloat8E4M3)
+      return invalid(name, ": dtype ", dtype_str(t.dtype),
+                     " must be float8_e4m3 (attention_forward_fp8)");
+    return {};
+  }
+  if (t.dtype == DType::kFloat8E4M3)
+    return invalid(name, ": float8_e4m3 is an input type of attention_forward_fp8 only (its q, k "
+                         "and v, forward)");
   if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16)
     return invalid(name, ": dtype ", dtype_str(t.dtype),
                    " is not one of float32, float16, bfloat16");
@@ -251,13 +266,13 @@ Status check_outputs_disjoint(std::initializer_list<NamedView> outputs,
   return {};
 }
 
-// An output or gradient tensor that must look like `ref` (shape, dtype, device) and own its
-// memory element by element.
+// An output or gradient tensor that must look like `ref` (shape, device; dtype: q's, or any
+// float type after float8_e4m3 inputs) and own its memory element by element.
 Status check_output_like(const TensorView& t, const char* name, const TensorView& ref,
                          const char* ref_name, const char* layout, const TensorView& q) {
   FLARE_RETURN_IF_ERROR(check_qkv_like(t, name, ref.ndim, layout));
   FLARE_RETURN_IF_ERROR(check_same_shape(t, name, ref, ref_name));
-  FLARE_RETURN_IF_ERROR(check_same_dtype(t, name, q));
+  if (q.dtype != DType::kFloat8E4M3) FLARE_RETURN_IF_ERROR(check_same_dtype(t, name, q));
   FLARE_RETURN_IF_ERROR(check_same_device(t, name, q));
   return check_no_overlap(t, name);
 }
@@ -345,16 +360,18 @@ Status check_same_device_as_q(const TensorView& t, const char* name, const Tenso
   return check_same_device(t, name, q);
 }
 
+namespace {
+
 // Validates the arguments shared by forward and backward and fills everything in `p` except the
 // backward-only pointers. `p` is written only when every check passes.
-Status make_forward_params(const TensorView& q, const TensorView& k, const TensorView& v,
+Status fill_forward_params(const TensorView& q, const TensorView& k, const TensorView& v,
                            const TensorView& o, const TensorView& lse, const AttentionOptions& opt,
-                           const VarlenArgs& varlen, AttentionParams* p) {
+                           const VarlenArgs& varlen, Inputs inputs, AttentionParams* p) {
   const bool is_varlen = varlen.defined();
   const int nd = is_varlen ? 3 : 4;
-  FLARE_RETURN_IF_ERROR(check_qkv_like(q, "q", nd, q_layout(is_varlen)));
-  FLARE_RETURN_IF_ERROR(check_qkv_like(k, "k", nd, k_layout(is_varlen)));
-  FLARE_RETURN_IF_ERROR(check_qkv_like(v, "v", nd, k_layout(is_varlen)));
+  FLARE_RETURN_IF_ERROR(check_qkv_like(q, "q", nd, q_layout(is_varlen), inputs));
+  FLARE_RETURN_IF_ERROR(check_qkv_like(k, "k", nd, k_layout(is_varlen), inputs));
+  FLARE_RETURN_IF_ERROR(check_qkv_like(v, "v", nd, k_layout(is_varlen), inputs));
   FLARE_RETURN_IF_ERROR(check_same_dtype(k, "k", q));
   FLARE_RETURN_IF_ERROR(check_same_dtype(v, "v", q));
   FLARE_RETURN_IF_ERROR(check_same_device(k, "k", q));
@@ -522,6 +539,21 @@ Status make_forward_params(const TensorView& q, const TensorView& k, const Tenso
   r.deterministic = opt.deterministic;
   *p = r;
   return {};
+}
+
+}  // namespace
+
+Status make_forward_params(const TensorView& q, const TensorView& k, const TensorView& v,
+                           const TensorView& o, const TensorView& lse, const AttentionOptions& opt,
+                           const VarlenArgs& varlen, AttentionParams* p) {
+  return fill_forward_params(q, k, v, o, lse, opt, varlen, Inputs::kFloat, p);
+}
+
+Status make_forward_params_fp8(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& o, const TensorView& lse,
+                               const AttentionOptions& opt, const VarlenArgs& varlen,
+                               AttentionParams* p) {
+  return fill_forward_params(q, k, v, o, lse, opt, varlen, Inputs::kFloat8, p);
 }
 
 Status make_backward_params(const TensorView& dout, const TensorView& q, const TensorView& k,

@@ -16,6 +16,12 @@ Status make_forward_params(const TensorView& q, const TensorView& k, const Tenso
                            const TensorView& o, const TensorView& lse,
                            const AttentionOptions& options, const VarlenArgs& varlen,
                            AttentionParams* p);
+// The same for attention_forward_fp8 (core/attention_fp8.cpp): q, k and v float8_e4m3, o any
+// float type; `p` describes the call's sizes and mask (its dtype is q's: no backend runs it).
+Status make_forward_params_fp8(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& o, const TensorView& lse,
+                               const AttentionOptions& options, const VarlenArgs& varlen,
+                               AttentionParams* p);
 Status make_backward_params(const TensorView& dout, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& o, const TensorView& lse,
                             const TensorView& dq, const TensorView& dk, const TensorView& dv,

@@ -31,6 +31,7 @@ static_assert(FLARE_FLOAT16 == static_cast<int>(DType::kFloat16));
 static_assert(FLARE_BFLOAT16 == static_cast<int>(DType::kBFloat16));
 static_assert(FLARE_INT32 == static_cast<int>(DType::kInt32));
 static_assert(FLARE_UINT8 == static_cast<int>(DType::kUInt8));
+static_assert(FLARE_FLOAT8_E4M3 == static_cast<int>(DType::kFloat8E4M3));
 
 TensorView to_view(const flare_tensor* t) {
   TensorView v;
@@ -119,6 +120,29 @@ int flare_attention_forward(const flare_tensor* q, const flare_tensor* k, const 
         rank_error({{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"lse", lse}}, options, varlen));
     return flare::attention_forward(to_view(q), to_view(k), to_view(v), to_view(o), to_view(lse),
                                     to_options(options), to_varlen(varlen), stream);
+  });
+}
+
+int flare_attention_forward_fp8(const flare_tensor* q, const flare_tensor* k,
+                                const flare_tensor* v, const flare_tensor* o,
+                                const flare_tensor* lse, const flare_fp8_descale* descale,
+                                const flare_attention_options* options,
+                                const flare_varlen* varlen, void* stream) {
+  return guarded([&] {
+    const flare_fp8_descale none{};
+    const flare_fp8_descale& ds = descale != nullptr ? *descale : none;
+    FLARE_RETURN_IF_ERROR(rank_error({{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"lse", lse},
+                                      {"q_descale", &ds.q_descale}, {"k_descale", &ds.k_descale},
+                                      {"v_descale", &ds.v_descale}},
+                                     options, varlen));
+    flare::Fp8Descale d;
+    d.q = to_view(&ds.q_descale);
+    d.k = to_view(&ds.k_descale);
+    d.v = to_view(&ds.v_descale);
+    d.block_rows = ds.block_rows;
+    return flare::attention_forward_fp8(to_view(q), to_view(k), to_view(v), to_view(o),
+                                        to_view(lse), d, to_options(options), to_varlen(varlen),
+                                        stream);
   });
 }
 

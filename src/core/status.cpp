@@ -29,6 +29,7 @@ const char* dtype_name(DType dtype) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
     case DType::kUInt8: return "uint8";
+    case DType::kFloat8E4M3: return "float8_e4m3";
   }
   return "unknown";
 }
@@ -37,7 +38,8 @@ std::size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
-    case DType::kUInt8: return 1;
+    case DType::kUInt8:
+    case DType::kFloat8E4M3: return 1;
     default: return 4;
   }
 }
