@@ -2,7 +2,8 @@
 
 Drop-in for flash_attn 2.x's functions (flare/interface.py) over any DLPack framework, with
 autograd for PyTorch; attention_forward / attention_backward are the plain calls for
-frameworks without autograd (NumPy). block_sparse_attn_func (and _varlen_func) is block-sparse
+frameworks without autograd (NumPy); attention_forward_fp8 is the FP8 (torch.float8_e4m3fn)
+forward with descales, as FlashAttention-3 has it. block_sparse_attn_func (and _varlen_func) is block-sparse
 attention over a block mask, with block_sparse_attention_forward / _backward as its plain calls
 and local_global_block_mask / butterfly_block_mask making the usual patterns. flare.bert_padding holds flash_attn.bert_padding's helpers
 (torch only; import it explicitly). flare.dist is context parallelism — one sequence split
@@ -20,6 +21,7 @@ from . import _ext
 from ._core import (
     attention_backward,
     attention_forward,
+    attention_forward_fp8,
     block_sparse_attention_backward,
     block_sparse_attention_forward,
     butterfly_block_mask,
@@ -59,6 +61,7 @@ def cuda_built():
 __all__ = [
     "attention_backward",
     "attention_forward",
+    "attention_forward_fp8",
     "block_sparse_attention_backward",
     "block_sparse_attention_forward",
     "block_sparse_attn_func",

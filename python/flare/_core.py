@@ -557,6 +557,57 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, c
                      max_seqlen_k=max_seqlen_k, backend=backend, stream=stream)
 
 
+def attention_forward_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None,
+                          block_rows=0, out_dtype=None, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                          max_seqlen_k=None, backend="auto", stream=None):
+    """FP8 attention forward, as FlashAttention-3 offers it (forward only, no autograd): returns
+    (out, softmax_lse).
+
+    q, k, v are torch.float8_e4m3fn tensors, shaped as for attention_forward. Each element stands
+    for its value times a float32 descale: q_descale, k_descale, v_descale of shape
+    (b | 1, h | 1, blocks | 1) (a dimension of size 1 broadcasts; h is q's heads for q_descale,
+    or k's, shared by a GQA group, and k's for the other two), so per tensor, per head or per
+    block of `block_rows` rows, blocks = ceil(seqlen / block_rows) (packed: of max_seqlen).
+    FlashAttention-3's (b, h) descales are taken as (b, h, 1); None is 1. out is out_dtype
+    (torch.bfloat16 by default; float16 or float32), softmax_lse float32. CPU tensors run it
+    (dequantized to float32 first); CUDA tensors raise NotImplementedError until the FP8 kernel
+    exists.
+    """
+    descales = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    group = check_arrays((("q", q), ("k", k), ("v", v)),
+                         descales + (("alibi_slopes", alibi_slopes),
+                                     ("cu_seqlens_q", cu_seqlens_q),
+                                     ("cu_seqlens_k", cu_seqlens_k)))
+    if group != "torch":
+        raise TypeError(f"q: attention_forward_fp8 takes torch tensors (torch.float8_e4m3fn), "
+                        f"got {describe(q)}")
+    torch = sys.modules["torch"]
+    options = Options(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, dropout_p=0.0, deterministic=False, backend=backend)
+    block_rows = integer(block_rows, "block_rows")
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype: expected a torch.dtype, got {describe(out_dtype)}")
+    q_descale, k_descale, v_descale = (
+        x.unsqueeze(-1) if x is not None and x.dim() == 2 else x for _, x in descales)
+    call = _Call(options=options, alibi_slopes=alibi_slopes, seed=0, offset=0,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    frame = _Frame(group, q, stream_value(stream))
+    q, k, v = frame.prepare(q), frame.prepare(k), frame.prepare(v)
+    out = frame.empty(q.shape, out_dtype)
+    lse = frame.empty(lse_shape(q, call.is_varlen), frame.float32())
+    kwargs = call.kwargs(frame)
+    for name in ("dropout_p", "seed", "offset", "deterministic"):
+        del kwargs[name]
+    with frame.device_guard():
+        _ext.forward_fp8(q, k, v, out, lse, frame.prepare(q_descale), frame.prepare(k_descale),
+                         frame.prepare(v_descale), block_rows, **kwargs)
+    return out, lse
+
+
 # ---- block-sparse attention (docs/block-sparse.md) ----------------------------------------------
 
 def block_sparse_attention_forward(q, k, v, block_mask, *, block_size_q=128, block_size_k=128,

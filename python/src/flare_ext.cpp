@@ -71,7 +71,7 @@ std::string dlpack_dtype_name(nb::dlpack::dtype t) {
 // What the dtype errors list: the library's rules per argument give the exact one.
 constexpr const char* kDtypesTaken =
     "flare takes float32, float16 or bfloat16 tensors (int32 for cu_seqlens, uint8 or int32 for "
-    "block masks)";
+    "block masks, torch.float8_e4m3fn for attention_forward_fp8's q, k and v)";
 
 int32_t to_flare_dtype(nb::dlpack::dtype t, const char* name) {
   using code = nb::dlpack::dtype_code;
@@ -125,6 +125,7 @@ flare_tensor to_flare_tensor(const Array& a, const char* name) {
 struct TorchTypes {
   nb::object tensor;
   nb::object float32, float16, bfloat16, int32, uint8;
+  nb::object float8_e4m3fn;  // None where this torch has no such dtype
 };
 
 const TorchTypes* torch_types() {
@@ -136,8 +137,9 @@ const TorchTypes* torch_types() {
     return nullptr;
   }
   nb::object mod = nb::steal(torch);
-  types = new TorchTypes{mod.attr("Tensor"), mod.attr("float32"), mod.attr("float16"),
-                         mod.attr("bfloat16"), mod.attr("int32"), mod.attr("uint8")};
+  types = new TorchTypes{mod.attr("Tensor"),   mod.attr("float32"), mod.attr("float16"),
+                         mod.attr("bfloat16"), mod.attr("int32"),   mod.attr("uint8"),
+                         nb::getattr(mod, "float8_e4m3fn", nb::none())};
   return types;
 }
 
@@ -153,6 +155,7 @@ int32_t torch_dtype(nb::handle dtype, const char* name) {
   if (dtype.is(t->bfloat16)) return FLARE_BFLOAT16;
   if (dtype.is(t->int32)) return FLARE_INT32;
   if (dtype.is(t->uint8)) return FLARE_UINT8;
+  if (!t->float8_e4m3fn.is_none() && dtype.is(t->float8_e4m3fn)) return FLARE_FLOAT8_E4M3;
   std::string label = nb::cast<std::string>(nb::str(dtype));  // "torch.float64" → "float64"
   if (label.rfind("torch.", 0) == 0) label.erase(0, 6);
   raise(PyExc_ValueError, std::string(name) + ": dtype " + label + " is not supported; " +
@@ -311,6 +314,33 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle o, nb::handle 
     code = flare_attention_forward(&tq, &tk, &tv, &to, &tl, &a.options,
                                    a.is_varlen ? &a.varlen : nullptr,
                                    reinterpret_cast<void*>(stream));
+  }
+  check(code);
+}
+
+void forward_fp8(nb::handle q, nb::handle k, nb::handle v, nb::handle o, nb::handle lse,
+                 nb::handle q_descale, nb::handle k_descale, nb::handle v_descale,
+                 int block_rows, nb::handle cu_seqlens_q, nb::handle cu_seqlens_k,
+                 int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal,
+                 int window_left, int window_right, float softcap, nb::handle alibi_slopes,
+                 int backend, uintptr_t stream) {
+  const flare_tensor tq = to_flare_tensor(q, "q"), tk = to_flare_tensor(k, "k"),
+                     tv = to_flare_tensor(v, "v"), to = to_flare_tensor(o, "o", true),
+                     tl = to_flare_tensor(lse, "lse", true);
+  flare_fp8_descale ds{};
+  ds.q_descale = to_flare_tensor(q_descale, "q_descale", false, true);
+  ds.k_descale = to_flare_tensor(k_descale, "k_descale", false, true);
+  ds.v_descale = to_flare_tensor(v_descale, "v_descale", false, true);
+  ds.block_rows = block_rows;
+  const CallArgs a = make_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, window_left, window_right, softcap,
+                               alibi_slopes, 0.0f, 0, 0, false, backend);
+  int code;
+  {
+    nb::gil_scoped_release release;
+    code = flare_attention_forward_fp8(&tq, &tk, &tv, &to, &tl, &ds, &a.options,
+                                       a.is_varlen ? &a.varlen : nullptr,
+                                       reinterpret_cast<void*>(stream));
   }
   check(code);
 }
@@ -726,6 +756,16 @@ NB_MODULE(_ext, m) {
         nb::arg("offset"), nb::arg("deterministic"), nb::arg("backend"), nb::arg("stream"),
         "Writes o and lse. Raises ValueError / NotImplementedError / RuntimeError / MemoryError "
         "with the library's message on failure; nothing is written then.");
+
+  m.def("forward_fp8", &forward_fp8, nb::arg("q").none(), nb::arg("k").none(),
+        nb::arg("v").none(), nb::arg("o").none(), nb::arg("lse").none(),
+        nb::arg("q_descale").none(), nb::arg("k_descale").none(), nb::arg("v_descale").none(),
+        nb::arg("block_rows"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(),
+        nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("softmax_scale"),
+        nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"),
+        nb::arg("alibi_slopes").none(), nb::arg("backend"), nb::arg("stream"),
+        "float8_e4m3 q, k, v with descales (attention_forward_fp8): writes o and lse. Errors as "
+        "for forward().");
 
   m.def("backward", &backward, nb::arg("dout").none(), nb::arg("q").none(),
         nb::arg("k").none(), nb::arg("v").none(), nb::arg("o").none(),

@@ -61,7 +61,8 @@ int32_t flare_dtype(const at::Tensor& t, const char* name) {
       C10_THROW_ERROR(ValueError,
                       c10::str(name, ": dtype ", dtype_name(t.scalar_type()),
                                " is not supported; flare takes float32, float16 and bfloat16 "
-                               "tensors (int32 for cu_seqlens, int32 or uint8 for block masks)"));
+                               "tensors (int32 for cu_seqlens, int32 or uint8 for block masks; "
+                               "float8_e4m3fn q, k and v: flare.attention_forward_fp8)"));
   }
 }
 
