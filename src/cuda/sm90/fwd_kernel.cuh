@@ -82,7 +82,8 @@ struct Fwd90Config {
   // Each consumer warpgroup runs only the steps its own rows need (warpgroup_steps): where a
   // step is narrower than the tile, so that under a causal mask the warpgroups' last steps
   // differ. With 128-row tiles of 128-key steps they never do (only a ragged last tile would
-  // gain), and the range cost d 80/96/128 1-4.5% at s <= 2048 on an H200.
+  // gain), and there the range code measured slower (sm90/notes.md, "Each consumer warpgroup
+  // runs its own key steps").
   static constexpr bool kWarpgroupSteps = kBlockM > kBlockN;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   // 64-column panels of a tile; at d 80 and 96 the last is partly used (TMA zero-fills it).
@@ -215,6 +216,17 @@ struct ForwardTiles {
   }
 };
 
+// The consumer warpgroup (0..) of thread tid. Where warpgroups run step ranges of their own, the
+// index comes through a shuffle, which tells ptxas it is warp-uniform: computed from threadIdx
+// alone, the ranges' ring steps and the wgmma descriptors built from them left the uniform
+// datapath (R2UR on every step; sm90/notes.md, "Each consumer warpgroup runs its own key
+// steps"). Elsewhere it stays as it was, and so does the machine code.
+template <class Cfg>
+__device__ __forceinline__ int consumer_warpgroup(int tid) {
+  if constexpr (Cfg::kWarpgroupSteps) return __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
+  return tid / 128 - 1;
+}
+
 // The part of a tile's steps [0, steps) that consumer warpgroup c's 64 rows need: steps
 // [lo, hi), and the keys all of its rows see (a step inside needs no mask). A warpgroup passes
 // the tile's other steps without a product: under a causal mask a 192-row tile's first
@@ -222,17 +234,6 @@ struct ForwardTiles {
 // every warpgroup (a 64-row remainder leaves two of three without rows). The warpgroups share
 // the SM's tensor cores and MUFU, so the work one skips goes to the others. Block-sparse tiles
 // run every step on every warpgroup (their steps are the mask's, not a range).
-// The consumer warpgroup (0..) of thread tid. Where warpgroups run step ranges of their own, the
-// index comes through a shuffle, which tells ptxas it is warp-uniform: computed from threadIdx
-// alone, the ranges' ring steps and the wgmma descriptors built from them left the uniform
-// datapath (R2UR on every step) and ran d 128 11% slower on an H200. Elsewhere it stays as it
-// was, and so does the machine code.
-template <class Cfg>
-__device__ __forceinline__ int consumer_warpgroup(int tid) {
-  if constexpr (Cfg::kWarpgroupSteps) return __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
-  return tid / 128 - 1;
-}
-
 struct WarpgroupSteps {
   int lo, hi;
   int last_lo, first_hi;
