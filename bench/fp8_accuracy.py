@@ -11,9 +11,11 @@ matrix along head_dim (random signs times a normalised Hadamard matrix: (QM)(KM)
 rotation spreads an outlier over the whole row). bf16 inputs through attention_forward are the
 baseline. Reported: RMSE of O against the reference, and that RMSE over the reference's RMS.
 
-What this measures is the error of quantizing the inputs: flare's FP8 path runs on the CPU
-today, dequantizing to float32, so P is not rounded to e4m3 before P·V as an FP8 kernel's
-would be; that rounding will add to the FP8 rows.
+What flare's rows measure is the error of quantizing the inputs: its FP8 path runs on the CPU
+today, dequantizing to float32, so P is not rounded to e4m3 before P·V as an FP8 kernel's is.
+The "simulated kernel" rows add that rounding in a float64 model of such a kernel (this script's
+own, not flare's): P = exp(S − rowmax) scaled by 256 (a power of two, undone exactly) and rounded
+to e4m3 for P·V, the row sum taken from the unrounded P, as an FP8 kernel would.
 
     PYTHONPATH=build-py/python python3 bench/fp8_accuracy.py --out bench/results/<dir>
 """
@@ -57,6 +59,25 @@ def quantize(x, granularity, block_rows, torch):
         per = scale.permute(0, 2, 1).unsqueeze(-1).double()  # (b|1, 1, h|1, 1)
         codes = (x / per).to(torch.float8_e4m3fn)
     return codes, scale
+
+
+def simulated_kernel(q8, qs, k8, ks, v8, vs, block_rows, torch):
+    """O of a float64 model of an FP8 kernel: dequantized inputs, causal, P rounded to e4m3
+    (scaled by 256) before P·V, the row sum from the unrounded P."""
+    def deq(codes, scale):
+        b, s, h, _ = codes.shape
+        if scale.shape[2] > 1:
+            per = scale.permute(0, 2, 1).repeat_interleave(block_rows, dim=1)[:, :s]
+            return codes.double() * per.double().unsqueeze(-1)
+        return codes.double() * scale.permute(0, 2, 1).unsqueeze(-1).double()
+    q, k, v = (deq(c, sc).permute(0, 2, 1, 3) for c, sc in ((q8, qs), (k8, ks), (v8, vs)))
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    s_q, s_k = scores.shape[-2:]
+    visible = torch.ones(s_q, s_k, dtype=torch.bool).tril(s_k - s_q)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    p8 = (p * 256.0).to(torch.float8_e4m3fn).double() / 256.0
+    return ((p8 @ v) / p.sum(-1, keepdim=True)).permute(0, 2, 1, 3)
 
 
 def main():
@@ -110,6 +131,8 @@ def main():
                 q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs,
                 block_rows=args.block_rows, causal=True)
             rows.append(row("fp8_e4m3", granularity, hadamard_on, out))
+            rows.append(row("fp8_e4m3_p8_sim", granularity, hadamard_on,
+                            simulated_kernel(q8, qs, k8, ks, v8, vs, args.block_rows, torch)))
 
     result = {
         "card": "cpu: " + (platform.processor() or platform.machine()),
@@ -117,8 +140,10 @@ def main():
         "commit": git_commit(),
         "software": {"torch": torch.__version__, "flare": flare.__version__},
         "method": ("RMSE of O against flare's float64 reference on the float32 inputs; inputs "
-                   "N(0, 1) with outliers; FP8 through attention_forward_fp8 on the CPU (inputs "
-                   "dequantized to float32; P not rounded to e4m3), O in bfloat16; causal"),
+                   "N(0, 1) with outliers; fp8_e4m3: attention_forward_fp8 on the CPU (inputs "
+                   "dequantized to float32; P not rounded to e4m3), O in bfloat16; "
+                   "fp8_e4m3_p8_sim: this script's float64 model of an FP8 kernel, P*256 "
+                   "rounded to e4m3 before P.V; causal"),
         "benchmark": "bench/fp8_accuracy.py",
         "args": vars(args),
         "rows": rows,
@@ -129,9 +154,9 @@ def main():
         json.dump(result, f, indent=1)
     print(f"b {args.b} s {args.s} h {args.h} d {args.d}, outliers {args.outlier_fraction} x "
           f"{args.outlier_scale}, block_rows {args.block_rows}; reference RMS {ref_rms:.4g}")
-    print(f"{'scheme':10} {'granularity':12} {'hadamard':9} {'rmse':>10} {'rel_rmse':>10}")
+    print(f"{'scheme':16} {'granularity':12} {'hadamard':9} {'rmse':>10} {'rel_rmse':>10}")
     for r in rows:
-        print(f"{r['scheme']:10} {r['granularity']:12} {str(r['hadamard']):9} "
+        print(f"{r['scheme']:16} {r['granularity']:12} {str(r['hadamard']):9} "
               f"{r['rmse']:10.3e} {r['rel_rmse']:10.3e}")
     print(f"wrote {path}")
 
